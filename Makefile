@@ -1,0 +1,33 @@
+# Two entry points: `make run` (set up, then run the embedded default) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+EXTRA ?= cpu
+
+.PHONY: setup run test bench-target acceptance-matrix clean
+
+setup: $(VENV)/.installed
+
+# pip pulls CUDA builds of torchvision/torchaudio/torchcodec alongside vllm; they break transformers' imports
+# on CPU machines and no text model needs them, so they are removed right after the install.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[$(EXTRA),test]"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+run: setup
+	$(VENV)/bin/cosine generate --model target --max-tokens 64
+
+test: setup
+	$(VENV)/bin/pytest -q tests
+
+bench-target: setup
+	$(VENV)/bin/cosine models bench-target
+
+acceptance-matrix: setup
+	$(VENV)/bin/cosine models acceptance-matrix
+
+clean:
+	rm -rf $(VENV) .pytest_cache

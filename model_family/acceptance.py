@@ -1,0 +1,79 @@
+"""Acceptance matrix: every drafter against the target on every domain's held-out prompts.
+
+Greedy verification is deterministic: at every round the target accepts the longest prefix of the draft that
+equals its own greedy continuation, then adds its own next token (the bonus/correction). So the target's greedy
+continuation is computed once per prompt, and each drafter is run exactly as a chain drafter would be: it
+drafts k tokens greedily from the committed context, the matching prefix plus one token is committed, repeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from model_family.distill import greedy_continue
+
+
+@dataclass
+class Acceptance:
+    mean_accepted_length: float  # tokens committed per verification, bonus token included
+    acceptance_rate: float  # accepted draft tokens / drafted tokens
+    verifications: int
+
+
+def held_out_prompts(stream: np.ndarray, n: int, length: int, seed: int) -> torch.Tensor:
+    """Prompts starting at document boundaries of the held-out stream (EOS marks them)."""
+    starts = np.flatnonzero(stream[:-length] == 0)
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(starts, size=min(n, len(starts)), replace=False)
+    return torch.from_numpy(np.stack([stream[s:s + length] for s in sorted(picks)]).astype(np.int64))
+
+
+@torch.no_grad()
+def target_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    return greedy_continue(target, prompts, new_tokens)
+
+
+@torch.no_grad()
+def _draft(drafter, contexts: list[torch.Tensor], k: int) -> torch.Tensor:
+    """k greedy tokens for each context (right-padded batch; causal attention ignores the padding)."""
+    lens = torch.tensor([len(c) for c in contexts])
+    width = int(lens.max()) + k
+    batch = torch.zeros(len(contexts), width, dtype=torch.long)
+    for i, c in enumerate(contexts):
+        batch[i, :len(c)] = c
+    rows = torch.arange(len(contexts))
+    out = []
+    for j in range(k):
+        logits = drafter(input_ids=batch[:, :int(lens.max()) + j]).logits
+        nxt = logits[rows, lens + j - 1].argmax(-1)
+        batch[rows, lens + j] = nxt
+        out.append(nxt)
+    return torch.stack(out, dim=1)
+
+
+@torch.no_grad()
+def measure(drafter, sequences: torch.Tensor, prompt_len: int, k: int = 4) -> Acceptance:
+    """Simulate greedy chain speculation of `drafter` against target continuations `sequences`."""
+    n, total = sequences.shape
+    pos = torch.full((n,), prompt_len)
+    accepted_sum = drafted_sum = verifications = committed_sum = 0
+    while True:
+        active = [i for i in range(n) if pos[i] < total]
+        if not active:
+            break
+        draft = _draft(drafter, [sequences[i, :pos[i]] for i in active], k)
+        for row, i in enumerate(active):
+            remaining = total - int(pos[i])
+            kk = min(k, remaining - 1) if remaining > 1 else 0
+            truth = sequences[i, pos[i]:pos[i] + kk]
+            match = (draft[row, :kk] == truth).long()
+            acc = int(match.cumprod(0).sum()) if kk else 0
+            accepted_sum += acc
+            drafted_sum += kk
+            committed_sum += acc + 1
+            verifications += 1
+            pos[i] += acc + 1
+    return Acceptance(committed_sum / verifications, accepted_sum / max(1, drafted_sum), verifications)

@@ -1,0 +1,103 @@
+"""Distillation of drafters from the target (Minions' recipe: learn the target's own continuations).
+
+For each domain the target greedily continues prompts cut from the domain's training text, and its top-K
+next-token distribution is recorded at every position of those continuations and of plain domain text. A
+drafter then minimises the cross-entropy to those soft labels. Greedy continuations are exactly the
+contexts the drafter meets at serving time, so agreement there is what raises the accepted length.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import DynamicCache, LlamaForCausalLM
+
+from model_family.data import sample_windows
+from model_family.train import _optimizer, lr_at, set_seed
+
+TOP_K = 16
+
+
+@dataclass
+class DistillSet:
+    tokens: np.ndarray  # [N, L] uint16
+    topk_ids: np.ndarray  # [N, L-1, K] uint16: target's top-K next tokens after each position
+    topk_p: np.ndarray  # [N, L-1, K] float16: their probabilities
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, tokens=self.tokens, topk_ids=self.topk_ids, topk_p=self.topk_p)
+
+    @classmethod
+    def load(cls, path: Path) -> "DistillSet":
+        z = np.load(path)
+        return cls(z["tokens"], z["topk_ids"], z["topk_p"])
+
+
+@torch.no_grad()
+def greedy_continue(model: LlamaForCausalLM, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy continuation of equal-length prompts, ignoring EOS (it is just another argmax here)."""
+    cache = DynamicCache()
+    out = model(input_ids=prompts, past_key_values=cache, use_cache=True)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    generated = [nxt]
+    for _ in range(new_tokens - 1):
+        out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        generated.append(nxt)
+    return torch.cat([prompts] + generated, dim=1)
+
+
+@torch.no_grad()
+def build_distill_set(target: LlamaForCausalLM, stream: np.ndarray, n_generated: int, n_text: int,
+                      prompt_len: int, seq_len: int, seed: int, desc: str, batch: int = 100) -> DistillSet:
+    target.eval()
+    rng = np.random.default_rng(seed)
+    rows = []
+    prompts = torch.from_numpy(sample_windows(stream, n_generated, prompt_len, rng))
+    for i in tqdm(range(0, n_generated, batch), desc=f"{desc}: target continuations", unit="batch"):
+        rows.append(greedy_continue(target, prompts[i:i + batch], seq_len - prompt_len))
+    rows.append(torch.from_numpy(sample_windows(stream, n_text, seq_len, rng)))
+    tokens = torch.cat(rows)
+    ids, probs = [], []
+    for i in tqdm(range(0, len(tokens), 50), desc=f"{desc}: target soft labels", unit="batch"):
+        logits = target(input_ids=tokens[i:i + 50, :-1]).logits
+        p, idx = F.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
+        ids.append(idx.to(torch.int32).numpy().astype(np.uint16))
+        probs.append(p.numpy().astype(np.float16))
+    return DistillSet(tokens.numpy().astype(np.uint16), np.concatenate(ids), np.concatenate(probs))
+
+
+def distill_drafter(config, sets: list[DistillSet], steps: int, batch: int, lr: float, seed: int,
+                    desc: str) -> tuple[LlamaForCausalLM, dict]:
+    """Train a drafter on the union of `sets`, drawing each row from a uniformly chosen set."""
+    set_seed(seed)
+    model = LlamaForCausalLM(config)
+    opt = _optimizer(model, lr)
+    rng = np.random.default_rng(seed)
+    start = time.time()
+    bar = tqdm(range(steps), desc=desc, unit="step")
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
+        which = rng.integers(0, len(sets), size=batch)
+        rows = [rng.integers(0, len(sets[s].tokens)) for s in which]
+        x = torch.from_numpy(np.stack([sets[s].tokens[r] for s, r in zip(which, rows)]).astype(np.int64))
+        ids = torch.from_numpy(np.stack([sets[s].topk_ids[r] for s, r in zip(which, rows)]).astype(np.int64))
+        p = torch.from_numpy(np.stack([sets[s].topk_p[r] for s, r in zip(which, rows)]).astype(np.float32))
+        p = p / p.sum(-1, keepdim=True)
+        logp = F.log_softmax(model(input_ids=x[:, :-1]).logits, dim=-1)
+        loss = -(p * logp.gather(-1, ids)).sum(-1).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    tokens = steps * batch * (sets[0].tokens.shape[1] - 1)
+    return model, {"steps": steps, "tokens": tokens, "seconds": round(time.time() - start, 1)}

@@ -1,0 +1,154 @@
+"""The full recipe, step by step: package names -> corpora -> tokenizer -> target -> drafters.
+
+Each step reads the previous step's output from disk, so steps can be re-run alone. Seeds are fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from model_family import DOMAINS
+from model_family.configs import drafter_config, target_config
+
+# Budgets of the CPU recipe (2 cores). Measured step rates on such a machine give the estimates printed.
+TARGET_STEPS, TARGET_BATCH, SEQ_LEN, TARGET_LR = 1000, 16, 256, 2e-3
+
+
+def step_corpora(data_dir: Path, seed: int = 0) -> dict:
+    from model_family.corpora import prepare
+
+    return prepare(data_dir, seed=seed, progress=lambda d, r: print(
+        f"  {d:<11} train {r['train_chars'] / 1e6:5.1f} MB in {r['train_chunks']} chunks, "
+        f"test {r['test_chunks']} chunks", flush=True))
+
+
+def step_tokenizer(data_dir: Path, models_dir: Path, seed: int = 0):
+    from model_family.corpora import load_split
+    from model_family.tokenizer import train_tokenizer
+
+    return train_tokenizer({d: load_split(data_dir, d, "train") for d in DOMAINS}, models_dir / "tokenizer", seed)
+
+
+def step_target(data_dir: Path, models_dir: Path, seed: int = 0, steps: int = TARGET_STEPS) -> dict:
+    from model_family.data import token_streams
+    from model_family.train import perplexity, save_model, train_target
+
+    tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
+    train = token_streams(data_dir, tok, "train")
+    test = token_streams(data_dir, tok, "test")
+    model, stats = train_target(target_config(), train, steps, TARGET_BATCH, SEQ_LEN, TARGET_LR, seed)
+    stats["held_out_ppl"] = {d: round(perplexity(model, test[d]), 2) for d in DOMAINS}
+    stats["params"] = sum(p.numel() for p in model.parameters())
+    save_model(model, models_dir / "target", tok, {"role": "target", "seed": seed, **stats})
+    print(json.dumps(stats, indent=2))
+    return stats
+
+
+# Distillation budgets: per domain, greedy target continuations of prompts plus plain text windows.
+N_GENERATED, N_TEXT, PROMPT_LEN, DISTILL_SEQ = 2000, 1000, 32, 128
+DRAFTER_STEPS, DRAFTER_BATCH, DRAFTER_LR = 350, 32, 3e-3
+DRAFTERS = tuple(DOMAINS) + ("generic",)
+
+
+def _target(models_dir: Path):
+    import torch
+
+    return AutoModelForCausalLM.from_pretrained(models_dir / "target", dtype=torch.float32).eval()
+
+
+def step_distill_sets(data_dir: Path, models_dir: Path, seed: int = 0) -> None:
+    from model_family.data import token_streams
+    from model_family.distill import build_distill_set
+
+    tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
+    train = token_streams(data_dir, tok, "train")
+    target = _target(models_dir)
+    for i, d in enumerate(DOMAINS):
+        out = data_dir / "distill" / f"{d}.npz"
+        if not out.exists():
+            build_distill_set(target, train[d], N_GENERATED, N_TEXT, PROMPT_LEN, DISTILL_SEQ,
+                              seed + i, desc=d).save(out)
+
+
+def step_drafters(data_dir: Path, models_dir: Path, seed: int = 0, only: list[str] | None = None) -> dict:
+    from model_family.data import token_streams
+    from model_family.distill import DistillSet, distill_drafter
+    from model_family.train import perplexity, save_model
+
+    tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
+    test = token_streams(data_dir, tok, "test")
+    sets = {d: DistillSet.load(data_dir / "distill" / f"{d}.npz") for d in DOMAINS}
+    report = {}
+    for name in only or DRAFTERS:
+        use = list(sets.values()) if name == "generic" else [sets[name]]
+        model, stats = distill_drafter(drafter_config(), use, DRAFTER_STEPS, DRAFTER_BATCH, DRAFTER_LR,
+                                       seed, desc=f"drafter-{name}")
+        stats["held_out_ppl"] = {d: round(perplexity(model, test[d]), 2) for d in DOMAINS}
+        stats["params"] = sum(p.numel() for p in model.parameters())
+        save_model(model, models_dir / f"drafter-{name}", tok,
+                   {"role": "drafter", "domain": name, "seed": seed, **stats})
+        report[name] = stats
+    return report
+
+
+def step_heldout_samples(data_dir: Path, models_dir: Path, per_domain: int = 60) -> None:
+    """Ship a slice of every domain's held-out split so a fresh clone can evaluate without the corpora."""
+    from model_family.corpora import load_split
+    from model_family.samples import write_heldout
+
+    write_heldout(models_dir, {d: load_split(data_dir, d, "test")[:per_domain] for d in DOMAINS})
+
+
+def step_acceptance_matrix(models_dir: Path, out: Path, k: int = 4, n_prompts: int = 24,
+                           prompt_len: int = 64, new_tokens: int = 64, seed: int = 1234) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from model_family.acceptance import held_out_prompts, measure, target_continuations
+    from model_family.samples import heldout_streams
+
+    tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
+    test = heldout_streams(models_dir, tok)
+    target = _target(models_dir)
+    seqs = {d: target_continuations(target, held_out_prompts(test[d], n_prompts, prompt_len, seed), new_tokens)
+            for d in tqdm(DOMAINS, desc="target continuations")}
+    matrix: dict = {"k": k, "prompts_per_domain": n_prompts, "prompt_len": prompt_len,
+                    "new_tokens": new_tokens, "drafters": {}}
+    for name in tqdm(DRAFTERS, desc="drafters"):
+        drafter = AutoModelForCausalLM.from_pretrained(models_dir / f"drafter-{name}", dtype=torch.float32).eval()
+        matrix["drafters"][name] = {d: vars(measure(drafter, seqs[d], prompt_len, k)) for d in DOMAINS}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(matrix, indent=2))
+    return matrix
+
+
+def check_acceptance(matrix: dict) -> list[str]:
+    """The family's acceptance criteria; returns the violations (empty when met)."""
+    m = {n: {d: v["mean_accepted_length"] for d, v in row.items()} for n, row in matrix["drafters"].items()}
+    problems = []
+    for d in DOMAINS:
+        own, generic = m[d][d], m["generic"][d]
+        if own < 1.15 * generic:
+            problems.append(f"{d}: own drafter {own:.2f} < 1.15 x generic {generic:.2f}")
+        for other in DOMAINS:
+            if other != d and m[other][d] >= own:
+                problems.append(f"{d}: drafter-{other} {m[other][d]:.2f} >= own {own:.2f}")
+    avg = sum(m["generic"].values()) / len(DOMAINS)
+    if avg < 1.8:
+        problems.append(f"generic drafter averages {avg:.2f} < 1.8")
+    return problems
+
+
+def format_matrix(matrix: dict) -> str:
+    header = "| drafter \\ domain | " + " | ".join(DOMAINS) + " | mean |"
+    lines = [header, "|" + "---|" * (len(DOMAINS) + 2)]
+    for name, row in matrix["drafters"].items():
+        vals = [row[d]["mean_accepted_length"] for d in DOMAINS]
+        cells = [f"**{v:.2f}**" if d == name else f"{v:.2f}" for d, v in zip(DOMAINS, vals)]
+        rates = sum(row[d]["acceptance_rate"] for d in DOMAINS) / len(DOMAINS)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {sum(vals) / len(vals):.2f} (rate {rates:.2f}) |")
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""Training loops: the target on the domain mixture, drafters by distillation from the target."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import LlamaForCausalLM
+
+from model_family import DOMAINS
+from model_family.data import sample_windows
+
+
+def set_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _optimizer(model, lr: float) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def train_target(config, streams: dict[str, np.ndarray], steps: int, batch: int, seq_len: int,
+                 lr: float, seed: int, desc: str = "target") -> tuple[LlamaForCausalLM, dict]:
+    """Next-token training on an equal mixture of every domain's stream."""
+    set_seed(seed)
+    model = LlamaForCausalLM(config)
+    opt = _optimizer(model, lr)
+    rng = np.random.default_rng(seed)
+    domains = sorted(streams)
+    start = time.time()
+    bar = tqdm(range(steps), desc=desc, unit="step")
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
+        picks = rng.integers(0, len(domains), size=batch)
+        x = torch.from_numpy(np.concatenate(
+            [sample_windows(streams[domains[d]], 1, seq_len + 1, rng) for d in picks]))
+        logits = model(input_ids=x[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    return model, {"steps": steps, "tokens": steps * batch * seq_len, "seconds": round(time.time() - start, 1)}
+
+
+@torch.no_grad()
+def perplexity(model, stream: np.ndarray, seq_len: int = 256, max_windows: int = 64) -> float:
+    """Held-out perplexity over non-overlapping windows."""
+    model.eval()
+    n = min(max_windows, (len(stream) - 1) // seq_len)
+    total, count = 0.0, 0
+    for i in range(0, n, 16):
+        rows = [stream[j * seq_len:(j + 1) * seq_len + 1] for j in range(i, min(n, i + 16))]
+        x = torch.from_numpy(np.stack(rows).astype(np.int64))
+        logits = model(input_ids=x[:, :-1]).logits
+        total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum").item()
+        count += x[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def save_model(model, out_dir: Path, tokenizer, meta: dict) -> None:
+    """fp16 storage halves the repository size; every consumer loads it back as fp32."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
+    model.to(torch.float32)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg["dtype"] = "float32"
+    cfg.pop("torch_dtype", None)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    tokenizer.save_pretrained(out_dir)
+    gen = {"bos_token_id": 0, "eos_token_id": [0, 2], "pad_token_id": 0, "do_sample": False}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    (out_dir / "family.json").write_text(json.dumps(meta, indent=2))

@@ -1,0 +1,164 @@
+"""The `cosine` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from serve_app.paths import REPO_ROOT, model_path, models_dir
+
+RECIPE_STEPS = ("corpora", "tokenizer", "target", "distill", "drafters", "matrix")
+# Wall-clock minutes of each step measured on a 2-core x86-64 CPU (see docs/model_card.md).
+STEP_MINUTES = {"corpora": 1, "tokenizer": 0.5, "target": 36, "distill": 15, "drafters": 20, "matrix": 5}
+
+
+def _models_train(args) -> int:
+    from model_family import recipe
+
+    steps = RECIPE_STEPS if args.steps == ["all"] else args.steps
+    data, models = Path(args.data_dir), Path(args.models_dir)
+    eta = sum(STEP_MINUTES[s] for s in steps)
+    print(f"recipe steps {', '.join(steps)}: about {eta:.0f} min on a 2-core CPU", flush=True)
+    for s in steps:
+        t = time.time()
+        print(f"== {s} (about {STEP_MINUTES[s]} min)", flush=True)
+        if s == "corpora":
+            recipe.step_corpora(data, args.seed)
+        elif s == "tokenizer":
+            recipe.step_tokenizer(data, models, args.seed)
+        elif s == "target":
+            recipe.step_target(data, models, args.seed)
+        elif s == "distill":
+            recipe.step_distill_sets(data, models, args.seed)
+        elif s == "drafters":
+            recipe.step_drafters(data, models, args.seed)
+        elif s == "matrix":
+            recipe.step_heldout_samples(data, models)
+            _print_matrix(recipe.step_acceptance_matrix(models, Path(args.matrix_json)))
+        print(f"== {s} done in {(time.time() - t) / 60:.1f} min", flush=True)
+    return 0
+
+
+def _print_matrix(matrix: dict) -> list[str]:
+    from model_family.recipe import check_acceptance, format_matrix
+
+    print(f"mean accepted length per verification (k={matrix['k']}, greedy, bonus token included)")
+    print(format_matrix(matrix))
+    problems = check_acceptance(matrix)
+    print("acceptance criteria: " + ("met" if not problems else "NOT met:\n  " + "\n  ".join(problems)))
+    return problems
+
+
+def _models_acceptance(args) -> int:
+    from model_family.recipe import step_acceptance_matrix
+
+    matrix = step_acceptance_matrix(models_dir(), Path(args.json), k=args.k, n_prompts=args.prompts,
+                                    new_tokens=args.new_tokens)
+    print(f"wrote {args.json}")
+    return 1 if _print_matrix(matrix) and args.strict else 0
+
+
+def _models_bench_target(args) -> int:
+    from model_family.bench_target import build_bench_target
+
+    out = build_bench_target(model_path("target"), Path(args.out) if args.out else models_dir() / "bench-target",
+                             args.factor)
+    print(f"wrote {out} ({json.loads((out / 'family.json').read_text())['params'] / 1e6:.1f}M parameters)")
+    return 0
+
+
+def _models_latency(args) -> int:
+    from model_family.latency import format_latencies, measure_family
+
+    rows = measure_family(models_dir(), context=args.context, repeats=args.repeats)
+    print(format_latencies(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _generate(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from model_family.samples import domain_prompts
+
+    path = model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if args.prompt:
+        prompts = [args.prompt]
+    else:
+        prompts = [p for _, p in domain_prompts(per_domain=1)]
+    for prompt in prompts:
+        if args.chat:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+        else:
+            text = prompt
+        ids = tok(text, return_tensors="pt").input_ids
+        t = time.time()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=args.max_tokens, do_sample=args.temperature > 0,
+                                 temperature=args.temperature or None, top_p=None, top_k=None)
+        dt = time.time() - t
+        new = out[0, ids.shape[1]:]
+        print(f"--- prompt: {prompt[-160:]!r}")
+        print(f"+++ {args.model}: {tok.decode(new, skip_special_tokens=False)!r}")
+        print(f"    ({len(new)} tokens in {dt:.2f} s, {len(new) / dt:.0f} tok/s)", flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cosine", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate with one model of the family (plain decoding)")
+    g.add_argument("--model", default="target", help="target, bench-target, drafter-<domain>, or a directory")
+    g.add_argument("--prompt", help="text to continue (default: one held-out prompt per domain)")
+    g.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.set_defaults(func=_generate)
+
+    m = sub.add_parser("models", help="the model family: train, derive, measure")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    t = msub.add_parser("train", help="the full recipe from package names to weights")
+    t.add_argument("--steps", nargs="+", default=["all"], choices=("all",) + RECIPE_STEPS)
+    t.add_argument("--data-dir", default=str(REPO_ROOT / "data"))
+    t.add_argument("--models-dir", default=str(REPO_ROOT / "models"))
+    t.add_argument("--matrix-json", default=str(REPO_ROOT / "models" / "acceptance_matrix.json"))
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_models_train)
+
+    a = msub.add_parser("acceptance-matrix", help="every drafter x every domain, greedy chain speculation")
+    a.add_argument("--k", type=int, default=4)
+    a.add_argument("--prompts", type=int, default=24, help="held-out prompts per domain")
+    a.add_argument("--new-tokens", type=int, default=64)
+    a.add_argument("--json", default="acceptance_matrix.json")
+    a.add_argument("--strict", action="store_true", help="exit 1 when the acceptance criteria are not met")
+    a.set_defaults(func=_models_acceptance)
+
+    b = msub.add_parser("bench-target", help="derive the cost-realistic widened target")
+    b.add_argument("--factor", type=int, default=4)
+    b.add_argument("--out", help="output directory (default: models/bench-target)")
+    b.set_defaults(func=_models_bench_target)
+
+    lat = msub.add_parser("latency", help="per-token decode latency of every model on this machine")
+    lat.add_argument("--context", type=int, default=256)
+    lat.add_argument("--repeats", type=int, default=30)
+    lat.add_argument("--json")
+    lat.set_defaults(func=_models_latency)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

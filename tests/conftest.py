@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+# vLLM and torch.compile write caches; keep them out of the user's home and remove them afterwards.
+_CACHE = Path(tempfile.mkdtemp(prefix="cosine-test-cache-"))
+os.environ.setdefault("VLLM_CACHE_ROOT", str(_CACHE / "vllm"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE / "inductor"))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from model_family import DOMAINS  # noqa: E402
+from serve_app.paths import models_dir  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def models() -> Path:
+    return models_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(models):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(models / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def target(models):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(models / "target", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def heldout():
+    from model_family.samples import heldout_texts
+
+    return heldout_texts()
+
+
+@pytest.fixture(scope="session")
+def domain_prompt_ids(tokenizer, heldout) -> dict[str, list[list[int]]]:
+    """Two held-out prompts per domain, 48 tokens each."""
+    out = {}
+    for d in DOMAINS:
+        out[d] = [tokenizer(t, add_special_tokens=False).input_ids[:48] for t in heldout[d][:2]]
+    return out

@@ -1,0 +1,54 @@
+"""The acceptance-matrix machinery: simulation of greedy chain speculation and the criteria check."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from model_family import DOMAINS
+from model_family.acceptance import measure, target_continuations
+from model_family.recipe import check_acceptance
+
+
+def test_target_drafting_for_itself_accepts_everything(target, domain_prompt_ids):
+    prompts = torch.tensor(domain_prompt_ids["code"])
+    seqs = target_continuations(target, prompts, 21)
+    acc = measure(target, seqs, prompts.shape[1], k=4)
+    # 21 new tokens per prompt = 4 full rounds of 5 plus one last token.
+    assert acc.acceptance_rate == 1.0
+    assert acc.verifications == 2 * 5
+    assert abs(acc.mean_accepted_length - 21 / 5) < 1e-9
+
+
+def test_a_drafter_that_never_agrees_commits_one_token_per_round(target, domain_prompt_ids):
+    class Contrarian(torch.nn.Module):
+        """Proposes the target's least likely token: never accepted."""
+
+        def forward(self, input_ids):
+            out = target(input_ids=input_ids)
+            out.logits = -out.logits
+            return out
+
+    prompts = torch.tensor(domain_prompt_ids["legal"][:1])
+    seqs = target_continuations(target, prompts, 8)
+    acc = measure(Contrarian(), seqs, prompts.shape[1], k=4)
+    assert acc.acceptance_rate == 0.0 and acc.mean_accepted_length == 1.0 and acc.verifications == 8
+
+
+def _matrix(own: float, generic: float, other: float) -> dict:
+    rows = {}
+    for name in list(DOMAINS) + ["generic"]:
+        rows[name] = {d: {"mean_accepted_length": own if name == d else (generic if name == "generic" else other),
+                          "acceptance_rate": 0.5, "verifications": 1} for d in DOMAINS}
+    return {"k": 4, "drafters": rows}
+
+
+def test_criteria_check_accepts_a_specialised_family_and_flags_violations():
+    assert check_acceptance(_matrix(own=2.6, generic=2.0, other=1.5)) == []
+    assert any("1.15 x generic" in p for p in check_acceptance(_matrix(own=2.2, generic=2.0, other=1.5)))
+    assert any("drafter-" in p for p in check_acceptance(_matrix(own=2.6, generic=2.0, other=2.7)))
+    assert any("< 1.8" in p for p in check_acceptance(_matrix(own=2.6, generic=1.7, other=1.5)))
+    broken = copy.deepcopy(_matrix(own=2.6, generic=2.0, other=1.5))
+    broken["drafters"]["code"]["code"]["mean_accepted_length"] = 1.9
+    assert check_acceptance(broken)

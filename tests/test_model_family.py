@@ -1,0 +1,114 @@
+"""The shipped model family: loading, tokenization, the bench target's equivalence, vLLM parity."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from model_family import DOMAINS
+from model_family.distill import greedy_continue
+from model_family.recipe import DRAFTERS, check_acceptance
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_tokenizer_round_trips_every_domain(tokenizer, heldout):
+    assert len(tokenizer) == 8192
+    for domain in DOMAINS:
+        for text in heldout[domain][:10]:
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            assert tokenizer.decode(ids) == text, domain
+            assert len(ids) < len(text) / 2.5, f"{domain}: tokenizer barely compresses"
+
+
+def test_chat_template_formats_messages(tokenizer):
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}],
+        tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
+
+
+@pytest.mark.parametrize("name", ["target"] + [f"drafter-{d}" for d in DRAFTERS])
+def test_model_loads_and_predicts_domain_text(models, tokenizer, heldout, name):
+    model = AutoModelForCausalLM.from_pretrained(models / name, dtype=torch.float32).eval()
+    assert model.dtype == torch.float32
+    params = sum(p.numel() for p in model.parameters())
+    if name == "target":
+        assert 10e6 <= params <= 20e6
+    else:
+        assert 1e6 <= params <= 3e6
+    # A trained model predicts held-out text far better than chance (perplexity 8192).
+    ids = torch.tensor([tokenizer(heldout["literature"][0], add_special_tokens=False).input_ids[:128]])
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    assert torch.exp(loss) < 400
+
+
+def test_drafters_are_much_cheaper_than_target(models):
+    target = json.loads((models / "target" / "config.json").read_text())
+    drafter = json.loads((models / "drafter-generic" / "config.json").read_text())
+    # Non-embedding compute per token scales with layers * hidden^2.
+    cost = lambda c: c["num_hidden_layers"] * c["hidden_size"] ** 2  # noqa: E731
+    assert cost(target) >= 8 * cost(drafter)
+
+
+@pytest.fixture(scope="module")
+def bench_target(tmp_path_factory, models):
+    from model_family.bench_target import build_bench_target
+
+    out = build_bench_target(models / "target", tmp_path_factory.mktemp("bench") / "bench-target", factor=4)
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+def test_bench_target_is_far_more_expensive(bench_target, models):
+    drafter = AutoModelForCausalLM.from_pretrained(models / "drafter-generic", dtype=torch.float32)
+    body = lambda m: sum(p.numel() for n, p in m.named_parameters() if ".layers." in n)  # noqa: E731
+    assert body(bench_target) >= 100 * body(drafter)
+
+
+BENCH_TOLERANCE = 1e-4  # max |p_bench - p_target| over the vocabulary, fp32
+
+
+def test_bench_target_preserves_next_token_distribution(bench_target, target, domain_prompt_ids):
+    for domain, prompts in domain_prompt_ids.items():
+        ids = torch.tensor(prompts)
+        with torch.no_grad():
+            p = torch.softmax(target(input_ids=ids).logits, -1)
+            q = torch.softmax(bench_target(input_ids=ids).logits, -1)
+        assert (p - q).abs().max().item() < BENCH_TOLERANCE, domain
+
+
+def test_bench_target_greedy_equals_target(bench_target, target, domain_prompt_ids):
+    for domain, prompts in domain_prompt_ids.items():
+        ids = torch.tensor(prompts)
+        a = greedy_continue(target, ids, 32)
+        b = greedy_continue(bench_target, ids, 32)
+        assert torch.equal(a, b), domain
+
+
+@pytest.mark.slow
+def test_vllm_greedy_equals_transformers(models, target, domain_prompt_ids):
+    prompts = [p for d in DOMAINS for p in domain_prompt_ids[d][:1]]
+    req = {"model": str(models / "target"), "prompts": prompts, "max_tokens": 32}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "vllm_greedy.py")],
+                          input=json.dumps(req), capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
+    assert line, proc.stderr[-3000:]
+    outputs = json.loads(line.split(" ", 1)[1])["outputs"]
+    for prompt, got in zip(prompts, outputs):
+        want = greedy_continue(target, torch.tensor([prompt]), 32)[0, len(prompt):].tolist()
+        assert got == want
+
+
+def test_shipped_acceptance_matrix_meets_criteria(models):
+    matrix = json.loads((models / "acceptance_matrix.json").read_text())
+    assert set(matrix["drafters"]) == set(DRAFTERS)
+    assert check_acceptance(matrix) == []
