@@ -1,0 +1,131 @@
+"""The drafter engine: many requests at once, one KV cache each, batched one-token steps.
+
+A request's state is the context in the drafter's cache plus `pending` tokens it has been told about but not yet
+processed. `step` processes every listed request's pending tokens in one batched forward pass and returns what
+the drafter would say next: its token, that token's probability, and the top alternatives. The caller decides
+what is appended next (`feed`): the drafter's own proposal when drafting a chain, or another token chosen by
+fusion. `sync` brings a request to a given full context, keeping whatever prefix of its cache still agrees; a
+drafter that never saw a request, or lost it, rebuilds it from the full context, never wrong, only slower.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from deployments.engines.runner import CacheFull, LlamaRunner
+from deployments.engines.verifier import load_causal_lm
+
+LONG_PENDING = 16  # pending runs longer than this (prompts) are prefilled apart from the one-token steps
+
+
+@dataclass
+class Proposal:
+    token: int
+    prob: float  # the drafter's probability of `token` (its confidence)
+    top_tokens: list[int]
+    top_probs: list[float]
+    q: torch.Tensor | None = None  # the full distribution `token` was sampled from (sampling mode only)
+
+
+@dataclass
+class _State:
+    pending: list[int] = field(default_factory=list)
+    temperature: float = 0.0
+    gen: torch.Generator | None = None
+
+
+class DrafterEngine:
+    def __init__(self, model, name: str = "drafter", max_requests: int = 64, max_len: int | None = 2048,
+                 top_alternatives: int = 4):
+        self.model = load_causal_lm(model)
+        self.name = name
+        self.runner = LlamaRunner(self.model, max_slots=max_requests, max_len=max_len)
+        self.top_alternatives = top_alternatives
+        self.states: dict[str, _State] = {}
+        self.forward_passes = 0
+
+    # ------------------------------------------------------------------ request state
+    def sync(self, rid: str, context: list[int], temperature: float = 0.0, seed: int | None = None) -> None:
+        """Make `context` the request's context: keep the agreeing cached prefix, queue the rest."""
+        if len(context) + 1 > self.runner.max_len:
+            raise CacheFull(f"context of {len(context)} tokens exceeds {self.runner.max_len}")
+        if rid not in self.states:
+            self.runner.add(rid)
+            gen = None
+            if temperature > 0:
+                gen = torch.Generator()
+                # the drafter's randomness is its own: seeded from the request seed and the drafter's name
+                gen.manual_seed((seed if seed is not None else torch.seed()) ^ zlib.crc32(self.name.encode()))
+            self.states[rid] = _State(temperature=temperature, gen=gen)
+        cached = self.runner.tokens(rid)
+        common = 0
+        limit = min(len(cached), len(context) - 1)  # at least one token must be pending to step
+        while common < limit and cached[common] == context[common]:
+            common += 1
+        self.runner.rollback(rid, common)
+        self.states[rid].pending = list(context[common:])
+
+    def feed(self, rid: str, tokens: list[int]) -> None:
+        self.states[rid].pending.extend(tokens)
+
+    def rollback(self, rid: str, length: int) -> None:
+        self.runner.rollback(rid, length)
+        self.states[rid].pending = []
+
+    def release(self, rid: str) -> None:
+        self.states.pop(rid, None)
+        self.runner.release(rid)
+
+    def context_length(self, rid: str) -> int:
+        return self.runner.length(rid) + len(self.states[rid].pending)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self.states
+
+    # ------------------------------------------------------------------ steps
+    @torch.no_grad()
+    def step(self, rids: list[str], want_q: bool = False) -> dict[str, Proposal]:
+        """One batched forward over the pending tokens of `rids`; a proposal for each."""
+        out: dict[str, Proposal] = {}
+        long = [r for r in rids if len(self.states[r].pending) > LONG_PENDING]
+        short = [r for r in rids if len(self.states[r].pending) <= LONG_PENDING]
+        for group in [[r] for r in long] + ([short] if short else []):
+            inputs = [self.states[r].pending for r in group]
+            logits = self.runner.forward(group, inputs, hidden_only_last=True)
+            self.forward_passes += 1
+            for r, x, lg in zip(group, inputs, logits):
+                self.runner.commit_all(r, x)
+                self.states[r].pending = []
+                out[r] = self._propose(self.states[r], lg[-1], want_q)
+        return out
+
+    def _propose(self, st: _State, logits: torch.Tensor, want_q: bool) -> Proposal:
+        if st.temperature > 0:
+            q = torch.softmax(logits.float() / st.temperature, dim=-1)
+            token = int(torch.multinomial(q, 1, generator=st.gen))
+        else:
+            q = torch.softmax(logits.float(), dim=-1)
+            token = int(logits.argmax())
+        top_p, top_i = q.topk(self.top_alternatives)
+        return Proposal(token, float(q[token]), top_i.tolist(), top_p.tolist(),
+                        q if (want_q and st.temperature > 0) else None)
+
+    def draft(self, rids: list[str], k: int | dict[str, int], want_q: bool = False) -> dict[str, list[Proposal]]:
+        """Chains of up to k proposals per request, each fed back as the next input."""
+        ks = k if isinstance(k, dict) else {r: k for r in rids}
+        chains: dict[str, list[Proposal]] = {r: [] for r in rids}
+        active = [r for r in rids if ks.get(r, 0) > 0]
+        for i in range(max(ks.values(), default=0)):
+            active = [r for r in active if len(chains[r]) < ks[r]
+                      and self.runner.length(r) + len(self.states[r].pending) + 1 < self.runner.max_len]
+            if not active:
+                break
+            props = self.step(active, want_q)
+            for r, p in props.items():
+                chains[r].append(p)
+                if len(chains[r]) < ks[r]:
+                    self.feed(r, [p.token])
+        return chains

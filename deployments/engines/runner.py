@@ -1,0 +1,190 @@
+"""Batched Llama forward passes with one KV cache per request, for chains and token trees.
+
+All requests live in slots of one preallocated cache ([layers, slots, heads, max_len, head_dim] for keys and for
+values). Active requests are kept in the lowest slots so a step attends over a view of the cache instead of a
+gathered copy. A step feeds each request a few new tokens whose structure is given by parent indices (a chain is
+the special case parent[j] = j - 1); they attend to the request's cached prefix and to their own ancestors, at
+positions prefix_len + depth. Their keys/values are written after the prefix but only become part of the cache
+when `commit` keeps them, which is also how rejected draft tokens are rolled back.
+
+The layers of the Hugging Face model are reused as they are (projections, norms, MLP, rotary embedding), so the
+numbers match `transformers` up to the attention kernel's rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+@dataclass
+class _Slot:
+    slot: int
+    length: int = 0  # tokens whose keys/values are in the cache
+    pending: int = 0  # tokens written by the last forward, not yet committed
+    tokens: list[int] = field(default_factory=list)  # the cached tokens, for callers that need them
+
+
+class CacheFull(RuntimeError):
+    pass
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def chain_parents(n: int) -> list[int]:
+    return list(range(-1, n - 1))
+
+
+class LlamaRunner:
+    def __init__(self, model, max_slots: int = 16, max_len: int | None = None):
+        model = model.eval()
+        self.model = model
+        cfg = model.config
+        self.layers = model.model.layers
+        self.n_layers = len(self.layers)
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_slots = max_slots
+        dtype = next(model.parameters()).dtype
+        shape = (self.n_layers, max_slots, self.n_kv, self.max_len, self.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.requests: dict[str, _Slot] = {}
+
+    # ------------------------------------------------------------------ request bookkeeping
+    def add(self, rid: str) -> None:
+        if rid in self.requests:
+            raise KeyError(f"request {rid!r} already present")
+        if len(self.requests) >= self.max_slots:
+            raise CacheFull(f"all {self.max_slots} slots in use")
+        self.requests[rid] = _Slot(slot=len(self.requests))
+
+    def release(self, rid: str) -> None:
+        """Free the request's slot; the highest slot moves into the hole so active slots stay contiguous."""
+        gone = self.requests.pop(rid, None)
+        if gone is None:
+            return
+        last = len(self.requests)  # index of the highest occupied slot before the pop
+        if gone.slot != last:
+            mover = next(s for s in self.requests.values() if s.slot == last)
+            n = mover.length
+            self.k[:, gone.slot, :, :n] = self.k[:, last, :, :n]
+            self.v[:, gone.slot, :, :n] = self.v[:, last, :, :n]
+            mover.slot = gone.slot
+
+    def length(self, rid: str) -> int:
+        return self.requests[rid].length
+
+    def tokens(self, rid: str) -> list[int]:
+        return self.requests[rid].tokens
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self.requests
+
+    def rollback(self, rid: str, length: int) -> None:
+        s = self.requests[rid]
+        if length > s.length:
+            raise ValueError(f"cannot roll {rid!r} forward from {s.length} to {length}")
+        s.length = length
+        del s.tokens[length:]
+        s.pending = 0
+
+    # ------------------------------------------------------------------ the forward pass
+    @torch.no_grad()
+    def forward(self, rids: list[str], inputs: list[list[int]], parents: list[list[int]] | None = None,
+                hidden_only_last: bool = False) -> list[torch.Tensor]:
+        """Logits [n_i, vocab] for every request's new tokens (or only the last one's, [1, vocab]).
+
+        The new tokens' keys/values are written to the cache but not committed: call `commit` (or `commit_all`).
+        """
+        if parents is None:
+            parents = [chain_parents(len(x)) for x in inputs]
+        slots = [self.requests[r] for r in rids]
+        B, N = len(rids), max(len(x) for x in inputs)
+        if any(len(x) == 0 for x in inputs):
+            raise ValueError("every request needs at least one new token")
+        lens = torch.tensor([s.length for s in slots])
+        n_new = torch.tensor([len(x) for x in inputs])
+        if int((lens + n_new).max()) > self.max_len:
+            raise CacheFull(f"context would exceed {self.max_len} tokens")
+        total = int((lens + n_new).max())
+
+        ids = torch.zeros(B, N, dtype=torch.long)
+        pos = torch.zeros(B, N, dtype=torch.long)
+        # mask[b, q, key]: may query q of request b attend to cache position key?
+        mask = torch.zeros(B, 1, N, total, dtype=torch.bool)
+        for b, (s, x, par) in enumerate(zip(slots, inputs, parents)):
+            n = len(x)
+            ids[b, :n] = torch.tensor(x)
+            depth = tree_depths(par)
+            pos[b, :n] = s.length + torch.tensor(depth)
+            mask[b, 0, :, :s.length] = True
+            for j in range(n):
+                a = j
+                while a >= 0:  # the node and its ancestors
+                    mask[b, 0, j, s.length + a] = True
+                    a = par[a]
+            if n < N:  # padded queries: attend to one key so softmax stays finite; outputs are dropped
+                mask[b, 0, n:, 0] = True
+
+        contiguous = [s.slot for s in slots] == list(range(B))
+        slot_idx = torch.tensor([s.slot for s in slots])
+        b_idx = torch.cat([torch.full((len(x),), b) for b, x in enumerate(inputs)])
+        t_idx = torch.cat([torch.arange(len(x)) for x in inputs])
+        write_slot = slot_idx[b_idx]
+        write_pos = lens[b_idx] + t_idx
+
+        m = self.model.model
+        h = m.embed_tokens(ids)
+        cos, sin = m.rotary_emb(h, pos)
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            self.k[li, write_slot, :, write_pos] = k[b_idx, :, t_idx]
+            self.v[li, write_slot, :, write_pos] = v[b_idx, :, t_idx]
+            if contiguous:
+                keys, values = self.k[li, :B, :, :total], self.v[li, :B, :, :total]
+            else:
+                keys, values = self.k[li, slot_idx, :, :total], self.v[li, slot_idx, :, :total]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                                 enable_gqa=self.n_kv != self.n_heads)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(B, N, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = m.norm(h)
+        for s, x in zip(slots, inputs):
+            s.pending = len(x)
+        if hidden_only_last:
+            last = h[torch.arange(B), n_new - 1]
+            return list(self.model.lm_head(last).unsqueeze(1).unbind(0))
+        logits = self.model.lm_head(h)
+        return [logits[b, :len(x)] for b, x in enumerate(inputs)]
+
+    def commit(self, rid: str, new_tokens: list[int], keep: list[int]) -> None:
+        """Keep the keys/values of new tokens at indices `keep` (a root-to-node path, in order)."""
+        s = self.requests[rid]
+        if keep != list(range(len(keep))):  # a tree path: move the kept nodes next to the prefix
+            src = torch.tensor(keep) + s.length
+            dst = torch.arange(len(keep)) + s.length
+            self.k[:, s.slot, :, dst] = self.k[:, s.slot, :, src]
+            self.v[:, s.slot, :, dst] = self.v[:, s.slot, :, src]
+        s.length += len(keep)
+        s.tokens.extend(new_tokens[i] for i in keep)
+        s.pending = 0
+
+    def commit_all(self, rid: str, new_tokens: list[int]) -> None:
+        self.commit(rid, new_tokens, list(range(len(new_tokens))))

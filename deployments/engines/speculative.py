@@ -1,0 +1,82 @@
+"""A single-process speculative generator: one verifier engine, one or more drafter engines.
+
+Each round every running request gets a draft — a chain from one drafter, or a tree merged from several
+drafters' chains — and the verifier checks all of them in one batched forward pass. This measures the engines
+before (and without) the serving graph; the Ray Serve graph runs the same engines on separate deployments.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from deployments.engines.draft import Draft, TreeBuilder
+from deployments.engines.drafter import DrafterEngine
+from deployments.engines.runner import CacheFull
+from deployments.engines.sampling import SamplingParams
+from deployments.engines.verifier import TorchVerifierEngine
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: dict = field(default_factory=dict)
+    text: str | None = None
+
+
+class SpeculativeGenerator:
+    def __init__(self, verifier: TorchVerifierEngine, drafters: list[DrafterEngine] | None = None, k: int = 4,
+                 tree_budget: int | None = None):
+        self.verifier = verifier
+        self.drafters = drafters or []
+        self.k = k
+        self.tree_budget = tree_budget or k * max(1, len(self.drafters))
+        self.draft_seconds = 0.0
+        self.verify_seconds = 0.0
+
+    def _drafts(self, params: dict[str, SamplingParams]) -> dict[str, Draft]:
+        rids = list(self.verifier.running) + list(self.verifier.waiting)
+        if not self.drafters or self.k <= 0 or not rids:
+            return {}
+        builders = {r: TreeBuilder(merge=params[r].greedy) for r in rids}
+        for d in self.drafters:
+            ok = []
+            for r in rids:
+                try:
+                    d.sync(r, self.verifier.context(r), params[r].temperature, params[r].seed)
+                    ok.append(r)
+                except CacheFull:
+                    pass
+            sampling = any(not params[r].greedy for r in ok)
+            chains = d.draft(ok, self.k, want_q=sampling)
+            for r, chain in chains.items():
+                builders[r].add_chain([p.token for p in chain], [p.q for p in chain], d.name,
+                                      [p.prob for p in chain], budget=self.tree_budget)
+        return {r: b.build() for r, b in builders.items() if b.tokens}
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        rids = [self.verifier.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        by_rid = dict(zip(rids, plist))
+        results = {r: GenerationResult(r, list(p), [], None) for r, p in zip(rids, prompts)}
+        while self.verifier.has_unfinished():
+            t0 = time.perf_counter()
+            drafts = self._drafts(by_rid)
+            t1 = time.perf_counter()
+            outs = self.verifier.step(drafts)
+            self.verify_seconds += time.perf_counter() - t1
+            self.draft_seconds += t1 - t0
+            for o in outs:
+                res = results[o.request_id]
+                res.token_ids.extend(o.new_token_ids)
+                if o.finished:
+                    res.finish_reason = o.finish_reason
+                    res.text = o.text
+                    res.stats = self.verifier.finished_stats(o.request_id) or {}
+                    for d in self.drafters:
+                        if o.request_id in d:
+                            d.release(o.request_id)
+        return [results[r] for r in rids]

@@ -1,0 +1,201 @@
+"""The project's own ("torch") verifier engine: continuous batching and lossless verification.
+
+Requests join with `add_request` and leave when finished or aborted, between steps. Each `step` advances every
+running request by one target forward pass: the request's last committed token (not yet in the KV cache) is fed
+together with its draft, if any, so the logits at the root give the next-token distribution and the logits at each
+draft node give the distribution after it. The verification rule picks the accepted path and one more token from
+the target; the KV cache keeps the root and the accepted nodes, and drops everything else. Requests without a draft
+decode exactly one token in the same forward pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deployments.engines.draft import Draft
+from deployments.engines.rules import verify_greedy, verify_sampling
+from deployments.engines.runner import LlamaRunner
+from deployments.engines.sampling import SamplingParams, target_probs
+from deployments.engines.stopping import StopChecker
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]  # committed and emitted by this step (stops applied)
+    num_draft_tokens: int  # draft nodes that were verified
+    num_accepted_tokens: int  # draft nodes accepted
+    accepted_drafters: list[str | None]
+    finished: bool
+    finish_reason: str | None
+    text: str | None = None  # text so far, when stop strings are in use
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    stop: StopChecker
+    gen: torch.Generator
+    last_token: int  # committed, not yet in the KV cache
+    generated: list[int] = field(default_factory=list)
+    verify_steps: int = 0
+    draft_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+def load_causal_lm(model_or_path):
+    if isinstance(model_or_path, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_or_path, dtype=torch.float32).eval()
+    return model_or_path.eval()
+
+
+class TorchVerifierEngine:
+    def __init__(self, model, max_batch: int = 16, max_len: int | None = 2048, tokenizer=None,
+                 eos_token_ids: tuple[int, ...] | None = None, max_draft_tokens: int = 64):
+        self.model = load_causal_lm(model)
+        self.runner = LlamaRunner(self.model, max_slots=max_batch, max_len=max_len)
+        self.tokenizer = tokenizer
+        eos = eos_token_ids if eos_token_ids is not None else self.model.generation_config.eos_token_id
+        self.eos_token_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+        self.max_batch = max_batch
+        self.max_len = self.runner.max_len
+        self.max_draft_tokens = max_draft_tokens
+        self.waiting: OrderedDict[str, _Request] = OrderedDict()
+        self.running: OrderedDict[str, _Request] = OrderedDict()
+        self.forward_passes = 0
+        self._finished_stats: dict[str, dict] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.waiting or rid in self.running:
+            raise KeyError(f"request {rid!r} already exists")
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.max_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_len}")
+        stop = StopChecker(params, self.eos_token_ids, self.tokenizer)
+        self.waiting[rid] = _Request(rid, list(prompt_ids), params, stop, params.generator(), prompt_ids[-1])
+        return rid
+
+    def abort(self, rid: str) -> None:
+        self.waiting.pop(rid, None)
+        if self.running.pop(rid, None) is not None:
+            self.runner.release(rid)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def context(self, rid: str) -> list[int]:
+        r = self.running.get(rid) or self.waiting[rid]
+        return r.prompt + r.generated
+
+    def stats(self, rid: str) -> dict:
+        r = self.running.get(rid) or self.waiting[rid]
+        return _stats(r)
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots and prefill their prompts (all but the last token)."""
+        joining = []
+        while self.waiting and len(self.running) < self.max_batch:
+            rid, req = self.waiting.popitem(last=False)
+            self.runner.add(rid)
+            self.running[rid] = req
+            if len(req.prompt) > 1:
+                joining.append(req)
+        for req in joining:  # one forward per prompt: prompts differ too much in length to pad together
+            self.runner.forward([req.rid], [req.prompt[:-1]], hidden_only_last=True)
+            self.runner.commit_all(req.rid, req.prompt[:-1])
+            self.forward_passes += 1
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, drafts: dict[str, Draft | None] | None = None) -> list[StepOutput]:
+        drafts = drafts or {}
+        self._admit()
+        if not self.running:
+            return []
+        rids, inputs, parents, used = [], [], [], {}
+        for rid, req in self.running.items():
+            draft = drafts.get(rid)
+            room = min(self.max_draft_tokens, self.max_len - self.runner.length(rid) - 1,
+                       req.params.max_tokens - len(req.generated) - 1)
+            if draft is not None and len(draft) > room:
+                draft = draft.truncated(max(0, room))
+            if draft is not None and len(draft) == 0:
+                draft = None
+            used[rid] = draft
+            rids.append(rid)
+            inputs.append([req.last_token] + (draft.tokens if draft else []))
+            parents.append([-1] + ([p + 1 for p in draft.parents] if draft else []))
+        logits = self.runner.forward(rids, inputs, parents)
+        self.forward_passes += 1
+
+        outputs = []
+        for rid, x, row in zip(rids, inputs, logits):
+            req, draft = self.running[rid], used[rid]
+            # node j of the draft is row j + 1; the root (last committed token) is row 0.
+            if req.params.greedy:
+                path, extra = verify_greedy(draft, lambda j: int(row[j + 1].argmax()))
+            else:
+                cache: dict[int, torch.Tensor] = {}
+
+                def probs_at(j, row=row, params=req.params, cache=cache):
+                    if j not in cache:
+                        cache[j] = target_probs(row[j + 1], params)
+                    return cache[j]
+
+                path, extra = verify_sampling(draft, probs_at, req.gen)
+            keep = [0] + [j + 1 for j in path]  # the root and the accepted nodes join the KV cache
+            self.runner.commit(rid, x, keep)
+            committed = [draft.tokens[j] for j in path] + [extra] if draft else [extra]
+            emitted = req.stop.feed(committed)
+            req.generated.extend(emitted)
+            req.last_token = extra
+            req.verify_steps += 1
+            if draft is not None:
+                req.draft_steps += 1
+                req.drafted += len(draft)
+                req.accepted += len(path)
+            finished = req.stop.finished
+            reason = req.stop.finish_reason
+            if not finished and self.runner.length(rid) + 1 >= self.max_len:
+                finished, reason = True, "length"
+            outputs.append(StepOutput(
+                rid, emitted, len(draft) if draft else 0, len(path),
+                [draft.drafters[j] if draft and draft.drafters else None for j in path],
+                finished, reason, req.stop.text if req.params.stop else None))
+            if finished:
+                req.stop.finish_reason = reason
+                self.running.pop(rid)
+                self.runner.release(rid)
+                self._finished_stats[rid] = _stats(req)
+        return outputs
+
+    def finished_stats(self, rid: str) -> dict | None:
+        """Speculation statistics of a finished request (returned once)."""
+        return self._finished_stats.pop(rid, None)
+
+
+def _stats(r: _Request) -> dict:
+    return {
+        "completion_tokens": len(r.generated),
+        "verify_steps": r.verify_steps,
+        "num_drafts": r.draft_steps,
+        "num_draft_tokens": r.drafted,
+        "num_accepted_tokens": r.accepted,
+        # vLLM's definitions: 1 + accepted / drafts, accepted / drafted
+        "mean_acceptance_length": 1 + r.accepted / r.draft_steps if r.draft_steps else 1.0,
+        "draft_acceptance_rate": r.accepted / r.drafted if r.drafted else 0.0,
+    }
