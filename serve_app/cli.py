@@ -152,7 +152,24 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--repeats", type=int, default=30)
     lat.add_argument("--json")
     lat.set_defaults(func=_models_latency)
+
+    bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    e = bsub.add_parser("engine", help="speculative engines vs target-only and HF assisted generation")
+    e.add_argument("--per-domain", type=int, default=2, help="held-out prompts per domain")
+    e.add_argument("--new-tokens", type=int, default=128)
+    e.add_argument("--k", type=int, default=4)
+    e.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    e.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
+    e.add_argument("--json", default="bench_results/engine.json")
+    e.set_defaults(func=_bench_engine)
     return p
+
+
+def _bench_engine(args) -> int:
+    from benchmarks.engine import main as bench_main
+
+    return bench_main(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ class SpeculativeGenerator:
         self.draft_seconds = 0.0
         self.verify_seconds = 0.0
 
-    def _drafts(self, params: dict[str, SamplingParams]) -> dict[str, Draft]:
+    def _drafts(self, params: dict[str, SamplingParams], assigned: dict[str, set[str]]) -> dict[str, Draft]:
         rids = list(self.verifier.running) + list(self.verifier.waiting)
         if not self.drafters or self.k <= 0 or not rids:
             return {}
@@ -45,6 +45,8 @@ class SpeculativeGenerator:
         for d in self.drafters:
             ok = []
             for r in rids:
+                if d.name not in assigned[r]:
+                    continue
                 try:
                     d.sync(r, self.verifier.context(r), params[r].temperature, params[r].seed)
                     ok.append(r)
@@ -57,14 +59,19 @@ class SpeculativeGenerator:
                                       [p.prob for p in chain], budget=self.tree_budget)
         return {r: b.build() for r, b in builders.items() if b.tokens}
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 drafters_per_request: list[list[str]] | None = None) -> list[GenerationResult]:
+        """Generate for all prompts with continuous batching. `drafters_per_request` names the drafters of each
+        request (a chain from one, a tree from several); by default every request uses every drafter."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         rids = [self.verifier.add_request(p, sp) for p, sp in zip(prompts, plist)]
         by_rid = dict(zip(rids, plist))
+        names = [d.name for d in self.drafters]
+        assigned = {r: set(drafters_per_request[i] if drafters_per_request else names) for i, r in enumerate(rids)}
         results = {r: GenerationResult(r, list(p), [], None) for r, p in zip(rids, prompts)}
         while self.verifier.has_unfinished():
             t0 = time.perf_counter()
-            drafts = self._drafts(by_rid)
+            drafts = self._drafts(by_rid, assigned)
             t1 = time.perf_counter()
             outs = self.verifier.step(drafts)
             self.verify_seconds += time.perf_counter() - t1

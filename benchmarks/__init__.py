@@ -1,0 +1,1 @@
+"""Benchmarks behind `cosine bench ...`: side-by-side runs that print tables and write JSON."""

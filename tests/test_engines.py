@@ -1,0 +1,139 @@
+"""The engines keep the promise: speculative output is exactly the target's, whatever the batch or draft."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM
+
+from deployments.engines.drafter import DrafterEngine
+from deployments.engines.runner import LlamaRunner
+from deployments.engines.sampling import SamplingParams, target_probs
+from deployments.engines.speculative import SpeculativeGenerator
+from deployments.engines.verifier import TorchVerifierEngine
+from model_family import DOMAINS
+from model_family.distill import greedy_continue
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def drafter_models(models):
+    return {d: AutoModelForCausalLM.from_pretrained(models / f"drafter-{d}", dtype=torch.float32).eval()
+            for d in ("code", "literature", "generic")}
+
+
+@pytest.fixture(scope="module")
+def mixed_prompts(tokenizer, heldout) -> list[list[int]]:
+    """Three prompts per domain with mixed lengths (8 to 120 tokens)."""
+    lengths = [8, 47, 120]
+    out = []
+    for d in DOMAINS:
+        for i, n in enumerate(lengths):
+            out.append(tokenizer(heldout[d][i + 3], add_special_tokens=False).input_ids[:n])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(target, mixed_prompts) -> list[list[int]]:
+    """Target-only greedy decoding, one prompt at a time with transformers."""
+    return [greedy_continue(target, torch.tensor([p]), NEW_TOKENS)[0, len(p):].tolist() for p in mixed_prompts]
+
+
+def _run(target, drafters, prompts, k, batch, tree_budget=None):
+    verifier = TorchVerifierEngine(target, max_batch=batch, max_len=512)
+    engines = [DrafterEngine(m, name=f"d{i}", max_len=512) for i, m in enumerate(drafters)]
+    gen = SpeculativeGenerator(verifier, engines, k=k, tree_budget=tree_budget)
+    return gen.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)), verifier
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_chain_equals_target_for_every_draft_length(target, drafter_models, mixed_prompts, reference, k):
+    prompts = mixed_prompts[::2]  # nine prompts, all domains, batch of four with joins and leaves
+    out, _ = _run(target, [drafter_models["generic"]], prompts, k, batch=4)
+    assert [o.token_ids for o in out] == reference[::2]
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_greedy_equals_target_for_every_batch_size(target, drafter_models, mixed_prompts, reference, batch, shape):
+    drafters = [drafter_models["code"]] + ([drafter_models["literature"]] if shape == "tree" else [])
+    prompts = mixed_prompts if batch > 1 else mixed_prompts[:6]
+    out, verifier = _run(target, drafters, prompts, k=4, batch=batch)
+    assert [o.token_ids for o in out] == reference[:len(prompts)]
+    assert all(o.finish_reason == "length" for o in out)
+    assert verifier.runner.requests == {}  # every KV cache slot released
+
+
+@pytest.mark.parametrize("k,budget", [(1, 2), (3, 6), (8, 12)])
+def test_greedy_tree_equals_target_for_draft_lengths(target, drafter_models, mixed_prompts, reference, k, budget):
+    drafters = [drafter_models["generic"], drafter_models["code"], drafter_models["literature"]]
+    out, _ = _run(target, drafters, mixed_prompts[1::3], k=k, batch=4, tree_budget=budget)
+    assert [o.token_ids for o in out] == reference[1::3]
+
+
+def test_speculation_actually_accepts_tokens(target, drafter_models, mixed_prompts):
+    out, verifier = _run(target, [drafter_models["generic"]], mixed_prompts, k=4, batch=8)
+    accepted = sum(o.stats["num_accepted_tokens"] for o in out)
+    produced = sum(len(o.token_ids) for o in out)
+    assert accepted > 0.2 * produced
+    assert all(o.stats["mean_acceptance_length"] >= 1.0 for o in out)
+
+
+def test_kv_cache_after_rollbacks_and_interleaved_joins_equals_fresh_forward(target, mixed_prompts):
+    runner = LlamaRunner(target, max_slots=4, max_len=512)
+    ctx: dict[str, list[int]] = {}
+
+    def feed(rid, tokens, keep=None):
+        runner.forward([rid], [tokens])
+        keep = list(range(len(tokens))) if keep is None else keep
+        runner.commit(rid, tokens, keep)
+        ctx[rid] = ctx.get(rid, []) + [tokens[i] for i in keep]
+
+    for rid, p in zip("abc", mixed_prompts[:3]):
+        runner.add(rid)
+        feed(rid, p)
+    feed("a", [11, 12, 13, 14], keep=[0, 1])  # a chain, half rejected
+    runner.rollback("b", len(ctx["b"]) - 3)  # roll back past prompt tokens
+    ctx["b"] = ctx["b"][:-3]
+    runner.release("a")  # "c" moves into a's slot
+    runner.add("d")
+    feed("d", mixed_prompts[4])
+    # a tree on c: nodes 0,1 (siblings), 2 child of 1, 3 child of 2; keep the path 1 -> 2 -> 3
+    runner.forward(["c"], [[21, 22, 23, 24]], [[-1, -1, 1, 2]])
+    runner.commit("c", [21, 22, 23, 24], [1, 2, 3])
+    ctx["c"] += [22, 23, 24]
+    # batched step over all live requests, then compare each with a fresh forward of its full context
+    probes = {"b": [31], "c": [32, 33], "d": [34]}
+    rids = list(probes)
+    got = runner.forward(rids, [probes[r] for r in rids])
+    for r, logits in zip(rids, got):
+        full = torch.tensor([ctx[r] + probes[r]])
+        with torch.no_grad():
+            want = target(input_ids=full).logits[0, -len(probes[r]):]
+        assert torch.allclose(logits, want, atol=1e-4), r
+
+
+def test_sampling_through_the_engines_matches_the_target(target, drafter_models, tokenizer, heldout):
+    """End to end: speculative sampling's first two tokens follow the target's joint distribution."""
+    prompt = tokenizer(heldout["literature"][5], add_special_tokens=False).input_ids[:40]
+    params = dict(max_tokens=2, temperature=1.0, top_k=4, ignore_eos=True)
+    n = 1200
+    verifier = TorchVerifierEngine(target, max_batch=16, max_len=256)
+    drafters = [DrafterEngine(drafter_models["literature"], "lit"), DrafterEngine(drafter_models["code"], "code")]
+    gen = SpeculativeGenerator(verifier, drafters, k=2)
+    out = gen.generate([prompt] * n, [SamplingParams(seed=i, **params) for i in range(n)])
+    pairs = [tuple(o.token_ids) for o in out]
+    sp = SamplingParams(**params)
+    with torch.no_grad():
+        p1 = target_probs(target(input_ids=torch.tensor([prompt])).logits[0, -1], sp)
+        firsts = p1.nonzero().flatten().tolist()
+        p2 = {a: target_probs(target(input_ids=torch.tensor([prompt + [a]])).logits[0, -1], sp) for a in firsts}
+    cells = [(a, b) for a in firsts for b in p2[a].nonzero().flatten().tolist()]
+    expected = np.array([float(p1[a] * p2[a][b]) for a, b in cells])
+    observed = np.array([pairs.count(c) for c in cells], dtype=float)
+    assert observed.sum() == n  # nothing outside the target's support
+    assert chisquare(observed, expected / expected.sum() * n).pvalue > 1e-3
+    assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
