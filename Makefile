@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(VENV)/bin/cosine generate --model target --max-tokens 64
+	$(VENV)/bin/cosine generate --model target --drafter auto --max-tokens 64
 
 test: setup
 	$(VENV)/bin/pytest -q tests

@@ -152,3 +152,17 @@ def format_matrix(matrix: dict) -> str:
         rates = sum(row[d]["acceptance_rate"] for d in DOMAINS) / len(DOMAINS)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {sum(vals) / len(vals):.2f} (rate {rates:.2f}) |")
     return "\n".join(lines)
+
+
+def step_model_card(data_dir: Path, models_dir: Path, docs_dir: Path, matrix_json: Path,
+                    latency_json: Path | None = None) -> Path:
+    from model_family.model_card import render
+
+    stats_path = data_dir / "stats.json"
+    corpus = json.loads(stats_path.read_text()) if stats_path.exists() else None
+    matrix = json.loads(matrix_json.read_text()) if matrix_json.exists() else None
+    lat = json.loads(latency_json.read_text()) if latency_json and latency_json.exists() else None
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    out = docs_dir / "model_card.md"
+    out.write_text(render(models_dir, corpus, matrix, lat))
+    return out

@@ -38,6 +38,7 @@ def _models_train(args) -> int:
         elif s == "matrix":
             recipe.step_heldout_samples(data, models)
             _print_matrix(recipe.step_acceptance_matrix(models, Path(args.matrix_json)))
+            recipe.step_model_card(data, models, REPO_ROOT / "docs", Path(args.matrix_json))
         print(f"== {s} done in {(time.time() - t) / 60:.1f} min", flush=True)
     return 0
 
@@ -81,6 +82,7 @@ def _models_latency(args) -> int:
 
 
 def _generate(args) -> int:
+    """Plain decoding with transformers, or speculative decoding with our engines when --drafter is given."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,27 +91,46 @@ def _generate(args) -> int:
     path = model_path(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if args.prompt:
-        prompts = [args.prompt]
-    else:
-        prompts = [p for _, p in domain_prompts(per_domain=1)]
-    for prompt in prompts:
-        if args.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
-        else:
-            text = prompt
-        ids = tok(text, return_tensors="pt").input_ids
+    prompts = [("given", args.prompt)] if args.prompt else domain_prompts(per_domain=1)
+    for domain, prompt in prompts:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True) if args.chat else prompt
+        ids = tok(text, add_special_tokens=False).input_ids
         t = time.time()
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=args.max_tokens, do_sample=args.temperature > 0,
-                                 temperature=args.temperature or None, top_p=None, top_k=None)
+        if args.drafter:
+            new, stats = _speculative(model, ids, args, domain)
+        else:
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_tokens,
+                                     do_sample=args.temperature > 0, temperature=args.temperature or None,
+                                     top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
+            new, stats = out[0, len(ids):].tolist(), None
         dt = time.time() - t
-        new = out[0, ids.shape[1]:]
-        print(f"--- prompt: {prompt[-160:]!r}")
-        print(f"+++ {args.model}: {tok.decode(new, skip_special_tokens=False)!r}")
-        print(f"    ({len(new)} tokens in {dt:.2f} s, {len(new) / dt:.0f} tok/s)", flush=True)
+        print(f"--- [{domain}] prompt: ...{prompt[-120:]!r}")
+        print(f"+++ {args.model}: {tok.decode(new)!r}")
+        extra = ""
+        if stats:
+            extra = (f", drafter {stats['drafter']}, mean accepted length {stats['mean_acceptance_length']:.2f}, "
+                     f"acceptance rate {stats['draft_acceptance_rate']:.2f}")
+        print(f"    ({len(new)} tokens in {dt:.2f} s, {len(new) / dt:.0f} tok/s{extra})", flush=True)
     return 0
+
+
+def _speculative(model, ids: list[int], args, domain: str):
+    from deployments.engines.drafter import DrafterEngine
+    from deployments.engines.sampling import SamplingParams
+    from deployments.engines.speculative import SpeculativeGenerator
+    from deployments.engines.verifier import TorchVerifierEngine
+    from model_family import DOMAINS
+
+    name = args.drafter
+    if name == "auto":  # the prompt's own domain when it is a held-out sample, else the generic drafter
+        name = domain if domain in DOMAINS else "generic"
+    verifier = TorchVerifierEngine(model, max_batch=1)
+    drafter = DrafterEngine(model_path(f"drafter-{name}"), name=name, max_requests=1)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    res = SpeculativeGenerator(verifier, [drafter], k=args.k).generate([ids], params)[0]
+    return res.token_ids, {**res.stats, "drafter": name}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--drafter", help="speculative decoding with drafter-<NAME> (auto: the prompt's domain)")
+    g.add_argument("--k", type=int, default=4, help="draft length for --drafter")
     g.set_defaults(func=_generate)
 
     m = sub.add_parser("models", help="the model family: train, derive, measure")
