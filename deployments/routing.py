@@ -1,0 +1,122 @@
+"""CoSine's adaptive request routing (Sec. 4.2, Eq. 1-3), as a plain class.
+
+Per request and drafter the router keeps a routing score m in (0, 1) (the routing matrix M). After each
+verification, a drafter's draft is scored position by position:
+
+    d_i = cos(H(x_i), H(x_{n,i})) for positions before the first rejection (i < L_acc), else 0      (Eq. 1)
+    m   = (1/K) sum_i  c_i d_i / (c_i d_i + (1 - c_i)(1 - d_i))                                       (Eq. 2)
+
+where x_i is the token the target committed at position i, x_{n,i} the drafter's token, c_i the drafter's
+confidence in it and H the target's input-embedding layer. The score the router keeps is an exponential moving
+average of m over rounds.
+
+Drafter choice (Eq. 3): the paper calls alpha > beta "exploration coefficients"; we read them as the probability
+of filling a drafter place at random rather than by top score: alpha while the request's recent accepted length is
+below tau (explore: its drafters are not working), beta otherwise (exploit). Cold start: a new request's scores
+come from each drafter's likelihood of the prompt (which drafters compute during prefill anyway), turned into a
+softmax over drafters; without prompt scores every drafter starts equal.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RoutingConfig:
+    drafters_per_request: int = 2  # CoSine used 2-3
+    tau: float = 2.0  # accepted length (bonus included) below which a request explores
+    alpha: float = 0.3  # probability of a random pick per place while exploring
+    beta: float = 0.05  # ... while exploiting
+    ema: float = 0.5  # weight of the newest round in a request's routing score
+    cold_start_temperature: float = 0.5  # softmax temperature over mean prompt log-likelihoods
+    seed: int = 0
+
+
+def alignment(committed: list[int], drafted: list[int], confidences: list[float], embeddings: torch.Tensor) -> float:
+    """Eq. 1-2 for one drafter's draft: the routing score of this round, in [0, 1]."""
+    k = len(drafted)
+    if k == 0:
+        return 0.0
+    accepted = 0
+    while accepted < min(k, len(committed)) and committed[accepted] == drafted[accepted]:
+        accepted += 1
+    total = 0.0
+    # positions before the first rejection, plus the rejected position itself (cos similarity of the target's
+    # token and the drafter's, which credits near-misses); later positions score 0.
+    for i in range(min(k, accepted + 1, len(committed))):
+        a, b = embeddings[committed[i]], embeddings[drafted[i]]
+        d = float(torch.nn.functional.cosine_similarity(a, b, dim=0).clamp(0.0, 1.0))
+        c = min(max(confidences[i], 1e-6), 1 - 1e-6)
+        num = c * d
+        den = num + (1 - c) * (1 - d)
+        total += num / den if den > 0 else 0.0
+    return total / k
+
+
+@dataclass
+class _RequestState:
+    scores: dict[str, float]
+    recent_accepted_length: float | None = None
+    rounds: int = 0
+
+
+@dataclass
+class Router:
+    drafters: list[str]
+    config: RoutingConfig = field(default_factory=RoutingConfig)
+
+    def __post_init__(self):
+        self.requests: dict[str, _RequestState] = {}
+        self.rng = random.Random(self.config.seed)
+
+    def add_request(self, rid: str, prompt_loglik: dict[str, float] | None = None) -> None:
+        """Cold start from each drafter's mean log-likelihood per prompt token, when known."""
+        if prompt_loglik:
+            t = self.config.cold_start_temperature
+            zs = {n: prompt_loglik.get(n, -math.inf) / t for n in self.drafters}
+            top = max(zs.values())
+            ex = {n: math.exp(z - top) for n, z in zs.items()}
+            s = sum(ex.values())
+            scores = {n: v / s for n, v in ex.items()}
+        else:
+            scores = {n: 1.0 / len(self.drafters) for n in self.drafters}
+        self.requests[rid] = _RequestState(scores)
+
+    def release(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+
+    def ranking(self, rid: str) -> list[str]:
+        s = self.requests[rid].scores
+        return sorted(self.drafters, key=lambda n: -s[n])
+
+    def exploring(self, rid: str) -> bool:
+        st = self.requests[rid]
+        return st.recent_accepted_length is not None and st.recent_accepted_length < self.config.tau
+
+    def route(self, rid: str, n: int | None = None) -> list[str]:
+        """Drafters for the next round: top-scored ones, each place taken at random with prob alpha/beta."""
+        n = min(n or self.config.drafters_per_request, len(self.drafters))
+        p_random = self.config.alpha if self.exploring(rid) else self.config.beta
+        ranked = self.ranking(rid)
+        chosen: list[str] = []
+        for _ in range(n):
+            rest = [d for d in ranked if d not in chosen]
+            chosen.append(self.rng.choice(rest) if self.rng.random() < p_random else rest[0])
+        return chosen
+
+    def update(self, rid: str, accepted_length: float, round_scores: dict[str, float]) -> None:
+        """Feedback after a verification: the request's accepted length and each participating drafter's m."""
+        st = self.requests.get(rid)
+        if st is None:
+            return
+        w = self.config.ema
+        st.recent_accepted_length = accepted_length if st.recent_accepted_length is None else (
+            w * accepted_length + (1 - w) * st.recent_accepted_length)
+        for name, m in round_scores.items():
+            st.scores[name] = w * m + (1 - w) * st.scores[name]
+        st.rounds += 1

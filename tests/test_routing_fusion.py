@@ -1,0 +1,64 @@
+"""Router (Eq. 1-3) and confidence fusion (Eq. 4) as plain classes."""
+
+from __future__ import annotations
+
+import torch
+
+from deployments.engines.drafter import Proposal
+from deployments.fusion import FusionTree
+from deployments.routing import Router, RoutingConfig, alignment
+
+
+def _emb():
+    e = torch.eye(6)
+    e[5] = e[4] + 0.1 * e[3]  # token 5 is a near-synonym of token 4
+    return e
+
+
+def test_alignment_scores_exact_matches_high_and_misses_zero():
+    e = _emb()
+    assert alignment([1, 2, 3], [1, 2, 3], [0.9, 0.9, 0.9], e) > 0.99
+    assert alignment([1, 2, 3], [0, 2, 3], [0.9, 0.9, 0.9], e) == 0.0  # rejected at once; later positions score 0
+    near = alignment([4, 2], [5, 2], [0.9, 0.9], e)
+    assert 0.2 < near < 0.5  # credit for the near-synonym at the rejected position only
+
+
+def test_router_learns_the_drafter_that_agrees():
+    r = Router(["code", "legal", "bio"], RoutingConfig(drafters_per_request=1, beta=0.0, alpha=0.0))
+    r.add_request("x")
+    for _ in range(5):
+        r.update("x", 3.0, {"code": 0.2, "legal": 0.9, "bio": 0.1})
+    assert r.ranking("x")[0] == "legal"
+    assert r.route("x") == ["legal"]
+
+
+def test_router_cold_start_follows_prompt_likelihood_and_explores_when_acceptance_is_low():
+    r = Router(["code", "legal", "bio"], RoutingConfig(drafters_per_request=1, alpha=1.0, beta=0.0, tau=2.0))
+    r.add_request("x", {"code": -2.0, "legal": -5.0, "bio": -6.0})
+    assert r.ranking("x")[0] == "code" and r.route("x") == ["code"]
+    r.update("x", 1.0, {"code": 0.1})  # poor acceptance: every place is now random
+    picks = {r.route("x")[0] for _ in range(50)}
+    assert len(picks) > 1
+
+
+def _p(tok, prob, alts=()):
+    return Proposal(tok, prob, [tok] + [a for a, _ in alts], [prob] + [p for _, p in alts])
+
+
+def test_fusion_picks_the_most_confident_token_and_keeps_losers_as_branches():
+    f = FusionTree(budget=6)
+    assert f.step({"a": _p(10, 0.9), "b": _p(11, 0.4)}) == 10
+    assert f.step({"a": _p(12, 0.3), "b": _p(13, 0.8)}) == 13
+    d = f.build()
+    assert d.tokens[:2] == [10, 13] and d.parents[:2] == [-1, 0]
+    branches = {(t, p) for t, p in zip(d.tokens[2:], d.parents[2:])}
+    assert (11, -1) in branches and (12, 0) in branches  # siblings of the fused token at each depth
+    assert d.drafters[:2] == ["a", "b"]
+
+
+def test_fusion_trims_to_budget_chain_first():
+    f = FusionTree(budget=3)
+    for _ in range(4):
+        f.step({"a": _p(1, 0.9), "b": _p(2, 0.5)})
+    d = f.build()
+    assert len(d) == 3 and d.parents == [-1, 0, 1]
