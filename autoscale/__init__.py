@@ -1,0 +1,1 @@
+"""SmartSpec-style goodput control: latency models, speculation length choice, and (later) drafter autoscaling."""

@@ -10,7 +10,6 @@ speed-up an overhead-free system would reach with the measured acceptance and me
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from autoscale.profiling import step_seconds
 from deployments.engines.drafter import DrafterEngine
-from deployments.engines.runner import LlamaRunner
 from deployments.engines.sampling import SamplingParams
 from deployments.engines.speculative import SpeculativeGenerator
 from deployments.engines.verifier import TorchVerifierEngine
@@ -55,23 +54,8 @@ def _prompts(tokenizer, per_domain: int, length: int) -> list[tuple[str, list[in
     return out
 
 
-@torch.no_grad()
-def _step_cost_ms(model, batch: int, context: int, new: int, repeats: int = 7) -> float:
-    """Median cost of one batched runner step feeding `new` chain tokens after `context` cached tokens."""
-    runner = LlamaRunner(model, max_slots=batch, max_len=context + new + 8)
-    rids = [f"r{i}" for i in range(batch)]
-    for r in rids:
-        runner.add(r)
-        runner.forward([r], [list(range(3, 3 + context))], hidden_only_last=True)
-        runner.commit_all(r, list(range(3, 3 + context)))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        runner.forward(rids, [list(range(5, 5 + new))] * batch)
-        times.append(time.perf_counter() - t)
-        for r in rids:
-            runner.rollback(r, context)
-    return statistics.median(times) * 1000
+def _step_cost_ms(model, batch: int, context: int, new: int) -> float:
+    return step_seconds(model, batch, context, new, repeats=7) * 1000
 
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
@@ -90,13 +74,23 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     rows: list[Row] = []
     outputs: dict[tuple[str, int], list[list[int]]] = {}
 
-    def ours(method: str, batch: int, drafter_names) -> Row:
+    def ours(method: str, batch: int, drafter_names, adaptive: bool = False) -> Row:
         """All prompts through one verifier with continuous batching; each request drafted by its own drafters."""
         max_len = prompt_len + new_tokens + 16
         verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len)
         names = sorted({n for d, _ in prompts for n in drafter_names(d)})
         engines = [DrafterEngine(drafters[n], name=n, max_requests=batch, max_len=max_len) for n in names]
-        gen = SpeculativeGenerator(verifier, engines, k=k if engines else 0, tree_budget=2 * k)
+        controller = None
+        if adaptive:
+            from autoscale.goodput import SpeculationController
+            from autoscale.profiling import fit_draft_latency, fit_verify_latency
+
+            per_req = len(drafter_names(prompts[0][0]))
+            controller = SpeculationController(k_max=2 * k, drafters_per_request=per_req,
+                                               verify=fit_verify_latency(target, batch, prompt_len),
+                                               draft=fit_draft_latency(drafters["generic"], batch, prompt_len))
+        gen = SpeculativeGenerator(verifier, engines, k=k if engines else 0, tree_budget=2 * k,
+                                   controller=controller)
         t = time.perf_counter()
         res = gen.generate([p for _, p in prompts], params, [drafter_names(d) for d, _ in prompts])
         dt = time.perf_counter() - t
@@ -115,6 +109,8 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         rows.append(ours(f"ours: chain, domain drafter, k={k}", batch, lambda d: [d]))
         log(f"batch {batch}: tree (domain + generic drafters)")
         rows.append(ours(f"ours: tree, domain + generic drafters, k={k}", batch, lambda d: [d, "generic"]))
+        log(f"batch {batch}: chain with goodput-adaptive draft lengths")
+        rows.append(ours(f"ours: chain, goodput-adaptive k<={2 * k}", batch, lambda d: [d], adaptive=True))
         if include_hf and batch == 1:
             log("batch 1: HF assisted generation")
             rows.append(_hf_assisted(target, drafters, prompts, new_tokens, outputs))
@@ -127,7 +123,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         base = next(r for r in rows if r.batch == row.batch and r.method.startswith("target-only"))
         row.speedup_vs_target = round(row.tokens_per_s / base.tokens_per_s, 3)
         row.identical_to_target = outputs[(row.method, row.batch)] == ref[row.batch]
-        if row.mean_accepted_length:
+        if row.mean_accepted_length and "adaptive" not in row.method:
             b = row.batch
             nodes = k if "chain" in row.method else 2 * k
             if b not in costs:

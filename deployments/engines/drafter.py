@@ -46,6 +46,7 @@ class DrafterEngine:
         self.top_alternatives = top_alternatives
         self.states: dict[str, _State] = {}
         self.forward_passes = 0
+        self.last_draft_steps = 0  # lockstep steps of the last `draft` call
 
     # ------------------------------------------------------------------ request state
     def sync(self, rid: str, context: list[int], temperature: float = 0.0, seed: int | None = None) -> None:
@@ -118,12 +119,14 @@ class DrafterEngine:
         ks = k if isinstance(k, dict) else {r: k for r in rids}
         chains: dict[str, list[Proposal]] = {r: [] for r in rids}
         active = [r for r in rids if ks.get(r, 0) > 0]
+        self.last_draft_steps = 0
         for i in range(max(ks.values(), default=0)):
             active = [r for r in active if len(chains[r]) < ks[r]
                       and self.runner.length(r) + len(self.states[r].pending) + 1 < self.runner.max_len]
             if not active:
                 break
             props = self.step(active, want_q)
+            self.last_draft_steps += 1
             for r, p in props.items():
                 chains[r].append(p)
                 if len(chains[r]) < ks[r]:

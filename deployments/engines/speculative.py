@@ -29,11 +29,13 @@ class GenerationResult:
 
 class SpeculativeGenerator:
     def __init__(self, verifier: TorchVerifierEngine, drafters: list[DrafterEngine] | None = None, k: int = 4,
-                 tree_budget: int | None = None):
+                 tree_budget: int | None = None, controller=None):
+        """`k` is the draft length per drafter (the maximum when a goodput `controller` chooses per request)."""
         self.verifier = verifier
         self.drafters = drafters or []
         self.k = k
         self.tree_budget = tree_budget or k * max(1, len(self.drafters))
+        self.controller = controller  # autoscale.goodput.SpeculationController or None (fixed k)
         self.draft_seconds = 0.0
         self.verify_seconds = 0.0
 
@@ -42,6 +44,7 @@ class SpeculativeGenerator:
         if not self.drafters or self.k <= 0 or not rids:
             return {}
         builders = {r: TreeBuilder(merge=params[r].greedy) for r in rids}
+        ks = self.controller.choose(rids) if self.controller else {r: self.k for r in rids}
         for d in self.drafters:
             ok = []
             for r in rids:
@@ -53,7 +56,13 @@ class SpeculativeGenerator:
                 except CacheFull:
                     pass
             sampling = any(not params[r].greedy for r in ok)
-            chains = d.draft(ok, self.k, want_q=sampling)
+            ok = [r for r in ok if ks[r] > 0]
+            if not ok:
+                continue
+            t = time.perf_counter()
+            chains = d.draft(ok, {r: ks[r] for r in ok}, want_q=sampling)
+            if self.controller and d.last_draft_steps:
+                self.controller.draft.observe(len(ok), (time.perf_counter() - t) / d.last_draft_steps)
             for r, chain in chains.items():
                 builders[r].add_chain([p.token for p in chain], [p.q for p in chain], d.name,
                                       [p.prob for p in chain], budget=self.tree_budget)
@@ -74,9 +83,14 @@ class SpeculativeGenerator:
             drafts = self._drafts(by_rid, assigned)
             t1 = time.perf_counter()
             outs = self.verifier.step(drafts)
-            self.verify_seconds += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            self.verify_seconds += t2 - t1
+            if self.controller:
+                self.controller.verify.observe(self.verifier.last_step_tokens, self.verifier.last_verify_seconds)
             self.draft_seconds += t1 - t0
             for o in outs:
+                if self.controller:
+                    self.controller.observe_acceptance(o.request_id, o.num_draft_tokens, o.num_accepted_tokens)
                 res = results[o.request_id]
                 res.token_ids.extend(o.new_token_ids)
                 if o.finished:
@@ -86,4 +100,6 @@ class SpeculativeGenerator:
                     for d in self.drafters:
                         if o.request_id in d:
                             d.release(o.request_id)
+                    if self.controller:
+                        self.controller.release(o.request_id)
         return [results[r] for r in rids]

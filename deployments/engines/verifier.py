@@ -11,6 +11,7 @@ decode exactly one token in the same forward pass.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,8 @@ class TorchVerifierEngine:
         self.waiting: OrderedDict[str, _Request] = OrderedDict()
         self.running: OrderedDict[str, _Request] = OrderedDict()
         self.forward_passes = 0
+        self.last_step_tokens = 0  # tokens fed in the last step's verify forward (for latency models)
+        self.last_verify_seconds = 0.0
         self._finished_stats: dict[str, dict] = {}
         self._ids = itertools.count()
 
@@ -139,8 +142,11 @@ class TorchVerifierEngine:
             rids.append(rid)
             inputs.append([req.last_token] + (draft.tokens if draft else []))
             parents.append([-1] + ([p + 1 for p in draft.parents] if draft else []))
+        t = time.perf_counter()
         logits = self.runner.forward(rids, inputs, parents)
         self.forward_passes += 1
+        self.last_step_tokens = sum(len(x) for x in inputs)
+        self.last_verify_seconds = time.perf_counter() - t
 
         outputs = []
         for rid, x, row in zip(rids, inputs, logits):
