@@ -38,7 +38,8 @@ def _models_train(args) -> int:
         elif s == "matrix":
             recipe.step_heldout_samples(data, models)
             _print_matrix(recipe.step_acceptance_matrix(models, Path(args.matrix_json)))
-            recipe.step_model_card(data, models, REPO_ROOT / "docs", Path(args.matrix_json))
+            recipe.step_model_card(data, models, REPO_ROOT / "docs", Path(args.matrix_json),
+                                   models / "latency.json")
         print(f"== {s} done in {(time.time() - t) / 60:.1f} min", flush=True)
     return 0
 
@@ -51,6 +52,16 @@ def _print_matrix(matrix: dict) -> list[str]:
     problems = check_acceptance(matrix)
     print("acceptance criteria: " + ("met" if not problems else "NOT met:\n  " + "\n  ".join(problems)))
     return problems
+
+
+def _models_card(args) -> int:
+    from model_family.recipe import step_model_card
+
+    m = models_dir()
+    out = step_model_card(Path(args.data_dir), m, REPO_ROOT / "docs", m / "acceptance_matrix.json",
+                          m / "latency.json")
+    print(f"wrote {out}")
+    return 0
 
 
 def _models_acceptance(args) -> int:
@@ -75,6 +86,7 @@ def _models_latency(args) -> int:
     from model_family.latency import format_latencies, measure_family
 
     rows = measure_family(models_dir(), context=args.context, repeats=args.repeats)
+    print(f"per-token latency on this machine ({args.context}-token context, batch 1, median of {args.repeats})")
     print(format_latencies(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
@@ -149,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="the model family: train, derive, measure")
     msub = m.add_subparsers(dest="models_command", required=True)
+    card = msub.add_parser("card", help="render docs/model_card.md from what the recipe recorded")
+    card.add_argument("--data-dir", default=str(REPO_ROOT / "data"))
+    card.set_defaults(func=_models_card)
     t = msub.add_parser("train", help="the full recipe from package names to weights")
     t.add_argument("--steps", nargs="+", default=["all"], choices=("all",) + RECIPE_STEPS)
     t.add_argument("--data-dir", default=str(REPO_ROOT / "data"))

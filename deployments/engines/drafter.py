@@ -28,6 +28,7 @@ class Proposal:
     top_tokens: list[int]
     top_probs: list[float]
     q: torch.Tensor | None = None  # the full distribution `token` was sampled from (sampling mode only)
+    context_loglik: float | None = None  # mean log-probability of the fed tokens (when more than one was fed)
 
 
 @dataclass
@@ -88,19 +89,23 @@ class DrafterEngine:
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
-    def step(self, rids: list[str], want_q: bool = False) -> dict[str, Proposal]:
+    def step(self, rids: list[str], want_q: bool = False, want_loglik: bool = False) -> dict[str, Proposal]:
         """One batched forward over the pending tokens of `rids`; a proposal for each."""
         out: dict[str, Proposal] = {}
         long = [r for r in rids if len(self.states[r].pending) > LONG_PENDING]
         short = [r for r in rids if len(self.states[r].pending) <= LONG_PENDING]
         for group in [[r] for r in long] + ([short] if short else []):
             inputs = [self.states[r].pending for r in group]
-            logits = self.runner.forward(group, inputs, hidden_only_last=True)
+            full = want_loglik and any(len(x) > 1 for x in inputs)
+            logits = self.runner.forward(group, inputs, hidden_only_last=not full)
             self.forward_passes += 1
             for r, x, lg in zip(group, inputs, logits):
                 self.runner.commit_all(r, x)
                 self.states[r].pending = []
                 out[r] = self._propose(self.states[r], lg[-1], want_q)
+                if full and len(x) > 1:  # how well this drafter knows the context: CoSine's cold start
+                    logp = torch.log_softmax(lg[:-1].float(), dim=-1)
+                    out[r].context_loglik = float(logp.gather(-1, torch.tensor(x[1:])[:, None]).mean())
         return out
 
     def _propose(self, st: _State, logits: torch.Tensor, want_q: bool) -> Proposal:

@@ -50,6 +50,7 @@ class _Request:
     draft_steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    drafters_used: set = field(default_factory=set)
 
 
 def load_causal_lm(model_or_path):
@@ -171,6 +172,7 @@ class TorchVerifierEngine:
             req.last_token = extra
             req.verify_steps += 1
             if draft is not None:
+                req.drafters_used.update(n for n in (draft.drafters or []) if n)
                 req.draft_steps += 1
                 req.drafted += len(draft)
                 req.accepted += len(path)
@@ -204,4 +206,5 @@ def _stats(r: _Request) -> dict:
         # vLLM's definitions: 1 + accepted / drafts, accepted / drafted
         "mean_acceptance_length": 1 + r.accepted / r.draft_steps if r.draft_steps else 1.0,
         "draft_acceptance_rate": r.accepted / r.drafted if r.drafted else 0.0,
+        "drafters_used": sorted(r.drafters_used),
     }

@@ -1,0 +1,177 @@
+"""The speculation cluster's central node, without Ray: routing, lockstep drafting, fusion, feedback.
+
+`SpeculationCoordinator.draft` takes the verifier's batch (per request: full committed context and the draft
+length it may use) and an async `step_fn(drafter_name, items) -> {rid: proposal}` that reaches one drafter
+(a Serve handle in the deployment, a local engine in tests). Per round:
+
+1. feedback: compare each drafter's proposals of the previous round with what the target committed since
+   (Eq. 1-2) and update the router (accepted length and per-drafter scores);
+2. routing: the request's drafters (Eq. 3), or all drafters on a request's first round, which score the prompt
+   (mean log-likelihood) for the cold start;
+3. lockstep drafting: at each depth every chosen drafter proposes; with fusion the most confident token is fed
+   back to all of them (Eq. 4) and losers become branches; without fusion each drafter continues its own chain
+   and the chains are merged into a tree;
+4. the tree, trimmed to the request's budget, goes back to the verifier.
+A drafter that fails or times out just drops out of the round; the verifier decodes without a draft if none is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from deployments.engines.draft import Draft, TreeBuilder
+from deployments.engines.drafter import Proposal
+from deployments.fusion import FusionTree
+from deployments.routing import Router, RoutingConfig, alignment
+
+StepFn = Callable[[str, list[dict]], Awaitable[dict[str, dict]]]
+
+
+@dataclass
+class _Round:
+    start: int  # committed context length when the round was drafted
+    proposals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # drafter -> [(token, conf)]
+    fused: list[int] = field(default_factory=list)
+
+
+def _proposal(d: dict) -> Proposal:
+    return Proposal(d["token"], d["prob"], d["top_tokens"], d["top_probs"], None, d.get("context_loglik"))
+
+
+class SpeculationCoordinator:
+    def __init__(self, drafters: list[str], routing: RoutingConfig | None = None, embeddings: torch.Tensor | None = None,
+                 fusion: bool = True, fixed_drafters: list[str] | None = None, step_timeout_s: float = 5.0):
+        self.drafters = list(drafters)
+        self.router = Router(self.drafters, routing or RoutingConfig())
+        self.embeddings = embeddings
+        self.fusion = fusion
+        self.fixed = fixed_drafters
+        self.step_timeout_s = step_timeout_s
+        self.rounds: dict[str, _Round] = {}
+        self.where: dict[str, set[str]] = {}  # drafters holding a cache for the request
+        self.stats = {"rounds": 0, "drafter_failures": 0, "step_seconds": 0.0}
+
+    def release(self, rid: str) -> set[str]:
+        """Forget the request; returns the drafters that must free its cache."""
+        self.router.release(rid)
+        self.rounds.pop(rid, None)
+        return self.where.pop(rid, set())
+
+    def _feedback(self, rid: str, context: list[int]) -> None:
+        rnd = self.rounds.get(rid)
+        if rnd is None or rid not in self.router.requests:
+            return
+        committed = context[rnd.start:]
+        if not committed:
+            return
+        scores = {}
+        for name, props in rnd.proposals.items():
+            toks = [t for t, _ in props]
+            confs = [c for _, c in props]
+            scores[name] = alignment(committed, toks, confs, self.embeddings) if self.embeddings is not None \
+                else _exact_alignment(committed, toks)
+        self.router.update(rid, float(len(committed)), scores)
+
+    async def _call(self, step_fn: StepFn, name: str, items: list[dict]) -> dict[str, Proposal]:
+        try:
+            raw = await asyncio.wait_for(step_fn(name, items), self.step_timeout_s)
+        except Exception:  # noqa: BLE001 - a failed drafter only loses its proposals for this round
+            self.stats["drafter_failures"] += 1
+            return {}
+        return {r: _proposal(d) for r, d in raw.items()}
+
+    async def draft(self, batch: list[dict], step_fn: StepFn, budget: int = 8) -> dict[str, Draft]:
+        """batch items: {"rid", "context": [...], "k": int, "budget": int (optional)}."""
+        t0 = time.perf_counter()
+        ks, contexts, chosen, first = {}, {}, {}, set()
+        for it in batch:
+            rid, ctx, k = it["rid"], it["context"], it.get("k", 4)
+            if k <= 0:
+                continue
+            ks[rid], contexts[rid] = k, ctx
+            if rid not in self.router.requests:
+                self.router.add_request(rid)
+                first.add(rid)
+            else:
+                self._feedback(rid, ctx)
+            if self.fixed:
+                chosen[rid] = list(self.fixed)
+            elif rid in first:
+                chosen[rid] = list(self.drafters)  # cold start: everyone scores the prompt
+            else:
+                chosen[rid] = self.router.route(rid)
+        if not ks:
+            return {}
+        fusers = {r: FusionTree(budget=next((it.get("budget", budget) for it in batch if it["rid"] == r), budget))
+                  for r in ks}
+        chains: dict[str, dict[str, list[Proposal]]] = {r: {n: [] for n in chosen[r]} for r in ks}
+        feed: dict[str, dict[str, int]] = {r: {} for r in ks}  # what each drafter is fed next
+        for depth in range(max(ks.values())):
+            per_drafter: dict[str, list[dict]] = {}
+            for r in ks:
+                if depth >= ks[r]:
+                    continue
+                for n in chosen[r]:
+                    if depth == 0:
+                        item = {"rid": r, "context": contexts[r], "score_context": r in first}
+                    elif n in feed[r]:
+                        item = {"rid": r, "feed": [feed[r][n]]}
+                    else:
+                        continue  # this drafter dropped out of the request's round
+                    per_drafter.setdefault(n, []).append(item)
+            if not per_drafter:
+                break
+            names = list(per_drafter)
+            answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n]) for n in names))
+            got = dict(zip(names, answers))
+            for r in ks:
+                if depth >= ks[r]:
+                    continue
+                props = {n: got[n][r] for n in chosen[r] if n in got and r in got[n]}
+                for n in props:
+                    self.where.setdefault(r, set()).add(n)
+                if depth == 0 and r in first:
+                    ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
+                    if ll:
+                        self.router.add_request(r, ll)
+                        keep = self.router.route(r)
+                        props = {n: p for n, p in props.items() if n in keep}
+                        chosen[r] = [n for n in chosen[r] if n in keep]
+                feed[r] = {}
+                if not props:
+                    continue
+                for n, p in props.items():
+                    chains[r][n].append(p)
+                if self.fusion:
+                    tok = fusers[r].step(props)
+                    feed[r] = {n: tok for n in props}
+                else:
+                    feed[r] = {n: p.token for n, p in props.items()}
+        drafts = {}
+        for r in ks:
+            if self.fusion:
+                d = fusers[r].build() if fusers[r].chain else None
+            else:
+                tb = TreeBuilder(merge=True)
+                for n, ch in chains[r].items():
+                    tb.add_chain([p.token for p in ch], None, n, [p.prob for p in ch], budget=fusers[r].budget)
+                d = tb.build() if tb.tokens else None
+            if d is not None and len(d):
+                drafts[r] = d
+            self.rounds[r] = _Round(len(contexts[r]), {n: [(p.token, p.prob) for p in ch]
+                                                       for n, ch in chains[r].items() if ch})
+        self.stats["rounds"] += 1
+        self.stats["step_seconds"] += time.perf_counter() - t0
+        return drafts
+
+
+def _exact_alignment(committed: list[int], drafted: list[int]) -> float:
+    n = 0
+    while n < min(len(committed), len(drafted)) and committed[n] == drafted[n]:
+        n += 1
+    return n / max(1, len(drafted))

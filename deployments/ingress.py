@@ -1,0 +1,209 @@
+"""The ingress deployment: OpenAI-compatible HTTP API (FastAPI) in front of the verifier.
+
+It formats chat requests with the tokenizer's chat template, validates everything it can before any work is
+queued (OpenAI-style error bodies with the right 4xx status), bounds the number of requests in flight (429 with
+Retry-After beyond it), streams Server-Sent Events chunk by chunk as the verifier commits tokens, and reports the
+request's speculation in `usage` (vLLM's names: mean_acceptance_length, draft_acceptance_rate).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from serve_app import protocol as P
+
+logger = logging.getLogger("ray.serve")
+app = FastAPI(title="CoSine Serve", description="OpenAI-compatible collaborative speculative inference")
+
+
+class _Detokenizer:
+    """Incremental text from token ids: holds back a trailing partial UTF-8 character, and the stop strings."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def push(self, ids: list[int], final: bool) -> str:
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, final = text[:cut], True
+        if not final:
+            end = len(text) - self.hold
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+            text = text[:max(end, self.sent)]
+        out, self.sent = text[self.sent:], max(self.sent, len(text))
+        return out
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class IngressDeployment:
+    def __init__(self, config: dict, verifier):
+        from serve_app.config import AppConfig
+        from serve_app.engines import load_tokenizer
+
+        self.cfg = AppConfig.model_validate(config)
+        self.tokenizer = load_tokenizer(self.cfg)
+        self.verifier = verifier.options(stream=True)
+        self.model_name = self.cfg.ingress.model_name
+        self.max_len = self.cfg.verifier.max_len
+        self.in_flight = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _error(self, e: P.APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    async def _body(self, request: Request):
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise P.APIError(400, "request body is not valid JSON") from None
+
+    def _prepare(self, req, prompt_ids: list[int]) -> dict:
+        if req.model != self.model_name:
+            raise P.APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                             param="model", code="model_not_found")
+        if not prompt_ids:
+            raise P.APIError(400, "the prompt is empty", param="prompt")
+        if len(prompt_ids) >= self.max_len:
+            raise P.APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_len}",
+                             param="messages", code="context_length_exceeded")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        room = self.max_len - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens <= 0:
+            raise P.APIError(400, "max_tokens must be at least 1", param="max_tokens")
+        elif max_tokens > room:
+            raise P.APIError(400, f"max_tokens={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the "
+                             f"context of {self.max_len}", param="max_tokens", code="context_length_exceeded")
+        return {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+                "seed": req.seed, "stop": req.stops()}
+
+    def _admit(self) -> None:
+        if self.in_flight >= self.cfg.ingress.max_queued_requests:
+            raise P.APIError(429, "the server is at capacity; retry shortly", type_="rate_limit_error",
+                             code="overloaded", headers={"Retry-After": str(self.cfg.ingress.retry_after_s)})
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "cosine", "max_model_len": self.max_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        try:
+            req = P.parse(P.ChatCompletionRequest, await self._body(request))
+            if not req.messages:
+                raise P.APIError(400, "messages must not be empty", param="messages")
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                                                      tokenize=False, add_generation_prompt=True)
+            prompt_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            params = self._prepare(req, prompt_ids)
+            self._admit()
+        except P.APIError as e:
+            return self._error(e)
+        return await self._respond(req, prompt_ids, params, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        try:
+            req = P.parse(P.CompletionRequest, await self._body(request))
+            prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else \
+                self.tokenizer(req.prompt, add_special_tokens=False).input_ids
+            if isinstance(req.prompt, list) and any(not 0 <= t < len(self.tokenizer) for t in prompt_ids):
+                raise P.APIError(400, "prompt token ids out of the vocabulary", param="prompt")
+            params = self._prepare(req, prompt_ids)
+            self._admit()
+        except P.APIError as e:
+            return self._error(e)
+        return await self._respond(req, prompt_ids, params, chat=False)
+
+    # ------------------------------------------------------------------ generation
+    async def _respond(self, req, prompt_ids: list[int], params: dict, chat: bool):
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        created = P.now()
+        self.in_flight += 1
+        gen = self.verifier.generate.remote(prompt_ids, params, rid)
+        detok = _Detokenizer(self.tokenizer, params["stop"])
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events():
+            try:
+                if chat:
+                    yield _sse(P.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None))
+                n = 0
+                async for chunk in gen:
+                    n += len(chunk["token_ids"])
+                    text = detok.push(chunk["token_ids"], chunk["finished"])
+                    reason = chunk["finish_reason"] if chunk["finished"] else None
+                    if text or reason:
+                        body = (P.chat_chunk(rid, self.model_name, created, {"content": text} if text else {}, reason)
+                                if chat else P.completion_chunk(rid, self.model_name, created, text, reason))
+                        yield _sse(body)
+                    if chunk["finished"]:
+                        if include_usage:
+                            u = P.usage(len(prompt_ids), n, _spec_usage(chunk))
+                            obj = "chat.completion.chunk" if chat else "text_completion"
+                            yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                        "choices": [], "usage": u})
+                        break
+                yield "data: [DONE]\n\n"
+            except Exception as e:  # noqa: BLE001
+                logger.exception("request %s failed", rid)
+                yield _sse(P.APIError(500, f"generation failed: {e}", type_="server_error").body())
+            finally:
+                self.in_flight -= 1
+                gen.cancel()
+
+        if req.stream:
+            return StreamingResponse(events(), media_type="text/event-stream")
+        try:
+            ids, reason, last = [], None, {}
+            async for chunk in gen:
+                ids.extend(chunk["token_ids"])
+                if chunk["finished"]:
+                    reason, last = chunk["finish_reason"], chunk
+                    break
+            text = detok.push([], True) if not ids else _Detokenizer(self.tokenizer, params["stop"]).push(ids, True)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("request %s failed", rid)
+            return self._error(P.APIError(500, f"generation failed: {e}", type_="server_error"))
+        finally:
+            self.in_flight -= 1
+        u = P.usage(len(prompt_ids), len(ids), _spec_usage(last))
+        if chat:
+            return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": None, "finish_reason": reason}], "usage": u}
+        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}], "usage": u}
+
+
+def _spec_usage(chunk: dict) -> dict:
+    s = chunk.get("usage") or {}
+    return {"mean_acceptance_length": round(s.get("mean_acceptance_length", 1.0), 4),
+            "draft_acceptance_rate": round(s.get("draft_acceptance_rate", 0.0), 4),
+            "num_draft_tokens": s.get("num_draft_tokens", 0),
+            "num_accepted_tokens": s.get("num_accepted_tokens", 0),
+            "drafters_used": s.get("drafters_used", [])}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

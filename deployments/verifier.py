@@ -1,0 +1,189 @@
+"""The verifier deployment: owns the running batch (CoSine's request pool) and the draft/verify loop.
+
+Requests arrive through `generate`, a streaming method: it registers the request with the loop and yields
+committed tokens as they come. The loop, one per replica, repeats: ask the speculation cluster for drafts for
+every running request (bounded by `draft_timeout_ms`; late or failed drafting means plain decoding this step),
+run one verify step of the engine in a worker thread, and hand the results to the requests' queues. Drafting for
+the next step starts as soon as a step's results are known, overlapping with the streaming of this one.
+A client that disconnects cancels its generator, which aborts the request and releases its caches everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ray import serve
+
+from deployments.engines.draft import Draft
+from deployments.engines.sampling import SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class _Live:
+    queue: asyncio.Queue
+    params: SamplingParams
+    prompt_len: int
+    generated: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+def draft_from_dict(d: dict) -> Draft:
+    return Draft(d["tokens"], d["parents"], None, d.get("drafters"), d.get("probs"))
+
+
+def draft_to_dict(d: Draft) -> dict:
+    return {"tokens": d.tokens, "parents": d.parents, "drafters": d.drafters, "probs": d.probs}
+
+
+@serve.deployment(name="Verifier")
+class VerifierDeployment:
+    def __init__(self, config: dict, speculation=None):
+        from autoscale.goodput import SpeculationController
+        from serve_app.config import AppConfig
+        from serve_app.engines import build_verifier_engine
+
+        self.cfg = AppConfig.model_validate(config)
+        self.engine = build_verifier_engine(self.cfg)
+        self.speculation = speculation  # handle to the Speculation deployment, or None
+        spec = self.cfg.speculation
+        self.controller = SpeculationController(k_max=spec.k) if spec.adaptive else None
+        self.live: dict[str, _Live] = {}
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.aborts: set[str] = set()
+        self.ids = itertools.count()
+        self.loop_task: asyncio.Task | None = None
+        self.metrics = _Metrics()
+
+    # ------------------------------------------------------------------ API
+    async def generate(self, prompt_ids: list[int], params: dict, request_id: str | None = None):
+        """Yields {"token_ids": [...], "finished": bool, "finish_reason", "usage"?} chunks."""
+        self._ensure_loop()
+        rid = request_id or f"v-{next(self.ids)}"
+        sp = SamplingParams(**params)
+        live = _Live(asyncio.Queue(), sp, len(prompt_ids))
+        self.live[rid] = live
+        await self.inbox.put(("add", rid, prompt_ids, sp))
+        try:
+            while True:
+                chunk = await live.queue.get()
+                if isinstance(chunk, Exception):
+                    raise chunk
+                yield chunk
+                if chunk["finished"]:
+                    break
+        finally:
+            if rid in self.live:  # cancelled or failed before finishing: abort everywhere
+                self.live.pop(rid, None)
+                await self.inbox.put(("abort", rid, None, None))
+
+    def running(self) -> int:
+        return len(self.live)
+
+    def check_health(self) -> None:
+        if self.loop_task is not None and self.loop_task.done() and self.loop_task.exception():
+            raise RuntimeError(f"verify loop died: {self.loop_task.exception()!r}")
+
+    # ------------------------------------------------------------------ the loop
+    def _ensure_loop(self) -> None:
+        if self.loop_task is None or self.loop_task.done():
+            self.loop_task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _drain_inbox(self, block: bool) -> list[str]:
+        released = []
+        while block or not self.inbox.empty():
+            kind, rid, prompt, sp = await self.inbox.get()
+            block = False
+            if kind == "add":
+                try:
+                    self.engine.add_request(prompt, sp, request_id=rid)
+                except ValueError as e:
+                    live = self.live.pop(rid, None)
+                    if live:
+                        live.queue.put_nowait(e)
+            else:
+                self.engine.abort(rid)
+                released.append(rid)
+        return released
+
+    async def _drafts(self) -> dict[str, Draft]:
+        if self.speculation is None or self.cfg.speculation.mode == "off":
+            return {}
+        rids = list(self.engine.running) + list(self.engine.waiting)
+        if not rids:
+            return {}
+        spec = self.cfg.speculation
+        ks = self.controller.choose(rids) if self.controller else {r: spec.k for r in rids}
+        # Gamma_max: shorten the longest drafts until the total fits (CoSine Alg. 2)
+        while sum(ks.values()) > spec.gamma_max:
+            longest = max(ks, key=ks.get)
+            ks[longest] -= 1
+        batch = [{"rid": r, "context": self.engine.context(r), "k": ks[r], "budget": min(spec.tree_budget,
+                  max(ks[r], 1) * 2)} for r in rids if ks[r] > 0]
+        if not batch:
+            return {}
+        t = time.perf_counter()
+        try:
+            raw = await asyncio.wait_for(self.speculation.draft.remote(batch), spec.draft_timeout_ms / 1000)
+        except Exception as e:  # noqa: BLE001 - late or failed drafts: decode without them
+            self.metrics.draft_failures += 1
+            logger.warning("drafts unavailable this step (%r); decoding without them", e)
+            return {}
+        self.metrics.draft_seconds.append(time.perf_counter() - t)
+        return {r: draft_from_dict(d) for r, d in raw.items()}
+
+    async def _loop(self) -> None:
+        while True:
+            released = await self._drain_inbox(block=not self.engine.has_unfinished())
+            if released and self.speculation is not None:
+                self.speculation.release.remote(released)
+            if not self.engine.has_unfinished():
+                continue
+            drafts = await self._drafts()
+            t = time.perf_counter()
+            try:
+                outs = await asyncio.to_thread(self.engine.step, drafts)
+            except Exception as e:  # noqa: BLE001 - an engine failure fails the requests in it, not the replica
+                logger.exception("verify step failed")
+                for rid in list(self.engine.running):
+                    self.engine.abort(rid)
+                    live = self.live.pop(rid, None)
+                    if live:
+                        live.queue.put_nowait(RuntimeError(f"verification failed: {e}"))
+                continue
+            self.metrics.verify_seconds.append(time.perf_counter() - t)
+            if self.controller:
+                self.controller.verify.observe(self.engine.last_step_tokens, self.engine.last_verify_seconds)
+            finished = []
+            for o in outs:
+                if self.controller:
+                    self.controller.observe_acceptance(o.request_id, o.num_draft_tokens, o.num_accepted_tokens)
+                live = self.live.get(o.request_id)
+                chunk = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason,
+                         "num_draft_tokens": o.num_draft_tokens, "num_accepted_tokens": o.num_accepted_tokens,
+                         "accepted_drafters": o.accepted_drafters}
+                if o.finished:
+                    finished.append(o.request_id)
+                    stats = self.engine.finished_stats(o.request_id) or {}
+                    chunk["usage"] = stats
+                    if self.controller:
+                        self.controller.release(o.request_id)
+                if live is not None:
+                    live.generated += len(o.new_token_ids)
+                    live.queue.put_nowait(chunk)
+                    if o.finished:
+                        self.live.pop(o.request_id, None)
+            if finished and self.speculation is not None:
+                self.speculation.release.remote(finished)
+
+
+class _Metrics:
+    def __init__(self):
+        self.draft_failures = 0
+        self.draft_seconds: list[float] = []
+        self.verify_seconds: list[float] = []

@@ -1,0 +1,36 @@
+"""Builds the verifier engine named by the configuration."""
+
+from __future__ import annotations
+
+from serve_app.config import AppConfig
+from serve_app.paths import model_path
+
+
+def load_tokenizer(cfg: AppConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path(cfg.tokenizer)))
+
+
+def build_verifier_engine(cfg: AppConfig):
+    v = cfg.verifier
+    if v.engine == "torch":
+        from deployments.engines.verifier import TorchVerifierEngine
+
+        return TorchVerifierEngine(str(model_path(v.model)), max_batch=v.max_batch, max_len=v.max_len,
+                                   tokenizer=load_tokenizer(cfg))
+    raise NotImplementedError("the vLLM verifier engine is not built yet; use verifier.engine: torch")
+
+
+def target_input_embeddings(cfg: AppConfig):
+    """The target's input-embedding matrix (H in CoSine's Eq. 1), read from its safetensors without the model."""
+    import glob
+
+    from safetensors import safe_open
+
+    path = model_path(cfg.verifier.model)
+    for f in sorted(glob.glob(str(path / "*.safetensors"))):
+        with safe_open(f, framework="pt") as st:
+            if "model.embed_tokens.weight" in st.keys():
+                return st.get_tensor("model.embed_tokens.weight").float()
+    return None

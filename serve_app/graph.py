@@ -1,0 +1,26 @@
+"""The application builder used by `serve run` / `serve deploy`: `import_path: serve_app.graph:build_app`.
+
+Ingress -> Verifier -> Speculation (router + fusion) -> Drafter-<domain> (one deployment per domain).
+"""
+
+from __future__ import annotations
+
+from ray.serve import Application
+
+from deployments.drafter import DrafterDeployment
+from deployments.ingress import IngressDeployment
+from deployments.speculation import SpeculationDeployment
+from deployments.verifier import VerifierDeployment
+from serve_app.config import AppConfig
+
+
+def build_app(args: dict) -> Application:
+    cfg = AppConfig.model_validate(args or {})  # a bad config fails here, at deploy time, with pydantic's message
+    config = cfg.model_dump()
+    speculation = None
+    if cfg.speculation.mode != "off":
+        drafters = {d.name: DrafterDeployment.options(name=f"Drafter-{d.name}", **d.deployment.serve_options())
+                    .bind(d.name, d.model, d.max_requests, d.max_len) for d in cfg.drafters}
+        speculation = SpeculationDeployment.options(**cfg.ingress.deployment.serve_options()).bind(config, drafters)
+    verifier = VerifierDeployment.options(**cfg.verifier.deployment.serve_options()).bind(config, speculation)
+    return IngressDeployment.options(**cfg.ingress.deployment.serve_options()).bind(config, verifier)

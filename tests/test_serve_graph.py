@@ -1,0 +1,125 @@
+"""End to end over HTTP against the real Ray Serve application (local Ray, the shipped models).
+
+The graph runs with the small target (the bench target would only make the suite slower); greedy output through
+the whole graph must equal target-only greedy decoding token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+import torch
+
+from model_family import DOMAINS
+from model_family.distill import greedy_continue
+
+pytestmark = pytest.mark.slow
+
+MODEL = "cosine-target"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_config() -> dict:
+    return {
+        "ingress": {"model_name": MODEL, "max_queued_requests": 32},
+        "verifier": {"model": "target", "max_batch": 8, "max_len": 512},
+        "speculation": {"mode": "cosine", "k": 4, "tree_budget": 8, "draft_timeout_ms": 2000},
+        "drafters": [{"name": d, "model": f"drafter-{d}"} for d in list(DOMAINS) + ["generic"]],
+    }
+
+
+@pytest.fixture(scope="module")
+def server():
+    import ray
+    from ray import serve
+
+    from serve_app.graph import build_app
+
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(app_config()), name="cosine", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _chat(server, content, **kw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 24,
+            "temperature": 0, **kw}
+    return httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_health_and_models(server):
+    assert httpx.get(f"{server}/health", timeout=30).json()["status"] == "ok"
+    models = httpx.get(f"{server}/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == MODEL
+
+
+def test_greedy_through_the_graph_equals_target_only(server, tokenizer, target, heldout):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120)
+    for d in DOMAINS:
+        prompt = heldout[d][7][:300]
+        ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        out = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+        want = greedy_continue(target, torch.tensor([ids]), 24)[0, len(ids):].tolist()
+        # the completion stops early at EOS; compare the text the target would produce up to there
+        eos = {0, 2}
+        cut = next((i for i, t in enumerate(want) if t in eos), len(want))
+        assert out.choices[0].text == tokenizer.decode(want[:cut], skip_special_tokens=True), d
+        assert out.usage.completion_tokens == cut
+        assert out.usage.model_extra["mean_acceptance_length"] >= 1.0
+
+
+def test_chat_non_streamed_and_streamed_agree(server):
+    plain = _chat(server, "Tell me about the law.").json()
+    text = plain["choices"][0]["message"]["content"]
+    assert plain["object"] == "chat.completion" and plain["usage"]["completion_tokens"] > 0
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the law."}],
+            "max_tokens": 24, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    pieces, usage, done = [], None, False
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk["choices"]:
+                pieces.append(c["delta"].get("content", ""))
+    assert done and "".join(pieces) == text
+    assert usage["completion_tokens"] == plain["usage"]["completion_tokens"]
+    assert "draft_acceptance_rate" in usage
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ("{not json", 400, "JSON"),
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "context"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}]}, 400, "context"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, needle):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server}/v1/chat/completions", content=content,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    assert _chat(server, "still serving?").status_code == 200
