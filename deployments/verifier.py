@@ -57,7 +57,9 @@ class VerifierDeployment:
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.aborts: set[str] = set()
         self.ids = itertools.count()
+        self.arrivals = itertools.count()
         self.loop_task: asyncio.Task | None = None
+        self.group: dict[str, int] = {}  # pipeline half of each request
         self.metrics = _Metrics()
 
     # ------------------------------------------------------------------ API
@@ -68,6 +70,7 @@ class VerifierDeployment:
         sp = SamplingParams(**params)
         live = _Live(asyncio.Queue(), sp, len(prompt_ids))
         self.live[rid] = live
+        self.group[rid] = next(self.arrivals) % 2
         await self.inbox.put(("add", rid, prompt_ids, sp))
         try:
             while True:
@@ -108,23 +111,21 @@ class VerifierDeployment:
                         live.queue.put_nowait(e)
             else:
                 self.engine.abort(rid)
+                self.group.pop(rid, None)
                 released.append(rid)
         return released
 
-    async def _drafts(self) -> dict[str, Draft]:
-        if self.speculation is None or self.cfg.speculation.mode == "off":
-            return {}
-        rids = list(self.engine.running) + list(self.engine.waiting)
-        if not rids:
+    async def _drafts(self, rids: list[str]) -> dict[str, Draft]:
+        """Drafts for `rids` from the speculation cluster; {} (plain decoding) when late, failed or off."""
+        if self.speculation is None or self.cfg.speculation.mode == "off" or not rids:
             return {}
         spec = self.cfg.speculation
         ks = self.controller.choose(rids) if self.controller else {r: spec.k for r in rids}
         # Gamma_max: shorten the longest drafts until the total fits (CoSine Alg. 2)
         while sum(ks.values()) > spec.gamma_max:
-            longest = max(ks, key=ks.get)
-            ks[longest] -= 1
-        batch = [{"rid": r, "context": self.engine.context(r), "k": ks[r], "budget": min(spec.tree_budget,
-                  max(ks[r], 1) * 2)} for r in rids if ks[r] > 0]
+            ks[max(ks, key=ks.get)] -= 1
+        batch = [{"rid": r, "context": self.engine.context(r), "k": ks[r],
+                  "budget": min(spec.tree_budget, 2 * ks[r])} for r in rids if ks[r] > 0]
         if not batch:
             return {}
         t = time.perf_counter()
@@ -138,48 +139,67 @@ class VerifierDeployment:
         return {r: draft_from_dict(d) for r, d in raw.items()}
 
     async def _loop(self) -> None:
+        """Two halves of the pool take turns: while one half is verified (in a worker thread), the other half's
+        drafts are being produced by the speculation cluster (CoSine's pipeline)."""
+        tasks: dict[int, asyncio.Task] = {}
+        turn = 0
         while True:
             released = await self._drain_inbox(block=not self.engine.has_unfinished())
             if released and self.speculation is not None:
                 self.speculation.release.remote(released)
             if not self.engine.has_unfinished():
+                tasks.clear()
                 continue
-            drafts = await self._drafts()
+            self.engine.admit()
+            members = [r for r in self.engine.running if self.group.get(r, 0) == turn]
+            if not members:
+                turn = 1 - turn
+                members = [r for r in self.engine.running if self.group.get(r, 0) == turn]
+            task = tasks.pop(turn, None)
+            drafts = await task if task is not None else await self._drafts(members)
+            drafts = {r: d for r, d in drafts.items() if r in self.engine.running}
             t = time.perf_counter()
             try:
-                outs = await asyncio.to_thread(self.engine.step, drafts)
+                outs = await asyncio.to_thread(self.engine.step, drafts, set(members))
             except Exception as e:  # noqa: BLE001 - an engine failure fails the requests in it, not the replica
                 logger.exception("verify step failed")
-                for rid in list(self.engine.running):
+                for rid in members:
                     self.engine.abort(rid)
                     live = self.live.pop(rid, None)
                     if live:
                         live.queue.put_nowait(RuntimeError(f"verification failed: {e}"))
                 continue
             self.metrics.verify_seconds.append(time.perf_counter() - t)
+            self._dispatch(outs)
+            nxt = [r for r in self.engine.running if self.group.get(r, 0) == turn]
+            if nxt:  # this half's next drafts are produced while the other half is verified
+                tasks[turn] = asyncio.get_running_loop().create_task(self._drafts(nxt))
+            turn = 1 - turn
+
+    def _dispatch(self, outs) -> None:
+        if self.controller:
+            self.controller.verify.observe(self.engine.last_step_tokens, self.engine.last_verify_seconds)
+        finished = []
+        for o in outs:
             if self.controller:
-                self.controller.verify.observe(self.engine.last_step_tokens, self.engine.last_verify_seconds)
-            finished = []
-            for o in outs:
+                self.controller.observe_acceptance(o.request_id, o.num_draft_tokens, o.num_accepted_tokens)
+            chunk = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason,
+                     "num_draft_tokens": o.num_draft_tokens, "num_accepted_tokens": o.num_accepted_tokens,
+                     "accepted_drafters": o.accepted_drafters}
+            if o.finished:
+                finished.append(o.request_id)
+                chunk["usage"] = self.engine.finished_stats(o.request_id) or {}
+                self.group.pop(o.request_id, None)
                 if self.controller:
-                    self.controller.observe_acceptance(o.request_id, o.num_draft_tokens, o.num_accepted_tokens)
-                live = self.live.get(o.request_id)
-                chunk = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason,
-                         "num_draft_tokens": o.num_draft_tokens, "num_accepted_tokens": o.num_accepted_tokens,
-                         "accepted_drafters": o.accepted_drafters}
+                    self.controller.release(o.request_id)
+            live = self.live.get(o.request_id)
+            if live is not None:
+                live.generated += len(o.new_token_ids)
+                live.queue.put_nowait(chunk)
                 if o.finished:
-                    finished.append(o.request_id)
-                    stats = self.engine.finished_stats(o.request_id) or {}
-                    chunk["usage"] = stats
-                    if self.controller:
-                        self.controller.release(o.request_id)
-                if live is not None:
-                    live.generated += len(o.new_token_ids)
-                    live.queue.put_nowait(chunk)
-                    if o.finished:
-                        self.live.pop(o.request_id, None)
-            if finished and self.speculation is not None:
-                self.speculation.release.remote(finished)
+                    self.live.pop(o.request_id, None)
+        if finished and self.speculation is not None:
+            self.speculation.release.remote(finished)
 
 
 class _Metrics:

@@ -29,3 +29,19 @@ def test_bad_configs_are_rejected_with_a_clear_message(bad, needle):
     with pytest.raises(ValidationError) as e:
         AppConfig.model_validate(_cfg(**bad))
     assert needle in str(e.value)
+
+
+def test_shipped_serve_configs_validate_against_both_schemas():
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    root = Path(__file__).resolve().parent.parent
+    for name in ("cluster.yaml", "examples/local.yaml"):
+        doc = yaml.safe_load((root / name).read_text())
+        ServeDeploySchema.model_validate(doc) if hasattr(ServeDeploySchema, "model_validate") \
+            else ServeDeploySchema.parse_obj(doc)
+        for app in doc["applications"]:
+            assert app["import_path"] == "serve_app.graph:build_app"
+            AppConfig.model_validate(app["args"])

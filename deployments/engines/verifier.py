@@ -109,6 +109,9 @@ class TorchVerifierEngine:
         r = self.running.get(rid) or self.waiting[rid]
         return _stats(r)
 
+    def admit(self) -> None:
+        self._admit()
+
     def _admit(self) -> None:
         """Move waiting requests into free slots and prefill their prompts (all but the last token)."""
         joining = []
@@ -125,13 +128,16 @@ class TorchVerifierEngine:
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def step(self, drafts: dict[str, Draft | None] | None = None) -> list[StepOutput]:
+    def step(self, drafts: dict[str, Draft | None] | None = None, only: set[str] | None = None) -> list[StepOutput]:
+        """Advance every running request (or those in `only`: pipelined callers step half the pool at a time)."""
         drafts = drafts or {}
         self._admit()
         if not self.running:
             return []
         rids, inputs, parents, used = [], [], [], {}
         for rid, req in self.running.items():
+            if only is not None and rid not in only:
+                continue
             draft = drafts.get(rid)
             room = min(self.max_draft_tokens, self.max_len - self.runner.length(rid) - 1,
                        req.params.max_tokens - len(req.generated) - 1)
@@ -143,6 +149,8 @@ class TorchVerifierEngine:
             rids.append(rid)
             inputs.append([req.last_token] + (draft.tokens if draft else []))
             parents.append([-1] + ([p + 1 for p in draft.parents] if draft else []))
+        if not rids:
+            return []
         t = time.perf_counter()
         logits = self.runner.forward(rids, inputs, parents)
         self.forward_passes += 1
