@@ -1,4 +1,4 @@
-"""The drafter deployment: one per domain, a thin Serve wrapper around `DrafterEngine`.
+"""The drafter deployment: one per domain, a thin Serve wrapper around `DrafterServer` (plain, testable).
 
 The fusion node calls `step` in lockstep for all requests routed to this drafter. Each item either carries the
 request's full committed context (first step of a round: the engine keeps the agreeing cached prefix, so a
@@ -20,29 +20,22 @@ def proposal_dict(p) -> dict:
             "context_loglik": p.context_loglik}
 
 
-@serve.deployment(name="Drafter")
-class DrafterDeployment:
-    def __init__(self, name: str, model: str, max_requests: int = 64, max_len: int = 2048):
-        from serve_app.paths import model_path
-
+class DrafterServer:
+    def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048):
         self.name = name
-        self.engine = DrafterEngine(str(model_path(model)), name=name, max_requests=max_requests, max_len=max_len)
-        self.lock = asyncio.Lock()  # the engine is not re-entrant; steps of concurrent callers queue up
+        self.engine = DrafterEngine(model, name=name, max_requests=max_requests, max_len=max_len)
 
-    async def step(self, items: list[dict]) -> dict[str, dict]:
-        """items: {"rid", "context": [...]} or {"rid", "feed": [...]}, plus "temperature", "seed"."""
-        async with self.lock:
-            return await asyncio.get_running_loop().run_in_executor(None, self._step, items)
-
-    def _step(self, items: list[dict]) -> dict[str, dict]:
+    def step(self, items: list[dict]) -> dict[str, dict]:
+        """items: {"rid", "context": [...]} or {"rid", "feed": [...]}; "score_context" asks for the context's
+        log-likelihood (cold-start routing)."""
         rids = []
         for it in items:
             rid = it["rid"]
+            if "context" not in it and rid not in self.engine:
+                continue  # lost this request mid-round (e.g. a restart): sit the round out, rebuild next round
             try:
-                if "context" in it or rid not in self.engine:
-                    if "context" not in it:
-                        continue  # lost this request mid-round: sit the round out, rebuild next round
-                    self.engine.sync(rid, it["context"], it.get("temperature", 0.0), it.get("seed"))
+                if "context" in it:
+                    self.engine.sync(rid, it["context"])
                 else:
                     self.engine.feed(rid, it["feed"])
             except CacheFull:
@@ -54,11 +47,27 @@ class DrafterDeployment:
         want_loglik = any(it.get("score_context") for it in items)
         return {r: proposal_dict(p) for r, p in self.engine.step(rids, want_loglik=want_loglik).items()}
 
+    def release(self, rids: list[str]) -> None:
+        for r in rids:
+            if r in self.engine:
+                self.engine.release(r)
+
+
+@serve.deployment(name="Drafter")
+class DrafterDeployment:
+    def __init__(self, name: str, model: str, max_requests: int = 64, max_len: int = 2048):
+        from serve_app.paths import model_path
+
+        self.server = DrafterServer(name, str(model_path(model)), max_requests, max_len)
+        self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
+
+    async def step(self, items: list[dict]) -> dict[str, dict]:
+        async with self.lock:
+            return await asyncio.to_thread(self.server.step, items)
+
     async def release(self, rids: list[str]) -> None:
         async with self.lock:
-            for r in rids:
-                if r in self.engine:
-                    self.engine.release(r)
+            self.server.release(rids)
 
     def check_health(self) -> None:
         pass

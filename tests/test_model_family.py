@@ -49,7 +49,7 @@ def test_model_loads_and_predicts_domain_text(models, tokenizer, heldout, name):
     ids = torch.tensor([tokenizer(heldout["literature"][0], add_special_tokens=False).input_ids[:128]])
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss
-    assert torch.exp(loss) < 400
+    assert torch.exp(loss) < (400 if name == "target" else 1500)
 
 
 def test_drafters_are_much_cheaper_than_target(models):
