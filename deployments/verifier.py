@@ -132,10 +132,10 @@ class VerifierDeployment:
         try:
             raw = await asyncio.wait_for(self.speculation.draft.remote(batch), spec.draft_timeout_ms / 1000)
         except Exception as e:  # noqa: BLE001 - late or failed drafts: decode without them
-            self.metrics.draft_failures += 1
+            self.metrics.draft_round(None)
             logger.warning("drafts unavailable this step (%r); decoding without them", e)
             return {}
-        self.metrics.draft_seconds.append(time.perf_counter() - t)
+        self.metrics.draft_round(time.perf_counter() - t)
         return {r: draft_from_dict(d) for r, d in raw.items()}
 
     async def _loop(self) -> None:
@@ -169,7 +169,7 @@ class VerifierDeployment:
                     if live:
                         live.queue.put_nowait(RuntimeError(f"verification failed: {e}"))
                 continue
-            self.metrics.verify_seconds.append(time.perf_counter() - t)
+            self.metrics.verify_step(time.perf_counter() - t, drafts, outs, len(self.live))
             self._dispatch(outs)
             nxt = [r for r in self.engine.running if self.group.get(r, 0) == turn]
             if nxt:  # this half's next drafts are produced while the other half is verified
@@ -203,7 +203,61 @@ class VerifierDeployment:
 
 
 class _Metrics:
+    """Prometheus metrics through Ray Serve (exported by every node's metrics agent), plus recent timings."""
+
+    LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+
     def __init__(self):
+        from collections import deque
+
+        from ray.serve import metrics as m
+
         self.draft_failures = 0
-        self.draft_seconds: list[float] = []
-        self.verify_seconds: list[float] = []
+        self.draft_seconds: deque = deque(maxlen=512)
+        self.verify_seconds: deque = deque(maxlen=512)
+        self.drafted = m.Counter("cosine_draft_tokens", "draft tokens verified, by drafter", tag_keys=("drafter",))
+        self.accepted = m.Counter("cosine_accepted_tokens", "draft tokens accepted, by drafter",
+                                  tag_keys=("drafter",))
+        self.drafts = m.Counter("cosine_drafts", "drafts verified (one per request and step), by drafter",
+                                tag_keys=("drafter",))
+        self.generated = m.Counter("cosine_generated_tokens", "tokens committed to clients")
+        self.steps = m.Counter("cosine_verify_steps", "verifier forward passes")
+        self.fallbacks = m.Counter("cosine_draft_fallbacks", "steps decoded without drafts (late or failed)")
+        self.draft_ms = m.Histogram("cosine_draft_latency_ms", "speculation round latency seen by the verifier",
+                                    boundaries=self.LATENCY_MS)
+        self.verify_ms = m.Histogram("cosine_verify_latency_ms", "verify step latency", boundaries=self.LATENCY_MS)
+        self.in_flight = m.Gauge("cosine_requests_in_flight", "requests in the verifier's pool")
+        self.mal = m.Gauge("cosine_mean_accepted_length", "recent mean accepted length (bonus included), by drafter",
+                           tag_keys=("drafter",))
+        self._recent: dict[str, deque] = {}
+
+    def draft_round(self, seconds: float | None) -> None:
+        if seconds is None:
+            self.draft_failures += 1
+            self.fallbacks.inc()
+        else:
+            self.draft_seconds.append(seconds)
+            self.draft_ms.observe(seconds * 1000)
+
+    def verify_step(self, seconds: float, drafts: dict, outs: list, in_flight: int) -> None:
+        from collections import Counter, deque
+
+        self.verify_seconds.append(seconds)
+        self.verify_ms.observe(seconds * 1000)
+        self.steps.inc()
+        self.in_flight.set(in_flight)
+        for o in outs:
+            if o.new_token_ids:
+                self.generated.inc(len(o.new_token_ids))
+            d = drafts.get(o.request_id)
+            if d is None or not d.drafters:
+                continue
+            for name, n in Counter(x for x in d.drafters if x).items():
+                self.drafted.inc(n, tags={"drafter": name})
+                self.drafts.inc(tags={"drafter": name})
+                acc = sum(1 for a in o.accepted_drafters if a == name)
+                if acc:
+                    self.accepted.inc(acc, tags={"drafter": name})
+                q = self._recent.setdefault(name, deque(maxlen=200))
+                q.append(1 + acc)
+                self.mal.set(sum(q) / len(q), tags={"drafter": name})
