@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRA ?= cpu
 
-.PHONY: setup run test bench-target acceptance-matrix clean
+.PHONY: setup run serve test bench-target bench-engine acceptance-matrix clean
 
 setup: $(VENV)/.installed
 
@@ -20,11 +20,18 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(VENV)/bin/cosine generate --model target --drafter auto --max-tokens 64
 
+# The serving graph on this machine (OpenAI API on 127.0.0.1:8000) with the shipped models.
+serve: setup
+	$(VENV)/bin/serve run examples/local.yaml
+
 test: setup
 	$(VENV)/bin/pytest -q tests
 
 bench-target: setup
 	$(VENV)/bin/cosine models bench-target
+
+bench-engine: setup
+	$(VENV)/bin/cosine bench engine
 
 acceptance-matrix: setup
 	$(VENV)/bin/cosine models acceptance-matrix

@@ -147,7 +147,7 @@ class IngressDeployment:
         async def events():
             try:
                 if chat:
-                    yield _sse(P.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None))
+                    yield P.sse(P.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None))
                 n = 0
                 async for chunk in gen:
                     n += len(chunk["token_ids"])
@@ -156,18 +156,18 @@ class IngressDeployment:
                     if text or reason:
                         body = (P.chat_chunk(rid, self.model_name, created, {"content": text} if text else {}, reason)
                                 if chat else P.completion_chunk(rid, self.model_name, created, text, reason))
-                        yield _sse(body)
+                        yield P.sse(body)
                     if chunk["finished"]:
                         if include_usage:
-                            u = P.usage(len(prompt_ids), n, _spec_usage(chunk))
+                            u = P.usage(len(prompt_ids), n, P.spec_usage(chunk))
                             obj = "chat.completion.chunk" if chat else "text_completion"
-                            yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                            yield P.sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                         "choices": [], "usage": u})
                         break
                 yield "data: [DONE]\n\n"
             except Exception as e:  # noqa: BLE001
                 logger.exception("request %s failed", rid)
-                yield _sse(P.APIError(500, f"generation failed: {e}", type_="server_error").body())
+                yield P.sse(P.APIError(500, f"generation failed: {e}", type_="server_error").body())
             finally:
                 self.in_flight -= 1
                 gen.cancel()
@@ -187,23 +187,10 @@ class IngressDeployment:
             return self._error(P.APIError(500, f"generation failed: {e}", type_="server_error"))
         finally:
             self.in_flight -= 1
-        u = P.usage(len(prompt_ids), len(ids), _spec_usage(last))
+        u = P.usage(len(prompt_ids), len(ids), P.spec_usage(last))
         if chat:
             return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                  "logprobs": None, "finish_reason": reason}], "usage": u}
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}], "usage": u}
-
-
-def _spec_usage(chunk: dict) -> dict:
-    s = chunk.get("usage") or {}
-    return {"mean_acceptance_length": round(s.get("mean_acceptance_length", 1.0), 4),
-            "draft_acceptance_rate": round(s.get("draft_acceptance_rate", 0.0), 4),
-            "num_draft_tokens": s.get("num_draft_tokens", 0),
-            "num_accepted_tokens": s.get("num_accepted_tokens", 0),
-            "drafters_used": s.get("drafters_used", [])}
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -105,3 +106,16 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish_reaso
 
 def now() -> int:
     return int(time.time())
+
+
+def spec_usage(chunk: dict) -> dict:
+    s = chunk.get("usage") or {}
+    return {"mean_acceptance_length": round(s.get("mean_acceptance_length", 1.0), 4),
+            "draft_acceptance_rate": round(s.get("draft_acceptance_rate", 0.0), 4),
+            "num_draft_tokens": s.get("num_draft_tokens", 0),
+            "num_accepted_tokens": s.get("num_accepted_tokens", 0),
+            "drafters_used": s.get("drafters_used", [])}
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
