@@ -86,9 +86,10 @@ class SpeculationCoordinator:
         return {r: _proposal(d) for r, d in raw.items()}
 
     async def draft(self, batch: list[dict], step_fn: StepFn, budget: int = 8) -> dict[str, Draft]:
-        """batch items: {"rid", "context": [...], "k": int, "budget": int (optional)}."""
+        """batch items: {"rid", "context": [...], "k": int} and optionally "budget" (tree nodes), and the
+        per-request overrides "drafters" (fixed list, no routing), "routing" ("router" | "random"), "fusion"."""
         t0 = time.perf_counter()
-        ks, contexts, chosen, first = {}, {}, {}, set()
+        ks, contexts, chosen, first, fuse = {}, {}, {}, set(), {}
         for it in batch:
             rid, ctx, k = it["rid"], it["context"], it.get("k", 4)
             if k <= 0:
@@ -99,8 +100,14 @@ class SpeculationCoordinator:
                 first.add(rid)
             else:
                 self._feedback(rid, ctx)
-            if self.fixed:
-                chosen[rid] = list(self.fixed)
+            fuse[rid] = it.get("fusion", self.fusion)
+            fixed = it.get("drafters") or self.fixed
+            if fixed:
+                chosen[rid] = [n for n in fixed if n in self.drafters]
+                first.discard(rid)  # no cold start scoring when the drafters are fixed
+            elif it.get("routing") == "random":
+                chosen[rid] = self.router.rng.sample(self.drafters, self.router.config.drafters_per_request)
+                first.discard(rid)
             elif rid in first:
                 chosen[rid] = list(self.drafters)  # cold start: everyone scores the prompt
             else:
@@ -147,14 +154,14 @@ class SpeculationCoordinator:
                     continue
                 for n, p in props.items():
                     chains[r][n].append(p)
-                if self.fusion:
+                if fuse[r]:
                     tok = fusers[r].step(props)
                     feed[r] = {n: tok for n in props}
                 else:
                     feed[r] = {n: p.token for n, p in props.items()}
         drafts = {}
         for r in ks:
-            if self.fusion:
+            if fuse[r]:
                 d = fusers[r].build() if fusers[r].chain else None
             else:
                 tb = TreeBuilder(merge=True)

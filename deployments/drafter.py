@@ -8,6 +8,7 @@ replica that never saw the request, or restarted, simply rebuilds it) or the tok
 from __future__ import annotations
 
 import asyncio
+import time
 
 from ray import serve
 
@@ -61,9 +62,12 @@ class DrafterDeployment:
         self.server = DrafterServer(name, str(model_path(model)), max_requests, max_len)
         self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
 
-    async def step(self, items: list[dict]) -> dict[str, dict]:
+    async def step(self, items: list[dict]) -> dict:
+        """{"proposals": {rid: proposal}, "compute_ms": time spent in the engine} (the rest of a call is hops)."""
         async with self.lock:
-            return await asyncio.to_thread(self.server.step, items)
+            t = time.perf_counter()
+            proposals = await asyncio.to_thread(self.server.step, items)
+            return {"proposals": proposals, "compute_ms": (time.perf_counter() - t) * 1000}
 
     async def release(self, rids: list[str]) -> None:
         async with self.lock:

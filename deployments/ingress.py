@@ -54,10 +54,12 @@ class IngressDeployment:
 
         self.cfg = AppConfig.model_validate(config)
         self.tokenizer = load_tokenizer(self.cfg)
+        self.verifier_calls = verifier
         self.verifier = verifier.options(stream=True)
         self.model_name = self.cfg.ingress.model_name
         self.max_len = self.cfg.verifier.max_len
         self.in_flight = 0
+        self.drafter_names = {d.name for d in self.cfg.drafters}
 
     # ------------------------------------------------------------------ helpers
     def _error(self, e: P.APIError) -> JSONResponse:
@@ -88,8 +90,13 @@ class IngressDeployment:
         elif max_tokens > room:
             raise P.APIError(400, f"max_tokens={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the "
                              f"context of {self.max_len}", param="max_tokens", code="context_length_exceeded")
+        if req.speculation and req.speculation.drafters:
+            unknown = sorted(set(req.speculation.drafters) - self.drafter_names)
+            if unknown:
+                raise P.APIError(400, f"unknown drafters {unknown}; known: {sorted(self.drafter_names)}",
+                                 param="speculation.drafters")
         return {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-                "seed": req.seed, "stop": req.stops()}
+                "seed": req.seed, "stop": req.stops(), "ignore_eos": req.ignore_eos}
 
     def _admit(self) -> None:
         if self.in_flight >= self.cfg.ingress.max_queued_requests:
@@ -100,6 +107,10 @@ class IngressDeployment:
     @app.get("/health")
     def health(self) -> dict:
         return {"status": "ok"}
+
+    @app.get("/v1/internal/speculation_stats")
+    async def speculation_stats(self) -> dict:
+        return await self.verifier_calls.speculation_stats.remote()
 
     @app.get("/v1/models")
     def models(self) -> dict:
@@ -140,7 +151,8 @@ class IngressDeployment:
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         created = P.now()
         self.in_flight += 1
-        gen = self.verifier.generate.remote(prompt_ids, params, rid)
+        spec = req.speculation.model_dump() if req.speculation else None
+        gen = self.verifier.generate.remote(prompt_ids, params, rid, spec)
         detok = _Detokenizer(self.tokenizer, params["stop"])
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

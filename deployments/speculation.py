@@ -3,6 +3,8 @@ holding handles to the drafter deployments."""
 
 from __future__ import annotations
 
+import time
+
 from ray import serve
 
 from deployments.coordinator import SpeculationCoordinator
@@ -26,13 +28,28 @@ class SpeculationDeployment:
             list(drafters), RoutingConfig(**cfg.routing.model_dump()), target_input_embeddings(cfg),
             fusion=spec.fusion and spec.mode == "cosine", fixed_drafters=fixed)
         self.budget = spec.tree_budget
+        self.timing = {"rounds": 0, "round_ms": 0.0, "drafter_calls": 0, "drafter_call_ms": 0.0,
+                       "drafter_compute_ms": 0.0, "lockstep_depths": 0}
 
     async def _step(self, name: str, items: list[dict]) -> dict:
-        return await self.handles[name].step.remote(items)
+        t = time.perf_counter()
+        out = await self.handles[name].step.remote(items)
+        self.timing["drafter_calls"] += 1
+        self.timing["drafter_call_ms"] += (time.perf_counter() - t) * 1000
+        self.timing["drafter_compute_ms"] += out["compute_ms"]
+        return out["proposals"]
 
     async def draft(self, batch: list[dict]) -> dict[str, dict]:
+        t = time.perf_counter()
         drafts = await self.coordinator.draft(batch, self._step, self.budget)
+        self.timing["rounds"] += 1
+        self.timing["round_ms"] += (time.perf_counter() - t) * 1000
+        self.timing["lockstep_depths"] += max((it.get("k", 0) for it in batch), default=0)
         return {r: draft_to_dict(d) for r, d in drafts.items()}
+
+    def stats(self) -> dict:
+        """Where a speculation round's time goes: drafter compute vs. the hops around it."""
+        return dict(self.timing, **self.coordinator.stats)
 
     async def release(self, rids: list[str]) -> None:
         per: dict[str, list[str]] = {}

@@ -29,6 +29,7 @@ class _Live:
     queue: asyncio.Queue
     params: SamplingParams
     prompt_len: int
+    speculation: dict = field(default_factory=dict)  # per-request override (see serve_app.protocol)
     generated: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -63,12 +64,13 @@ class VerifierDeployment:
         self.metrics = _Metrics()
 
     # ------------------------------------------------------------------ API
-    async def generate(self, prompt_ids: list[int], params: dict, request_id: str | None = None):
+    async def generate(self, prompt_ids: list[int], params: dict, request_id: str | None = None,
+                       speculation: dict | None = None):
         """Yields {"token_ids": [...], "finished": bool, "finish_reason", "usage"?} chunks."""
         self._ensure_loop()
         rid = request_id or f"v-{next(self.ids)}"
         sp = SamplingParams(**params)
-        live = _Live(asyncio.Queue(), sp, len(prompt_ids))
+        live = _Live(asyncio.Queue(), sp, len(prompt_ids), speculation or {})
         self.live[rid] = live
         self.group[rid] = next(self.arrivals) % 2
         await self.inbox.put(("add", rid, prompt_ids, sp))
@@ -87,6 +89,16 @@ class VerifierDeployment:
 
     def running(self) -> int:
         return len(self.live)
+
+    async def speculation_stats(self) -> dict:
+        """Timings of the draft/verify loop and of the speculation rounds (for `cosine bench serve`)."""
+        m = self.metrics
+        out = {"verify_steps": len(m.verify_seconds), "draft_fallbacks": m.draft_failures,
+               "verify_ms_recent": 1000 * sum(m.verify_seconds) / max(1, len(m.verify_seconds)),
+               "draft_round_ms_recent": 1000 * sum(m.draft_seconds) / max(1, len(m.draft_seconds))}
+        if self.speculation is not None:
+            out.update(await self.speculation.stats.remote())
+        return out
 
     def check_health(self) -> None:
         if self.loop_task is not None and self.loop_task.done() and self.loop_task.exception():
@@ -120,12 +132,24 @@ class VerifierDeployment:
         if self.speculation is None or self.cfg.speculation.mode == "off" or not rids:
             return {}
         spec = self.cfg.speculation
-        ks = self.controller.choose(rids) if self.controller else {r: spec.k for r in rids}
+        caps = {}
+        for r in rids:
+            o = self.live[r].speculation if r in self.live else {}
+            caps[r] = 0 if not o.get("enabled", True) else min(spec.k, o.get("max_draft_tokens") or spec.k)
+        ks = self.controller.choose(rids, caps) if self.controller else caps
         # Gamma_max: shorten the longest drafts until the total fits (CoSine Alg. 2)
         while sum(ks.values()) > spec.gamma_max:
             ks[max(ks, key=ks.get)] -= 1
-        batch = [{"rid": r, "context": self.engine.context(r), "k": ks[r],
-                  "budget": min(spec.tree_budget, 2 * ks[r])} for r in rids if ks[r] > 0]
+        batch = []
+        for r in rids:
+            if ks[r] <= 0:
+                continue
+            item = {"rid": r, "context": self.engine.context(r), "k": ks[r], "budget": min(spec.tree_budget, 2 * ks[r])}
+            o = self.live[r].speculation if r in self.live else {}
+            for key in ("drafters", "routing", "fusion"):
+                if o.get(key) is not None:
+                    item[key] = o[key]
+            batch.append(item)
         if not batch:
             return {}
         t = time.perf_counter()

@@ -201,7 +201,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
     e.add_argument("--json", default="bench_results/engine.json")
     e.set_defaults(func=_bench_engine)
+    sv = bsub.add_parser("serve", help="the running application: speculation variants side by side")
+    sv.add_argument("--url", default="http://127.0.0.1:8000")
+    sv.add_argument("--model", default="cosine-target")
+    sv.add_argument("--per-domain", type=int, default=2)
+    sv.add_argument("--new-tokens", type=int, default=128)
+    sv.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    sv.add_argument("--json", default="bench_results/serve.json")
+    sv.set_defaults(func=_bench_serve)
     return p
+
+
+def _bench_serve(args) -> int:
+    from benchmarks.serve import main as bench_main
+
+    return bench_main(args)
 
 
 def _bench_engine(args) -> int:

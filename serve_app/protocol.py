@@ -36,6 +36,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class SpeculationOverride(BaseModel):
+    """Per-request control of speculation (an extension field `speculation` of both endpoints)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    max_draft_tokens: int | None = Field(None, ge=0, le=32)
+    drafters: list[str] | None = None  # fixed drafters: bypass routing
+    routing: Literal["router", "random"] = "router"
+    fusion: bool | None = None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored, as OpenAI-compatible servers do
     model: str
@@ -50,6 +61,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int = 1
+    speculation: SpeculationOverride | None = None
+    ignore_eos: bool = False  # as in vLLM: keep generating past EOS (benchmarks with fixed lengths)
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -114,6 +127,8 @@ def spec_usage(chunk: dict) -> dict:
             "draft_acceptance_rate": round(s.get("draft_acceptance_rate", 0.0), 4),
             "num_draft_tokens": s.get("num_draft_tokens", 0),
             "num_accepted_tokens": s.get("num_accepted_tokens", 0),
+            "num_drafts": s.get("num_drafts", 0),
+            "verify_steps": s.get("verify_steps", 0),
             "drafters_used": s.get("drafters_used", [])}
 
 
