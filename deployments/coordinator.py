@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -55,9 +56,12 @@ class SpeculationCoordinator:
         self.rounds: dict[str, _Round] = {}
         self.where: dict[str, set[str]] = {}  # drafters holding a cache for the request
         self.stats = {"rounds": 0, "drafter_failures": 0, "step_seconds": 0.0}
+        self.routing_history: deque = deque(maxlen=1024)  # (rid, drafters ranked first..last) at release
 
     def release(self, rid: str) -> set[str]:
         """Forget the request; returns the drafters that must free its cache."""
+        if rid in self.router.requests:
+            self.routing_history.append((rid, self.router.ranking(rid)))
         self.router.release(rid)
         self.rounds.pop(rid, None)
         return self.where.pop(rid, set())

@@ -73,5 +73,9 @@ class DrafterDeployment:
         async with self.lock:
             self.server.release(rids)
 
+    def num_requests(self) -> int:
+        """Requests holding a KV cache here (0 once every request has finished or been cancelled)."""
+        return len(self.server.engine.states)
+
     def check_health(self) -> None:
         pass

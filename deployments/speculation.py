@@ -59,6 +59,6 @@ class SpeculationDeployment:
         for n, rs in per.items():
             self.handles[n].release.remote(rs)
 
-    def routing_ranking(self, rid: str) -> list[str] | None:
-        r = self.coordinator.router
-        return r.ranking(rid) if rid in r.requests else None
+    def routing_history(self) -> list[tuple[str, list[str]]]:
+        """(request id, drafters by routing score) of recently finished requests."""
+        return list(self.coordinator.routing_history)

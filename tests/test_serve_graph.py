@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 def app_config() -> dict:
     return {
-        "ingress": {"model_name": MODEL, "max_queued_requests": 32},
+        "ingress": {"model_name": MODEL, "max_queued_requests": 6},
         "verifier": {"model": "target", "max_batch": 8, "max_len": 512},
         "speculation": {"mode": "cosine", "k": 4, "tree_budget": 8, "draft_timeout_ms": 2000},
         "drafters": [{"name": d, "model": f"drafter-{d}"} for d in list(DOMAINS) + ["generic"]],
@@ -123,3 +123,90 @@ def test_bad_requests_get_openai_errors(server, body, status, needle):
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
     assert _chat(server, "still serving?").status_code == 200
+
+
+def _handle(name):
+    from ray import serve
+
+    return serve.get_deployment_handle(name, app_name="cosine")
+
+
+def _wait(pred, timeout=60.0):
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_client_disconnect_cancels_and_releases_caches(server):
+    body = {"model": MODEL, "prompt": "The court held that", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+            if chunks >= 3:
+                break  # hang up mid-generation
+    assert _wait(lambda: _handle("Verifier").running.remote().result() == 0)
+    names = list(DOMAINS) + ["generic"]
+    assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
+
+
+def test_routing_ranks_the_prompts_own_domain_first(server, tokenizer, heldout):
+    hits = total = 0
+    for d in DOMAINS:
+        for text in heldout[d][30:34]:
+            ids = tokenizer(text, add_special_tokens=False).input_ids[:64]
+            r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 12,
+                                                              "temperature": 0}, timeout=120)
+            assert r.status_code == 200
+            rid = r.json()["id"]
+            history = dict(_handle("Speculation").routing_history.remote().result())
+            total += 1
+            hits += history[rid][0] == d
+    assert hits >= 0.8 * total, f"{hits}/{total}"
+
+
+def test_a_killed_drafter_does_not_break_the_request(server, tokenizer, target, heldout):
+    import threading
+
+    import ray
+    from ray.util.state import list_actors
+
+    ids = tokenizer(heldout["code"][40], add_special_tokens=False).input_ids[:48]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 96, "temperature": 0, "ignore_eos": True,
+            "speculation": {"drafters": ["code"], "fusion": False}}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=httpx.post(f"{server}/v1/completions", json=body, timeout=300)))
+    t.start()
+    actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "Drafter-code" in (a.name or "")]
+    assert actors
+    ray.kill(ray.get_actor(actors[0].name, namespace="serve"), no_restart=False)
+    t.join(300)
+    r = result["r"]
+    assert r.status_code == 200
+    want = greedy_continue(target, torch.tensor([ids]), 96)[0, len(ids):].tolist()
+    assert r.json()["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    # Serve brings the drafter back and speculation resumes
+    def speculates():
+        u = httpx.post(f"{server}/v1/completions", json=body, timeout=300).json()["usage"]
+        return u["num_accepted_tokens"] > 0
+    assert _wait(speculates, timeout=120)
+
+
+def test_overload_gets_429_with_retry_after(server):
+    import concurrent.futures as cf
+
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    with cf.ThreadPoolExecutor(12) as pool:
+        rs = list(pool.map(lambda _: httpx.post(f"{server}/v1/completions", json=body, timeout=300), range(12)))
+    codes = sorted(r.status_code for r in rs)
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+    limited = next(r for r in rs if r.status_code == 429)
+    assert limited.headers["retry-after"] and limited.json()["error"]["type"] == "rate_limit_error"
