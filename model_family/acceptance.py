@@ -47,8 +47,8 @@ def _draft(drafter, contexts: list[torch.Tensor], k: int) -> torch.Tensor:
     rows = torch.arange(len(contexts))
     out = []
     for j in range(k):
-        logits = drafter(input_ids=batch[:, :int(lens.max()) + j]).logits
-        nxt = logits[rows, lens + j - 1].argmax(-1)
+        hidden = drafter.model(input_ids=batch[:, :int(lens.max()) + j]).last_hidden_state
+        nxt = drafter.lm_head(hidden[rows, lens + j - 1]).argmax(-1)  # the LM head only where it is needed
         batch[rows, lens + j] = nxt
         out.append(nxt)
     return torch.stack(out, dim=1)

@@ -75,10 +75,13 @@ def build_distill_set(target: LlamaForCausalLM, stream: np.ndarray, n_generated:
 
 
 def distill_drafter(config, sets: list[DistillSet], steps: int, batch: int, lr: float, seed: int,
-                    desc: str) -> tuple[LlamaForCausalLM, dict]:
-    """Train a drafter on the union of `sets`, drawing each row from a uniformly chosen set."""
+                    desc: str, init: LlamaForCausalLM | None = None) -> tuple[LlamaForCausalLM, dict]:
+    """Train a drafter on the union of `sets`, drawing each row from a uniformly chosen set; from scratch, or
+    fine-tuning `init` (a copy of it)."""
     set_seed(seed)
     model = LlamaForCausalLM(config)
+    if init is not None:
+        model.load_state_dict(init.state_dict())
     opt = _optimizer(model, lr)
     rng = np.random.default_rng(seed)
     start = time.time()

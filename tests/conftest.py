@@ -13,6 +13,7 @@ _CACHE = Path(tempfile.mkdtemp(prefix="cosine-test-cache-"))
 os.environ.setdefault("VLLM_CACHE_ROOT", str(_CACHE / "vllm"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE / "inductor"))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+RAY_TMP = str(_CACHE / "ray")  # Ray's session files and sockets, removed with the rest
 
 from model_family import DOMAINS  # noqa: E402
 from serve_app.paths import models_dir  # noqa: E402

@@ -23,12 +23,14 @@ def test_target_drafting_for_itself_accepts_everything(target, domain_prompt_ids
 
 def test_a_drafter_that_never_agrees_commits_one_token_per_round(target, domain_prompt_ids):
     class Contrarian(torch.nn.Module):
-        """Proposes the target's least likely token: never accepted."""
+        """The target with a negated LM head: proposes its least likely token, never accepted."""
 
-        def forward(self, input_ids):
-            out = target(input_ids=input_ids)
-            out.logits = -out.logits
-            return out
+        def __init__(self):
+            super().__init__()
+            self.model = target.model
+
+        def lm_head(self, hidden):
+            return -target.lm_head(hidden)
 
     prompts = torch.tensor(domain_prompt_ids["legal"][:1])
     seqs = target_continuations(target, prompts, 8)

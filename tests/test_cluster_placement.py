@@ -55,8 +55,11 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path):
     from ray.util.state import list_actors
 
     dash, http_port = _port(), _port()
+    from tests.conftest import RAY_TMP
+
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"verifier_node": 1}, "include_dashboard": True, "dashboard_port": dash})
+        "num_cpus": 2, "resources": {"verifier_node": 1}, "include_dashboard": True, "dashboard_port": dash,
+        "temp_dir": RAY_TMP})
     drafter_nodes = [cluster.add_node(num_cpus=2, resources={"drafter_node": 1}) for _ in range(2)]
     cluster.wait_for_nodes()
     cfg = tmp_path / "cluster-local.yaml"

@@ -137,3 +137,27 @@ def test_sampling_through_the_engines_matches_the_target(target, drafter_models,
     assert observed.sum() == n  # nothing outside the target's support
     assert chisquare(observed, expected / expected.sum() * n).pvalue > 1e-3
     assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
+
+
+def test_release_between_forward_and_commit_keeps_the_movers_new_tokens(target, mixed_prompts):
+    """The verifier releases a finished request while later requests of the same step are still uncommitted."""
+    runner = LlamaRunner(target, max_slots=3, max_len=512)
+    ctx = {}
+    for rid, p in zip("xyz", mixed_prompts[:3]):
+        runner.add(rid)
+        runner.forward([rid], [p])
+        runner.commit_all(rid, p)
+        ctx[rid] = list(p)
+    new = {"x": [41], "y": [42, 43], "z": [44, 45, 46]}
+    runner.forward(list(new), [new[r] for r in new], [[-1], [-1, 0], [-1, -1, 1]])
+    runner.commit("x", new["x"], [0])
+    runner.release("x")  # z (highest slot) moves into x's slot with its uncommitted nodes
+    runner.commit("y", new["y"], [0, 1])
+    runner.commit("z", new["z"], [1, 2])  # the tree path 1 -> 2
+    ctx["y"] += [42, 43]
+    ctx["z"] += [45, 46]
+    got = runner.forward(["y", "z"], [[50], [51]])
+    for r, probe, logits in zip("yz", (50, 51), got):
+        with torch.no_grad():
+            want = target(input_ids=torch.tensor([ctx[r] + [probe]])).logits[0, -1:]
+        assert torch.allclose(logits, want, atol=1e-4), r

@@ -44,7 +44,9 @@ def server():
     from serve_app.graph import build_app
 
     port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from tests.conftest import RAY_TMP
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(app_config()), name="cosine", route_prefix="/")
     yield f"http://127.0.0.1:{port}"

@@ -78,7 +78,7 @@ class LlamaRunner:
         last = len(self.requests)  # index of the highest occupied slot before the pop
         if gone.slot != last:
             mover = next(s for s in self.requests.values() if s.slot == last)
-            n = mover.length
+            n = mover.length + mover.pending  # written but not yet committed tokens move too
             self.k[:, gone.slot, :, :n] = self.k[:, last, :, :n]
             self.v[:, gone.slot, :, :n] = self.v[:, last, :, :n]
             mover.slot = gone.slot
