@@ -12,7 +12,7 @@ from serve_app.paths import REPO_ROOT, model_path, models_dir
 
 RECIPE_STEPS = ("corpora", "tokenizer", "target", "distill", "drafters", "matrix")
 # Wall-clock minutes of each step measured on a 2-core x86-64 CPU (see docs/model_card.md).
-STEP_MINUTES = {"corpora": 1, "tokenizer": 0.5, "target": 36, "distill": 15, "drafters": 20, "matrix": 5}
+STEP_MINUTES = {"corpora": 1, "tokenizer": 0.5, "target": 44, "distill": 20, "drafters": 20, "matrix": 3}
 
 
 def _models_train(args) -> int:
