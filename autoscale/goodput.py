@@ -8,6 +8,12 @@ in the number of tokens it processes, and T_draft the lockstep drafting time (on
 requests still drafting at that depth). k = 0 for everyone is plain decoding, so the choice is never worse than
 no speculation under the model: speculation is only switched on where it pays, e.g. not at large batches on a
 CPU where verifying k tokens costs almost k times one.
+
+Acceptance is only observed where drafts are verified, so a request held at k = 0 would never learn that its
+drafter had become good (or that the prior was too pessimistic). Two things keep the estimates alive: a new request
+starts from the pool's recent acceptance rather than a fixed prior, and a request held at k = 0 for
+`probe_interval` rounds drafts `probe_k` tokens once (exploration; a probe never changes the output, it only costs
+a little verify work).
 """
 
 from __future__ import annotations
@@ -60,49 +66,101 @@ class SpeculationController:
     verify: LinearLatency = field(default_factory=LinearLatency)
     draft: LinearLatency = field(default_factory=LinearLatency)  # one lockstep drafter step, in batch size
     drafters_per_request: int = 1  # draft work scales with the number of drafters in lockstep
+    # drafter groups (requests served by different drafter models) step one after another in one process;
+    # in the serving graph each domain's drafters are their own deployment and step in parallel
+    parallel_groups: bool = False
+    probe_interval: int = 8
+    probe_k: int = 2
     acceptance: dict[str, float] = field(default_factory=dict)
+    pool_acceptance: float | None = None  # over every request's recent rounds: the start of new requests
+    pool_counts: tuple = (0.0, 0.0)
+    counts: dict[str, tuple] = field(default_factory=dict)
+    idle_rounds: dict[str, int] = field(default_factory=dict)
 
     def observe_acceptance(self, rid: str, drafted: int, accepted: int) -> None:
+        """Per-token acceptance under the geometric model: the maximum-likelihood estimate is accepted tokens over
+        (accepted tokens + rejections), a chain having one rejection unless it was accepted whole; exponentially
+        decayed counts (weight `ema` on the newest round) follow drifting acceptance."""
         if drafted <= 0:
             return
-        rate = accepted / drafted
-        prev = self.acceptance.get(rid, self.prior_acceptance)
-        self.acceptance[rid] = (1 - self.ema) * prev + self.ema * rate
+        trials = accepted + (1 if accepted < drafted else 0)
+        s, t = self.counts.get(rid, (2 * self._start(), 2.0))  # the starting estimate weighs two trials
+        s, t = (1 - self.ema) * s + accepted, (1 - self.ema) * t + trials
+        self.counts[rid] = (s, t)
+        self.acceptance[rid] = s / t
+        ps, pt = self.pool_counts
+        self.pool_counts = (0.95 * ps + accepted, 0.95 * pt + trials)
+        self.pool_acceptance = self.pool_counts[0] / self.pool_counts[1]
+
+    def _start(self) -> float:
+        return self.prior_acceptance if self.pool_acceptance is None else self.pool_acceptance
 
     def release(self, rid: str) -> None:
         self.acceptance.pop(rid, None)
+        self.counts.pop(rid, None)
+        self.idle_rounds.pop(rid, None)
 
-    def _time(self, ks: list[int]) -> float:
+    def _time(self, ks: list[int], groups: list | None = None) -> float:
         verify = self.verify(sum(1 + k * self.drafters_per_request for k in ks))
-        draft = sum(self.draft(sum(1 for k in ks if k >= depth)) for depth in range(1, max(ks, default=0) + 1))
+        groups = groups or [0] * len(ks)
+        combine = max if self.parallel_groups else sum
+        draft = 0.0
+        for depth in range(1, max(ks, default=0) + 1):
+            per_group: dict = {}
+            for k, g in zip(ks, groups):
+                if k >= depth:
+                    per_group[g] = per_group.get(g, 0) + 1
+            draft += combine(self.draft(n) for n in per_group.values())
         return verify + draft * self.drafters_per_request
 
-    def choose(self, rids: list[str], k_caps: dict[str, int] | None = None) -> dict[str, int]:
+    def choose(self, rids: list[str], k_caps: dict[str, int] | None = None,
+               groups: dict[str, object] | None = None) -> dict[str, int]:
         """Greedy allocation: repeatedly set the one draft length (to any longer value) that raises goodput
         most, while any does. Jumps, not unit steps, because a drafter's fixed per-step cost can make k = 1
-        worse than k = 0 while k = 4 is better."""
+        worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s)."""
+        ks = self._allocate(rids, k_caps, groups)
+        for r in rids:  # exploration: a request held at k = 0 for long drafts a little once
+            if ks[r] > 0:
+                self.idle_rounds[r] = 0
+                continue
+            self.idle_rounds[r] = self.idle_rounds.get(r, 0) + 1
+            cap = min(self.k_max, (k_caps or {}).get(r, self.k_max))
+            if self.idle_rounds[r] > self.probe_interval and cap > 0:
+                ks[r] = min(self.probe_k, cap)
+                self.idle_rounds[r] = 0
+        return ks
+
+    def _allocate(self, rids, k_caps, groups) -> dict[str, int]:
         caps = {r: min(self.k_max, (k_caps or {}).get(r, self.k_max)) for r in rids}
         ks = {r: 0 for r in rids}
         if not rids:
             return ks
-        acc = {r: self.acceptance.get(r, self.prior_acceptance) for r in rids}
+        acc = {r: self.acceptance.get(r, self._start()) for r in rids}
+        group_list = [(groups or {}).get(r, 0) for r in rids]
 
         def goodput(kv: dict[str, int]) -> float:
-            t = self._time(list(kv.values()))
+            t = self._time(list(kv.values()), group_list)
             return sum(expected_tokens(acc[r], k) for r, k in kv.items()) / max(t, 1e-9)
 
         best = goodput(ks)
         while True:
+            # candidate moves: one request to a longer draft, or every request to at least j (drafting steps in
+            # lockstep, so their fixed cost is shared: all requests together can pay where one alone cannot)
             cand = None
             for r in rids:
                 old = ks[r]
                 for j in range(old + 1, caps[r] + 1):
                     ks[r] = j
                     g = goodput(ks)
-                    if g > best * (1 + 1e-3) and (cand is None or g > cand[2]):
-                        cand = (r, j, g)
+                    if g > best * (1 + 1e-3) and (cand is None or g > cand[1]):
+                        cand = ({**ks}, g)
                 ks[r] = old
+            for j in range(1, max(caps.values()) + 1):
+                kv = {r: max(ks[r], min(j, caps[r])) for r in rids}
+                if kv != ks:
+                    g = goodput(kv)
+                    if g > best * (1 + 1e-3) and (cand is None or g > cand[1]):
+                        cand = (kv, g)
             if cand is None:
                 return ks
-            ks[cand[0]] = cand[1]
-            best = cand[2]
+            ks, best = cand

@@ -161,3 +161,20 @@ def test_release_between_forward_and_commit_keeps_the_movers_new_tokens(target, 
         with torch.no_grad():
             want = target(input_ids=torch.tensor([ctx[r] + [probe]])).logits[0, -1:]
         assert torch.allclose(logits, want, atol=1e-4), r
+
+
+def test_prepacked_cpu_linears_match_plain_matmuls(target):
+    from deployments.engines.cpu_kernels import PackedLinears
+
+    packed = PackedLinears(target)
+    assert packed.enabled  # float32 on x86 CPU: the oneDNN path must be active, or the benchmarks mislead
+    lin = target.model.layers[0].mlp.gate_proj
+    for rows in (1, 3, 8):
+        x = torch.randn(2, rows, lin.in_features)
+        assert torch.allclose(packed(lin, x), lin(x), atol=1e-4)
+    plain = LlamaRunner(target, max_slots=1, max_len=64, prepack=False)
+    fast = LlamaRunner(target, max_slots=1, max_len=64)
+    for r in (plain, fast):
+        r.add("a")
+    ids = list(range(5, 25))
+    assert torch.allclose(plain.forward(["a"], [ids])[0], fast.forward(["a"], [ids])[0], atol=1e-4)

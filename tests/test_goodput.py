@@ -44,3 +44,44 @@ def test_linear_latency_fit():
     for n in range(1, 9):
         lat.observe(n, 0.01 + 0.002 * n)
     assert abs(lat.a - 0.01) < 1e-6 and abs(lat.b - 0.002) < 1e-6
+
+
+def test_a_request_held_at_zero_probes_and_recovers_when_drafts_turn_out_good():
+    # a pessimistic prior switches speculation off; probes observe the real acceptance and switch it back on
+    c = _ctrl(0.030, 0.006, 0.002, 0.0, acc=0.2)
+    assert c.choose(["a"])["a"] == 0  # the first call never probes
+    rounds_to_first_probe = None
+    for i in range(1, 40):
+        k = c.choose(["a"])["a"]
+        if k > 0:
+            rounds_to_first_probe = rounds_to_first_probe or i
+            c.observe_acceptance("a", drafted=k, accepted=k)  # every probe is accepted whole
+    assert rounds_to_first_probe == c.probe_interval
+    assert c.choose(["a"])["a"] >= 3
+
+
+def test_new_requests_start_from_the_pools_acceptance():
+    c = _ctrl(0.030, 0.006, 0.002, 0.0, acc=0.2)
+    for _ in range(20):
+        c.observe_acceptance("old", drafted=4, accepted=4)
+    assert c.pool_acceptance > 0.9
+    assert c.choose(["new"])["new"] >= 3
+
+
+def test_drafter_groups_stepping_one_after_another_cost_more_than_in_parallel():
+    # eight requests, each with its own drafter model: in one process their steps add up, in the graph they overlap
+    rids = [str(i) for i in range(8)]
+    groups = {r: r for r in rids}
+    seq = _ctrl(0.030, 0.001, 0.004, 0.0, acc=0.7)
+    par = _ctrl(0.030, 0.001, 0.004, 0.0, acc=0.7)
+    par.parallel_groups = True
+    assert seq._time([4] * 8, list(groups.values())) > par._time([4] * 8, list(groups.values())) + 0.1
+    assert sum(seq.choose(rids, groups=groups).values()) < sum(par.choose(rids, groups=groups).values())
+
+
+def test_acceptance_estimate_is_the_geometric_mle():
+    c = SpeculationController(prior_acceptance=0.5, ema=1.0)  # no memory: only the last round counts
+    c.observe_acceptance("a", drafted=4, accepted=3)
+    assert abs(c.acceptance["a"] - 3 / 4) < 1e-9  # three accepted, one rejection
+    c.observe_acceptance("a", drafted=4, accepted=4)
+    assert c.acceptance["a"] == 1.0  # whole chain accepted: no rejection observed

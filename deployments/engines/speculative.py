@@ -40,11 +40,15 @@ class SpeculativeGenerator:
         self.verify_seconds = 0.0
 
     def _drafts(self, params: dict[str, SamplingParams], assigned: dict[str, set[str]]) -> dict[str, Draft]:
-        rids = list(self.verifier.running) + list(self.verifier.waiting)
+        self.verifier.admit()  # draft for the requests this step verifies, never for queued ones
+        rids = list(self.verifier.running)
         if not self.drafters or self.k <= 0 or not rids:
             return {}
         builders = {r: TreeBuilder(merge=params[r].greedy) for r in rids}
-        ks = self.controller.choose(rids) if self.controller else {r: self.k for r in rids}
+        if self.controller:
+            ks = self.controller.choose(rids, groups={r: frozenset(assigned[r]) for r in rids})
+        else:
+            ks = {r: self.k for r in rids}
         for d in self.drafters:
             ok = []
             for r in rids:
