@@ -88,13 +88,15 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         max_len = prompt_len + new_tokens + 16
         verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len)
         names = sorted({n for d, _ in prompts for n in drafter_names(d)})
-        engines = [DrafterEngine(drafters[n], name=n, max_requests=batch, max_len=max_len) for n in names]
+        # all drafters share this process: one stacked engine drafts every (request, drafter) pair per step
+        per_req = max(len(drafter_names(d)) for d, _ in prompts)
+        engines = [DrafterEngine({n: drafters[n] for n in names}, max_requests=batch * per_req,
+                                 max_len=max_len)] if names else []
         controller = None
         if adaptive:
             from autoscale.goodput import SpeculationController
             from autoscale.profiling import fit_draft_latency, fit_verify_latency
 
-            per_req = len(drafter_names(prompts[0][0]))
             controller = SpeculationController(k_max=2 * k, drafters_per_request=per_req,
                                                verify=fit_verify_latency(target, batch, prompt_len),
                                                draft=fit_draft_latency(drafters["generic"], batch, prompt_len))

@@ -33,35 +33,63 @@ class Proposal:
 
 @dataclass
 class _State:
+    request_id: str
+    model: str
     pending: list[int] = field(default_factory=list)
     temperature: float = 0.0
     gen: torch.Generator | None = None
 
 
 class DrafterEngine:
+    """One drafter model, or several same-shaped ones stacked (`model` a dict name -> model or path): a stacked
+    engine drafts for (request, drafter) pairs, keyed by `key(rid, name)`, all in one forward per step."""
+
     def __init__(self, model, name: str = "drafter", max_requests: int = 64, max_len: int | None = 2048,
                  top_alternatives: int = 4):
-        self.model = load_causal_lm(model)
+        if isinstance(model, dict):
+            models = {n: load_causal_lm(m) for n, m in model.items()}
+            self.model_names = list(models)
+            self.model = next(iter(models.values()))
+            self.runner = LlamaRunner(models, max_slots=max_requests, max_len=max_len)
+            name = "+".join(self.model_names) if name == "drafter" else name
+        else:
+            self.model = load_causal_lm(model)
+            self.model_names = [name]
+            self.runner = LlamaRunner(self.model, max_slots=max_requests, max_len=max_len)
+        self.stacked = isinstance(model, dict)
         self.name = name
-        self.runner = LlamaRunner(self.model, max_slots=max_requests, max_len=max_len)
         self.top_alternatives = top_alternatives
         self.states: dict[str, _State] = {}
         self.forward_passes = 0
         self.last_draft_steps = 0  # lockstep steps of the last `draft` call
 
     # ------------------------------------------------------------------ request state
-    def sync(self, rid: str, context: list[int], temperature: float = 0.0, seed: int | None = None) -> None:
-        """Make `context` the request's context: keep the agreeing cached prefix, queue the rest."""
+    def key(self, rid: str, model: str) -> str:
+        """The engine's key for request `rid` drafted by `model`."""
+        return f"{rid}/{model}" if self.stacked else rid
+
+    def keys_of(self, rid: str) -> list[str]:
+        return [k for k, st in self.states.items() if st.request_id == rid]
+
+    def model_of(self, key: str) -> str:
+        return self.states[key].model
+
+    def sync(self, rid: str, context: list[int], temperature: float = 0.0, seed: int | None = None,
+             model: str | None = None) -> None:
+        """Make `context` the request's context: keep the agreeing cached prefix, queue the rest. A stacked
+        engine's `rid` is a key from `key(request, model)` and `model` names the drafter."""
         if len(context) + 1 > self.runner.max_len:
             raise CacheFull(f"context of {len(context)} tokens exceeds {self.runner.max_len}")
         if rid not in self.states:
-            self.runner.add(rid)
+            model = model or self.model_names[0]
+            self.runner.add(rid, model if self.stacked else None)
             gen = None
             if temperature > 0:
                 gen = torch.Generator()
                 # the drafter's randomness is its own: seeded from the request seed and the drafter's name
-                gen.manual_seed((seed if seed is not None else torch.seed()) ^ zlib.crc32(self.name.encode()))
-            self.states[rid] = _State(temperature=temperature, gen=gen)
+                gen.manual_seed((seed if seed is not None else torch.seed()) ^ zlib.crc32(model.encode()))
+            base = rid.rsplit("/", 1)[0] if self.stacked else rid
+            self.states[rid] = _State(base, model, temperature=temperature, gen=gen)
         cached = self.runner.tokens(rid)
         common = 0
         limit = min(len(cached), len(context) - 1)  # at least one token must be pending to step

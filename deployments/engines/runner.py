@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from deployments.engines.cpu_kernels import PackedLinears
+from deployments.engines.weights import LlamaWeights, StackedLlamaWeights
 
 
 @dataclass
@@ -29,6 +29,7 @@ class _Slot:
     length: int = 0  # tokens whose keys/values are in the cache
     pending: int = 0  # tokens written by the last forward, not yet committed
     tokens: list[int] = field(default_factory=list)  # the cached tokens, for callers that need them
+    model: int = 0  # which of a stacked runner's models serves the request
 
 
 class CacheFull(RuntimeError):
@@ -48,12 +49,20 @@ def chain_parents(n: int) -> list[int]:
 
 class LlamaRunner:
     def __init__(self, model, max_slots: int = 16, max_len: int | None = None, prepack: bool = True):
-        model = model.eval()
+        """`model`: a Llama causal LM, or a dict name -> model of same-shaped models run stacked (each request
+        then names its model in `add`)."""
+        if isinstance(model, dict):
+            self.model_names = list(model)
+            models = [m.eval() for m in model.values()]
+            self.w = StackedLlamaWeights(models) if len(models) > 1 else LlamaWeights(models[0], prepack)
+            model = models[0]
+        else:
+            self.model_names = []
+            model = model.eval()
+            self.w = LlamaWeights(model, prepack)
         self.model = model
-        self.linear = PackedLinears(model, enabled=prepack)  # linear(module, x) == module(x), faster on CPU
         cfg = model.config
-        self.layers = model.model.layers
-        self.n_layers = len(self.layers)
+        self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -68,12 +77,15 @@ class LlamaRunner:
         self.forward_seconds = 0.0  # time spent in forward passes (benchmarks split it from orchestration)
 
     # ------------------------------------------------------------------ request bookkeeping
-    def add(self, rid: str) -> None:
+    def add(self, rid: str, model: str | None = None) -> None:
         if rid in self.requests:
             raise KeyError(f"request {rid!r} already present")
         if len(self.requests) >= self.max_slots:
             raise CacheFull(f"all {self.max_slots} slots in use")
-        self.requests[rid] = _Slot(slot=len(self.requests))
+        if self.model_names and model not in self.model_names:
+            raise KeyError(f"unknown model {model!r}: this runner holds {self.model_names}")
+        index = self.model_names.index(model) if self.model_names else 0
+        self.requests[rid] = _Slot(slot=len(self.requests), model=index)
 
     def release(self, rid: str) -> None:
         """Free the request's slot; the highest slot moves into the hole so active slots stay contiguous."""
@@ -114,8 +126,6 @@ class LlamaRunner:
         The new tokens' keys/values are written to the cache but not committed: call `commit` (or `commit_all`).
         """
         t_start = time.perf_counter()
-        if parents is None:
-            parents = [chain_parents(len(x)) for x in inputs]
         slots = [self.requests[r] for r in rids]
         B, N = len(rids), max(len(x) for x in inputs)
         if any(len(x) == 0 for x in inputs):
@@ -125,42 +135,45 @@ class LlamaRunner:
         if int((lens + n_new).max()) > self.max_len:
             raise CacheFull(f"context would exceed {self.max_len} tokens")
         total = int((lens + n_new).max())
-
-        ids = torch.zeros(B, N, dtype=torch.long)
-        pos = torch.zeros(B, N, dtype=torch.long)
-        # mask[b, q, key]: may query q of request b attend to cache position key?
-        mask = torch.zeros(B, 1, N, total, dtype=torch.bool)
-        for b, (s, x, par) in enumerate(zip(slots, inputs, parents)):
-            n = len(x)
-            ids[b, :n] = torch.tensor(x)
-            depth = tree_depths(par)
-            pos[b, :n] = s.length + torch.tensor(depth)
-            mask[b, 0, :, :s.length] = True
-            for j in range(n):
-                a = j
-                while a >= 0:  # the node and its ancestors
-                    mask[b, 0, j, s.length + a] = True
-                    a = par[a]
-            if n < N:  # padded queries: attend to one key so softmax stays finite; outputs are dropped
-                mask[b, 0, n:, 0] = True
+        ids = torch.tensor([x + [0] * (N - len(x)) for x in inputs])
+        steps = torch.arange(N)
+        if parents is None or all(p == chain_parents(len(p)) for p in parents):
+            # chains: query j sees the prefix and new tokens 0..j; padded queries see key 0 only (finite softmax)
+            pos = lens[:, None] + steps
+            limit = torch.where(steps < n_new[:, None], pos + 1, 1)
+            mask = (torch.arange(total) < limit[..., None])[:, None]
+        else:
+            pos = torch.zeros(B, N, dtype=torch.long)
+            # mask[b, q, key]: may query q of request b attend to cache position key?
+            mask = torch.zeros(B, 1, N, total, dtype=torch.bool)
+            for b, (s, x, par) in enumerate(zip(slots, inputs, parents)):
+                n = len(x)
+                pos[b, :n] = s.length + torch.tensor(tree_depths(par))
+                mask[b, 0, :, :s.length] = True
+                for j in range(n):
+                    a = j
+                    while a >= 0:  # the node and its ancestors
+                        mask[b, 0, j, s.length + a] = True
+                        a = par[a]
+                if n < N:
+                    mask[b, 0, n:, 0] = True
 
         contiguous = [s.slot for s in slots] == list(range(B))
         slot_idx = torch.tensor([s.slot for s in slots])
-        b_idx = torch.cat([torch.full((len(x),), b) for b, x in enumerate(inputs)])
-        t_idx = torch.cat([torch.arange(len(x)) for x in inputs])
+        valid = steps < n_new[:, None]  # [B, N]: real (not padded) new tokens
+        b_idx, t_idx = valid.nonzero(as_tuple=True)
         write_slot = slot_idx[b_idx]
         write_pos = lens[b_idx] + t_idx
 
-        m = self.model.model
-        h = m.embed_tokens(ids)
-        cos, sin = m.rotary_emb(h, pos)
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            lin = self.linear
-            q = lin(attn.q_proj, x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
-            k = lin(attn.k_proj, x).view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
-            v = lin(attn.v_proj, x).view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
+        w = self.w
+        w.bind(torch.tensor([s.model for s in slots]))
+        h = w.embed(ids)
+        cos, sin = w.rotary(h, pos)
+        for li in range(self.n_layers):
+            x = w.norm(li, "input_layernorm", h)
+            q = w.proj(li, "q_proj", x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
+            k = w.proj(li, "k_proj", x).view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
+            v = w.proj(li, "v_proj", x).view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             self.k[li, write_slot, :, write_pos] = k[b_idx, :, t_idx]
             self.v[li, write_slot, :, write_pos] = v[b_idx, :, t_idx]
@@ -168,19 +181,18 @@ class LlamaRunner:
                 keys, values = self.k[li, :B, :, :total], self.v[li, :B, :, :total]
             else:
                 keys, values = self.k[li, slot_idx, :, :total], self.v[li, slot_idx, :, :total]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=w.scaling,
                                                  enable_gqa=self.n_kv != self.n_heads)
-            h = h + lin(attn.o_proj, out.transpose(1, 2).reshape(B, N, -1))
-            mlp, x = layer.mlp, layer.post_attention_layernorm(h)
-            h = h + lin(mlp.down_proj, mlp.act_fn(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
-        h = m.norm(h)
+            h = h + w.proj(li, "o_proj", out.transpose(1, 2).reshape(B, N, -1))
+            x = w.norm(li, "post_attention_layernorm", h)
+            h = h + w.proj(li, "down_proj", w.act(w.proj(li, "gate_proj", x)) * w.proj(li, "up_proj", x))
+        h = w.norm(-1, "norm", h)
         for s, x in zip(slots, inputs):
             s.pending = len(x)
         if hidden_only_last:
-            last = h[torch.arange(B), n_new - 1]
-            out = list(self.linear(self.model.lm_head, last).unsqueeze(1).unbind(0))
+            out = list(w.lm_head(h[torch.arange(B), n_new - 1]).unsqueeze(1).unbind(0))
         else:
-            logits = self.linear(self.model.lm_head, h)
+            logits = w.lm_head(h)
             out = [logits[b, :len(x)] for b, x in enumerate(inputs)]
         self.forward_seconds += time.perf_counter() - t_start
         return out

@@ -46,30 +46,34 @@ class SpeculativeGenerator:
             return {}
         builders = {r: TreeBuilder(merge=params[r].greedy) for r in rids}
         if self.controller:
-            ks = self.controller.choose(rids, groups={r: frozenset(assigned[r]) for r in rids})
+            groups = {r: frozenset(i for i, d in enumerate(self.drafters) if assigned[r] & set(d.model_names))
+                      for r in rids}
+            ks = self.controller.choose(rids, groups=groups)
         else:
             ks = {r: self.k for r in rids}
         for d in self.drafters:
-            ok = []
+            owner = {}  # engine key -> request
             for r in rids:
-                if d.name not in assigned[r]:
-                    continue
-                try:
-                    d.sync(r, self.verifier.context(r), params[r].temperature, params[r].seed)
-                    ok.append(r)
-                except CacheFull:
-                    pass
-            sampling = any(not params[r].greedy for r in ok)
-            ok = [r for r in ok if ks[r] > 0]
-            if not ok:
+                for name in d.model_names:
+                    if name not in assigned[r]:
+                        continue
+                    key = d.key(r, name)
+                    try:
+                        d.sync(key, self.verifier.context(r), params[r].temperature, params[r].seed, model=name)
+                        owner[key] = r
+                    except CacheFull:
+                        pass
+            sampling = any(not params[r].greedy for r in owner.values())
+            keys = [key for key, r in owner.items() if ks[r] > 0]
+            if not keys:
                 continue
             t = time.perf_counter()
-            chains = d.draft(ok, {r: ks[r] for r in ok}, want_q=sampling)
+            chains = d.draft(keys, {key: ks[owner[key]] for key in keys}, want_q=sampling)
             if self.controller and d.last_draft_steps:
-                self.controller.draft.observe(len(ok), (time.perf_counter() - t) / d.last_draft_steps)
-            for r, chain in chains.items():
-                builders[r].add_chain([p.token for p in chain], [p.q for p in chain], d.name,
-                                      [p.prob for p in chain], budget=self.tree_budget)
+                self.controller.draft.observe(len(keys), (time.perf_counter() - t) / d.last_draft_steps)
+            for key, chain in chains.items():
+                builders[owner[key]].add_chain([p.token for p in chain], [p.q for p in chain], d.model_of(key),
+                                               [p.prob for p in chain], budget=self.tree_budget)
         return {r: b.build() for r, b in builders.items() if b.tokens}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -79,7 +83,7 @@ class SpeculativeGenerator:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         rids = [self.verifier.add_request(p, sp) for p, sp in zip(prompts, plist)]
         by_rid = dict(zip(rids, plist))
-        names = [d.name for d in self.drafters]
+        names = [n for d in self.drafters for n in d.model_names]
         assigned = {r: set(drafters_per_request[i] if drafters_per_request else names) for i, r in enumerate(rids)}
         results = {r: GenerationResult(r, list(p), [], None) for r, p in zip(rids, prompts)}
         while self.verifier.has_unfinished():
@@ -102,8 +106,8 @@ class SpeculativeGenerator:
                     res.text = o.text
                     res.stats = self.verifier.finished_stats(o.request_id) or {}
                     for d in self.drafters:
-                        if o.request_id in d:
-                            d.release(o.request_id)
+                        for key in d.keys_of(o.request_id):
+                            d.release(key)
                     if self.controller:
                         self.controller.release(o.request_id)
         return [results[r] for r in rids]
