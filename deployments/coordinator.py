@@ -37,7 +37,7 @@ StepFn = Callable[[str, list[dict]], Awaitable[dict[str, dict]]]
 class _Round:
     start: int  # committed context length when the round was drafted
     proposals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # drafter -> [(token, conf)]
-    fused: list[int] = field(default_factory=list)
+    fused: bool = True  # were the drafters fed the fused token (Eq. 4) or their own?
 
 
 def _proposal(d: dict) -> Proposal:
@@ -77,8 +77,8 @@ class SpeculationCoordinator:
         for name, props in rnd.proposals.items():
             toks = [t for t, _ in props]
             confs = [c for _, c in props]
-            scores[name] = alignment(committed, toks, confs, self.embeddings) if self.embeddings is not None \
-                else _exact_alignment(committed, toks)
+            scores[name] = alignment(committed, toks, confs, self.embeddings, rnd.fused) \
+                if self.embeddings is not None else _exact_alignment(committed, toks)
         self.router.update(rid, float(len(committed)), scores)
 
     async def _call(self, step_fn: StepFn, name: str, items: list[dict]) -> dict[str, Proposal]:
@@ -175,7 +175,7 @@ class SpeculationCoordinator:
             if d is not None and len(d):
                 drafts[r] = d
             self.rounds[r] = _Round(len(contexts[r]), {n: [(p.token, p.prob) for p in ch]
-                                                       for n, ch in chains[r].items() if ch})
+                                                       for n, ch in chains[r].items() if ch}, fuse[r])
         self.stats["rounds"] += 1
         self.stats["step_seconds"] += time.perf_counter() - t0
         return drafts

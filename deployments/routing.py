@@ -37,24 +37,36 @@ class RoutingConfig:
     seed: int = 0
 
 
-def alignment(committed: list[int], drafted: list[int], confidences: list[float], embeddings: torch.Tensor) -> float:
-    """Eq. 1-2 for one drafter's draft: the routing score of this round, in [0, 1]."""
+def alignment(committed: list[int], drafted: list[int], confidences: list[float], embeddings: torch.Tensor,
+              fused: bool = True) -> float:
+    """Eq. 1-2 for one drafter's draft: the routing score of this round, in [0, 1].
+
+    `committed` is what the target committed since the round started: the accepted draft tokens, then the
+    target's own token (correction or bonus), so L_acc = len(committed) - 1. With fusion every drafter was fed the
+    fused token at each depth, so its proposal at depth i competes for the same position as the committed token:
+    positions before L_acc score d = cos(H(x_i), H(x_{n,i})) (near-synonyms earn credit), the position of the
+    target's own token scores 1 if the drafter guessed it (where the fused draft failed) and 0 otherwise, later
+    positions 0. Without fusion a drafter's chain follows its own tokens, so it scores its exact prefix only.
+    """
     k = len(drafted)
-    if k == 0:
+    if k == 0 or not committed:
         return 0.0
-    accepted = 0
-    while accepted < min(k, len(committed)) and committed[accepted] == drafted[accepted]:
-        accepted += 1
+    l_acc = len(committed) - 1
     total = 0.0
-    # positions before the first rejection, plus the rejected position itself (cos similarity of the target's
-    # token and the drafter's, which credits near-misses); later positions score 0.
-    for i in range(min(k, accepted + 1, len(committed))):
-        a, b = embeddings[committed[i]], embeddings[drafted[i]]
-        d = float(torch.nn.functional.cosine_similarity(a, b, dim=0).clamp(0.0, 1.0))
+    for i in range(min(k, len(committed))):
+        if drafted[i] == committed[i]:
+            d = 1.0
+        elif fused and i < l_acc:
+            a, b = embeddings[committed[i]], embeddings[drafted[i]]
+            d = float(torch.nn.functional.cosine_similarity(a, b, dim=0).clamp(0.0, 1.0))
+        else:
+            d = 0.0
         c = min(max(confidences[i], 1e-6), 1 - 1e-6)
         num = c * d
         den = num + (1 - c) * (1 - d)
         total += num / den if den > 0 else 0.0
+        if not fused and d < 1.0:
+            break
     return total / k
 
 

@@ -18,9 +18,16 @@ def _emb():
 def test_alignment_scores_exact_matches_high_and_misses_zero():
     e = _emb()
     assert alignment([1, 2, 3], [1, 2, 3], [0.9, 0.9, 0.9], e) > 0.99
-    assert alignment([1, 2, 3], [0, 2, 3], [0.9, 0.9, 0.9], e) == 0.0  # rejected at once; later positions score 0
-    near = alignment([4, 2], [5, 2], [0.9, 0.9], e)
-    assert 0.2 < near < 0.5  # credit for the near-synonym at the rejected position only
+    # unfused: a chain rejected at once scores 0 (its later tokens followed its own wrong token)
+    assert alignment([1, 2, 3], [0, 2, 3], [0.9, 0.9, 0.9], e, fused=False) == 0.0
+    # fused: every drafter was fed the accepted token, so its later positions still count
+    assert abs(alignment([1, 2, 3], [0, 2, 3], [0.9, 0.9, 0.9], e) - 2 / 3) < 1e-9
+    # fused round: the target accepted [4] (another drafter's token) then said 2; this drafter said 5 (a
+    # near-synonym of 4) then 2: credit for the near-synonym, full credit for guessing the target's own token
+    assert alignment([4, 2], [5, 2], [0.9, 0.9], e) > 0.9
+    assert alignment([4, 2], [5, 2], [0.9, 0.9], e, fused=False) == 0.0  # its own chain broke at once
+    # the target's own token (L_acc = 1 here) earns nothing unless guessed: a confident miss is not rewarded
+    assert alignment([1, 4], [1, 5], [0.9, 0.9], e) == 0.5
 
 
 def test_router_learns_the_drafter_that_agrees():

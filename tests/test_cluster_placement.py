@@ -1,0 +1,102 @@
+"""`serve deploy` of the production graph shape onto a local multi-node Ray cluster.
+
+Three Ray nodes on this machine stand in for the cluster of cluster.yaml: a head "A100" node advertising the
+`verifier_node` resource and two "RTX 3090" nodes advertising `drafter_node`. The graph uses the shipped small
+models (nothing can be downloaded here). Every replica must land on the right kind of node, and the deployed
+application must answer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+DRAFTERS = ("code", "legal", "generic")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(http_port: int) -> dict:
+    on_verifier = {"num_cpus": 0, "resources": {"verifier_node": 0.01}}
+    on_drafter = {"num_cpus": 0, "resources": {"drafter_node": 0.01}}
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": http_port},
+        "applications": [{
+            "name": "cosine", "route_prefix": "/", "import_path": "serve_app.graph:build_app",
+            "args": {
+                "ingress": {"model_name": "cosine-target", "deployment": {"ray_actor_options": on_verifier}},
+                "verifier": {"model": "target", "max_batch": 4, "max_len": 256,
+                             "deployment": {"ray_actor_options": on_verifier}},
+                "speculation": {"mode": "cosine", "k": 3, "draft_timeout_ms": 5000},
+                "drafters": [{"name": d, "model": f"drafter-{d}", "max_len": 256,
+                              "deployment": {"ray_actor_options": on_drafter}} for d in DRAFTERS],
+            }}],
+    }
+
+
+def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path):
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+
+    dash, http_port = _port(), _port()
+    from tests.conftest import RAY_TMP
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"verifier_node": 1}, "include_dashboard": True, "dashboard_port": dash,
+        "temp_dir": RAY_TMP})
+    drafter_nodes = [cluster.add_node(num_cpus=2, resources={"drafter_node": 1}) for _ in range(2)]
+    cluster.wait_for_nodes()
+    cfg = tmp_path / "cluster-local.yaml"
+    cfg.write_text(yaml.safe_dump(_config(http_port)))
+    try:
+        env = dict(os.environ, RAY_AUTH_MODE="token")
+        serve_cli = str(Path(sys.executable).with_name("serve"))
+        deployed = subprocess.run([serve_cli, "deploy", str(cfg), "--address", f"http://127.0.0.1:{dash}"],
+                                  env=env, capture_output=True, text=True, timeout=180)
+        assert deployed.returncode == 0, deployed.stderr[-2000:]
+        ray.init(address=cluster.address)
+        deadline = time.time() + 420
+        while time.time() < deadline:
+            apps = serve.status().applications
+            if "cosine" in apps and apps["cosine"].status == "RUNNING":
+                break
+            time.sleep(2)
+        assert serve.status().applications["cosine"].status == "RUNNING"
+
+        head_id = cluster.head_node.node_id
+        drafter_ids = {n.node_id for n in drafter_nodes}
+        placed = {}
+        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+            if a.class_name and a.class_name.startswith("ServeReplica:cosine:"):
+                placed.setdefault(a.class_name.split(":")[-1], []).append(a.node_id)
+        for d in DRAFTERS:
+            assert placed[f"Drafter-{d}"] and set(placed[f"Drafter-{d}"]) <= drafter_ids, d
+        for name in ("Verifier", "Ingress"):
+            assert set(placed[name]) == {head_id}, name
+
+        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=120,
+                       json={"model": "cosine-target", "prompt": "def main():", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    finally:
+        try:
+            serve.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        ray.shutdown()
+        cluster.shutdown()

@@ -1,0 +1,73 @@
+"""Fault and overload tests of the serving graph: a drafter replica killed mid-request, and overload (429)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from model_family.distill import greedy_continue
+from tests.test_serve_graph import MODEL, server  # noqa: F401 - the shared application fixture
+
+pytestmark = pytest.mark.slow
+
+
+def _handle(name):
+    from ray import serve
+
+    return serve.get_deployment_handle(name, app_name="cosine")
+
+
+def _wait(pred, timeout=60.0, interval=0.5):
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def test_a_killed_drafter_does_not_break_the_request(server, tokenizer, target, heldout):
+    import threading
+
+    import ray
+
+    ids = tokenizer(heldout["code"][40], add_special_tokens=False).input_ids[:48]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 96, "temperature": 0, "ignore_eos": True,
+            "speculation": {"drafters": ["code"], "fusion": False}}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=httpx.post(f"{server}/v1/completions", json=body, timeout=300)))
+    t.start()
+    # kill the replica once it holds the request's cache, i.e. mid-request (the state API needs the dashboard,
+    # which the fixture does not start; named actors come from the GCS)
+    assert _wait(lambda: _handle("Drafter-code").num_requests.remote().result() > 0, 60, 0.05)
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::cosine#Drafter-code#")]
+    assert len(replicas) == 1
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=False)
+    assert t.is_alive(), "the request finished before the drafter was killed"
+    t.join(300)
+    r = result["r"]
+    assert r.status_code == 200
+    want = greedy_continue(target, torch.tensor([ids]), 96)[0, len(ids):].tolist()
+    assert r.json()["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    # Serve brings the drafter back and speculation resumes
+    def speculates():
+        u = httpx.post(f"{server}/v1/completions", json=body, timeout=300).json()["usage"]
+        return u["num_accepted_tokens"] > 0
+    assert _wait(speculates, timeout=120)
+
+
+def test_overload_gets_429_with_retry_after(server):
+    import concurrent.futures as cf
+
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    with cf.ThreadPoolExecutor(12) as pool:
+        rs = list(pool.map(lambda _: httpx.post(f"{server}/v1/completions", json=body, timeout=300), range(12)))
+    codes = sorted(r.status_code for r in rs)
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+    limited = next(r for r in rs if r.status_code == 429)
+    assert limited.headers["retry-after"] and limited.json()["error"]["type"] == "rate_limit_error"
