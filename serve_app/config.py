@@ -59,6 +59,16 @@ class SpeculationSpec(_Strict):
     adaptive: bool = True
     fixed_drafters: list[str] | None = Field(None, description="bypass routing: always use these drafters")
     draft_timeout_ms: float = Field(100.0, gt=0, description="decode without drafts when they are later")
+    # the speculation cluster's central node keeps per-request state (routing scores, last round, which drafters
+    # hold a cache), so it runs as one replica; place it next to the verifier
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+
+    @model_validator(mode="after")
+    def _one_central_node(self):
+        if self.deployment.num_replicas != 1 or self.deployment.autoscaling_config is not None:
+            raise ValueError("speculation.deployment must have num_replicas: 1 (it holds per-request routing "
+                             "state); scale the verifier and the drafters instead")
+        return self
 
 
 class RoutingSpec(_Strict):

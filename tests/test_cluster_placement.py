@@ -41,7 +41,8 @@ def _config(http_port: int) -> dict:
                 "ingress": {"model_name": "cosine-target", "deployment": {"ray_actor_options": on_verifier}},
                 "verifier": {"model": "target", "max_batch": 4, "max_len": 256,
                              "deployment": {"ray_actor_options": on_verifier}},
-                "speculation": {"mode": "cosine", "k": 3, "draft_timeout_ms": 5000},
+                "speculation": {"mode": "cosine", "k": 3, "draft_timeout_ms": 5000,
+                                "deployment": {"ray_actor_options": on_verifier}},
                 "drafters": [{"name": d, "model": f"drafter-{d}", "max_len": 256,
                               "deployment": {"ray_actor_options": on_drafter}} for d in DRAFTERS],
             }}],
@@ -87,7 +88,7 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path):
                 placed.setdefault(a.class_name.split(":")[-1], []).append(a.node_id)
         for d in DRAFTERS:
             assert placed[f"Drafter-{d}"] and set(placed[f"Drafter-{d}"]) <= drafter_ids, d
-        for name in ("Verifier", "Ingress"):
+        for name in ("Verifier", "Speculation", "Ingress"):
             assert set(placed[name]) == {head_id}, name
 
         r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=120,

@@ -24,6 +24,7 @@ def test_defaults_validate():
     ({"routing": {"alpha": 0.1, "beta": 0.5}}, "alpha"),
     ({"verifier": {"model": "target", "engine": "tensorrt"}}, "engine"),
     ({"verifier": {"model": "target", "max_batchsize": 4}}, "max_batchsize"),
+    ({"speculation": {"deployment": {"num_replicas": 2}}}, "num_replicas: 1"),
 ])
 def test_bad_configs_are_rejected_with_a_clear_message(bad, needle):
     with pytest.raises(ValidationError) as e:
