@@ -99,8 +99,21 @@ def format_table(result: dict) -> str:
 
 
 def main(args) -> int:
-    result = run(args.url, args.model, args.per_domain, args.new_tokens, tuple(args.concurrency))
+    from contextlib import nullcontext
+
+    from benchmarks.metrics import MetricsSampler
+
+    with (MetricsSampler(args.metrics_url) if args.metrics_url else nullcontext()) as sampler:
+        result = run(args.url, args.model, args.per_domain, args.new_tokens, tuple(args.concurrency))
     print(format_table(result))
+    if sampler is not None:
+        result["metrics"] = sampler.series()
+        print(f"sampled the metrics {len(result['metrics'])} times ({sampler.errors} failed scrapes)")
+        if args.plot_dir:
+            from benchmarks.metrics import render
+
+            for path in render(result["metrics"], Path(args.plot_dir)):
+                print(f"wrote {path}")
     try:
         stats = httpx.get(f"{args.url}/v1/internal/speculation_stats", timeout=30).json()
         result["speculation_stats"] = stats

@@ -59,19 +59,26 @@ class DrafterDeployment:
     def __init__(self, name: str, model: str, max_requests: int = 64, max_len: int = 2048):
         from serve_app.paths import model_path
 
+        from ray.serve import metrics
+
         self.server = DrafterServer(name, str(model_path(model)), max_requests, max_len)
         self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
+        self.requests_gauge = metrics.Gauge("cosine_drafter_requests", "requests holding a KV cache in this "
+                                            "drafter replica, by drafter", tag_keys=("drafter",))
+        self.requests_gauge.set_default_tags({"drafter": name})
 
     async def step(self, items: list[dict]) -> dict:
         """{"proposals": {rid: proposal}, "compute_ms": time spent in the engine} (the rest of a call is hops)."""
         async with self.lock:
             t = time.perf_counter()
             proposals = await asyncio.to_thread(self.server.step, items)
+            self.requests_gauge.set(len(self.server.engine.states))
             return {"proposals": proposals, "compute_ms": (time.perf_counter() - t) * 1000}
 
     async def release(self, rids: list[str]) -> None:
         async with self.lock:
             self.server.release(rids)
+            self.requests_gauge.set(len(self.server.engine.states))
 
     def num_requests(self) -> int:
         """Requests holding a KV cache here (0 once every request has finished or been cancelled)."""

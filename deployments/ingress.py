@@ -193,7 +193,7 @@ class IngressDeployment:
                 if chunk["finished"]:
                     reason, last = chunk["finish_reason"], chunk
                     break
-            text = detok.push([], True) if not ids else _Detokenizer(self.tokenizer, params["stop"]).push(ids, True)
+            text = detok.push(ids, True)
         except Exception as e:  # noqa: BLE001
             logger.exception("request %s failed", rid)
             return self._error(P.APIError(500, f"generation failed: {e}", type_="server_error"))

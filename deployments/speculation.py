@@ -30,6 +30,14 @@ class SpeculationDeployment:
         self.budget = spec.tree_budget
         self.timing = {"rounds": 0, "round_ms": 0.0, "drafter_calls": 0, "drafter_call_ms": 0.0,
                        "drafter_compute_ms": 0.0, "lockstep_depths": 0}
+        from ray.serve import metrics
+
+        bounds = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500]
+        self.step_ms = metrics.Histogram("cosine_drafter_step_ms", "one lockstep drafter step as seen by the "
+                                         "fusion node (hops included), by drafter", boundaries=bounds,
+                                         tag_keys=("drafter",))
+        self.compute_ms = metrics.Histogram("cosine_drafter_compute_ms", "the drafter engine's share of a step, by "
+                                            "drafter", boundaries=bounds, tag_keys=("drafter",))
 
     async def _step(self, name: str, items: list[dict]) -> dict:
         t = time.perf_counter()
@@ -37,6 +45,8 @@ class SpeculationDeployment:
         self.timing["drafter_calls"] += 1
         self.timing["drafter_call_ms"] += (time.perf_counter() - t) * 1000
         self.timing["drafter_compute_ms"] += out["compute_ms"]
+        self.step_ms.observe((time.perf_counter() - t) * 1000, tags={"drafter": name})
+        self.compute_ms.observe(out["compute_ms"], tags={"drafter": name})
         return out["proposals"]
 
     async def draft(self, batch: list[dict]) -> dict[str, dict]:
