@@ -32,8 +32,9 @@ class RoutingConfig:
     tau: float = 2.0  # accepted length (bonus included) below which a request explores
     alpha: float = 0.3  # probability of a random pick per place while exploring
     beta: float = 0.05  # ... while exploiting
-    ema: float = 0.5  # weight of the newest round in a request's routing score
+    ema: float = 0.2  # weight of the newest round in a request's routing score
     cold_start_temperature: float = 0.5  # softmax temperature over mean prompt log-likelihoods
+    baseline_decay: float = 0.99  # memory of the per-drafter prompt-likelihood baselines (~100 requests)
     seed: int = 0
 
 
@@ -85,12 +86,25 @@ class Router:
     def __post_init__(self):
         self.requests: dict[str, _RequestState] = {}
         self.rng = random.Random(self.config.seed)
+        self._ll_sum: dict[str, float] = {}  # decayed sums of each drafter's prompt log-likelihoods
+        self._ll_count: dict[str, float] = {}
 
     def add_request(self, rid: str, prompt_loglik: dict[str, float] | None = None) -> None:
-        """Cold start from each drafter's mean log-likelihood per prompt token, when known."""
+        """Cold start from each drafter's mean log-likelihood per prompt token, when known, relative to what that
+        drafter usually gives the traffic's prompts: a drafter trained on everything (the generic one) assigns
+        every prompt a higher likelihood than a specialist does, so raw likelihoods mostly pick it; how much better
+        than usual a drafter finds this prompt is what points at the prompt's domain. The baselines are running
+        means over the prompts seen so far (the router learns them from traffic; none before the first)."""
         if prompt_loglik:
             t = self.config.cold_start_temperature
-            zs = {n: prompt_loglik.get(n, -math.inf) / t for n in self.drafters}
+            base = {n: self._ll_sum[n] / self._ll_count[n] if self._ll_count.get(n) else 0.0 for n in self.drafters}
+            if not all(self._ll_count.get(n) for n in prompt_loglik):
+                base = {n: 0.0 for n in self.drafters}
+            zs = {n: (prompt_loglik[n] - base[n]) / t if n in prompt_loglik else -math.inf for n in self.drafters}
+            w = self.config.baseline_decay
+            for n, v in prompt_loglik.items():
+                self._ll_sum[n] = w * self._ll_sum.get(n, 0.0) + v
+                self._ll_count[n] = w * self._ll_count.get(n, 0.0) + 1.0
             top = max(zs.values())
             ex = {n: math.exp(z - top) for n, z in zs.items()}
             s = sum(ex.values())

@@ -76,8 +76,10 @@ class RoutingSpec(_Strict):
     tau: float = Field(2.0, ge=1.0)
     alpha: float = Field(0.3, ge=0, le=1)
     beta: float = Field(0.05, ge=0, le=1)
-    ema: float = Field(0.5, gt=0, le=1)
+    ema: float = Field(0.2, gt=0, le=1)
     cold_start_temperature: float = Field(0.5, gt=0)
+    baseline_decay: float = Field(0.99, gt=0, le=1, description="memory of the per-drafter prompt-likelihood "
+                                  "baselines the cold start is measured against")
     seed: int = 0
 
     @model_validator(mode="after")

@@ -69,3 +69,15 @@ def test_fusion_trims_to_budget_chain_first():
         f.step({"a": _p(1, 0.9), "b": _p(2, 0.5)})
     d = f.build()
     assert len(d) == 3 and d.parents == [-1, 0, 1]
+
+
+def test_cold_start_is_measured_against_each_drafters_usual_likelihood():
+    # "generic" gives every prompt a higher likelihood; "code" finds this prompt much better than usual
+    r = Router(["code", "legal", "generic"], RoutingConfig(drafters_per_request=1, beta=0.0))
+    for i in range(20):
+        r.add_request(f"w{i}", {"code": -5.0, "legal": -5.0, "generic": -4.0})
+    r.add_request("x", {"code": -4.2, "legal": -5.1, "generic": -3.9})
+    assert r.ranking("x")[0] == "code"
+    fresh = Router(["code", "legal", "generic"])
+    fresh.add_request("x", {"code": -4.2, "legal": -5.1, "generic": -3.9})
+    assert fresh.ranking("x")[0] == "generic"  # without baselines: raw likelihood

@@ -159,8 +159,6 @@ def test_client_disconnect_cancels_and_releases_caches(server):
     assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
 
 
-@pytest.mark.xfail(reason="routing picks the prompt's own domain drafter first for 75% of requests (measured), "
-                          "short of the 80% goal; open work of the serving issue", strict=False)
 def test_routing_ranks_the_prompts_own_domain_first(server, tokenizer, heldout):
     hits = total = 0
     for d in DOMAINS:
