@@ -80,7 +80,9 @@ class SpeculationController:
     def observe_acceptance(self, rid: str, drafted: int, accepted: int) -> None:
         """Per-token acceptance under the geometric model: the maximum-likelihood estimate is accepted tokens over
         (accepted tokens + rejections), a chain having one rejection unless it was accepted whole; exponentially
-        decayed counts (weight `ema` on the newest round) follow drifting acceptance."""
+        decayed counts (weight `ema` on the newest round) follow drifting acceptance. `drafted` is the draft's
+        depth (a tree's longest path), not its node count: counting sibling branches as rejections would make
+        short drafts look worse and keep them short."""
         if drafted <= 0:
             return
         trials = accepted + (1 if accepted < drafted else 0)

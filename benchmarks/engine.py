@@ -198,7 +198,7 @@ def format_table(result: dict) -> str:
                      f"| {f(r['mean_accepted_length'])} | {f(r['target_passes_per_token'], '{:.3f}')} "
                      f"| {f(r['draft_ms_per_round'], '{:.1f}')} / {f(r['verify_ms_per_round'], '{:.1f}')} / "
                      f"{f(r['overhead_ms_per_round'], '{:.1f}')} "
-                     f"| {'yes' if r['identical_to_target'] else 'NO'} | {f(r['limit_speedup'])}x "
+                     f"| {'yes' if r['identical_to_target'] else 'NO'} | {f(r['limit_speedup'], '{:.2f}x')} "
                      f"| {f(r['efficiency'])} |")
     costs = "; ".join(f"batch {b}: " + ", ".join(f"{n} {v} ms" for n, v in c.items())
                       for b, c in result["step_costs_ms"].items())

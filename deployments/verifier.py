@@ -53,7 +53,10 @@ class VerifierDeployment:
         self.engine = build_verifier_engine(self.cfg)
         self.speculation = speculation  # handle to the Speculation deployment, or None
         spec = self.cfg.speculation
-        self.controller = SpeculationController(k_max=spec.k) if spec.adaptive else None
+        # a fused round verifies up to drafters_per_request nodes per depth (the chain and its sibling branches)
+        per_depth = self.cfg.routing.drafters_per_request if spec.mode == "cosine" else 1
+        self.controller = SpeculationController(k_max=spec.k, drafters_per_request=per_depth) \
+            if spec.adaptive else None
         self.live: dict[str, _Live] = {}
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.aborts: set[str] = set()
@@ -206,7 +209,7 @@ class VerifierDeployment:
         finished = []
         for o in outs:
             if self.controller:
-                self.controller.observe_acceptance(o.request_id, o.num_draft_tokens, o.num_accepted_tokens)
+                self.controller.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens)
             chunk = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason,
                      "num_draft_tokens": o.num_draft_tokens, "num_accepted_tokens": o.num_accepted_tokens,
                      "accepted_drafters": o.accepted_drafters}

@@ -85,3 +85,15 @@ def test_acceptance_estimate_is_the_geometric_mle():
     assert abs(c.acceptance["a"] - 3 / 4) < 1e-9  # three accepted, one rejection
     c.observe_acceptance("a", drafted=4, accepted=4)
     assert c.acceptance["a"] == 1.0  # whole chain accepted: no rejection observed
+
+
+def test_fused_trees_accepted_along_their_depth_grow_to_long_drafts():
+    # a fused draft of depth k carries k sibling branches too: judged by depth, whole-path acceptance is no rejection
+    c = _ctrl(0.040, 0.0015, 0.0, 0.0, acc=0.5)
+    c.drafters_per_request = 2
+    ks = c.choose(["a"])
+    for _ in range(12):
+        k = ks["a"]
+        c.observe_acceptance("a", drafted=k, accepted=k)  # depth k, every chain token accepted
+        ks = c.choose(["a"])
+    assert ks["a"] == c.k_max

@@ -98,7 +98,7 @@ class SpeculativeGenerator:
             self.draft_seconds += t1 - t0
             for o in outs:
                 if self.controller:
-                    self.controller.observe_acceptance(o.request_id, o.num_draft_tokens, o.num_accepted_tokens)
+                    self.controller.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens)
                 res = results[o.request_id]
                 res.token_ids.extend(o.new_token_ids)
                 if o.finished:

@@ -20,7 +20,7 @@ import torch
 
 from deployments.engines.draft import Draft
 from deployments.engines.rules import verify_greedy, verify_sampling
-from deployments.engines.runner import LlamaRunner
+from deployments.engines.runner import LlamaRunner, tree_depths
 from deployments.engines.sampling import SamplingParams, target_probs
 from deployments.engines.stopping import StopChecker
 
@@ -35,6 +35,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     text: str | None = None  # text so far, when stop strings are in use
+    draft_depth: int = 0  # longest root-to-leaf path of the verified draft (its length as a chain)
 
 
 @dataclass
@@ -191,7 +192,8 @@ class TorchVerifierEngine:
             outputs.append(StepOutput(
                 rid, emitted, len(draft) if draft else 0, len(path),
                 [draft.drafters[j] if draft and draft.drafters else None for j in path],
-                finished, reason, req.stop.text if req.params.stop else None))
+                finished, reason, req.stop.text if req.params.stop else None,
+                max(tree_depths(draft.parents)) + 1 if draft else 0))
             if finished:
                 req.stop.finish_reason = reason
                 self.running.pop(rid)
