@@ -74,10 +74,23 @@ def _find(values: dict, stem: str, suffix: str = "") -> dict[str, float]:
     return out
 
 
+WINDOW_S = 20.0  # Ray's agent exports every few seconds: rates over a window, not between consecutive scrapes
+
+
+def _pairs(samples: list[dict], window: float = WINDOW_S):
+    """(earlier, later) sample pairs about `window` seconds apart."""
+    j = 0
+    for b in samples:
+        while j + 1 < len(samples) and samples[j + 1]["t"] <= b["t"] - window:
+            j += 1
+        if b["t"] - samples[j]["t"] >= window:
+            yield samples[j], b
+
+
 def _rates(samples: list[dict], stem: str, suffix: str = "_total") -> dict[str, list[tuple[float, float]]]:
-    """Per-second rates of a counter between consecutive samples, per label set."""
+    """Per-second rates of a counter over a sliding window, per label set."""
     out: dict[str, list] = defaultdict(list)
-    for a, b in zip(samples, samples[1:]):
+    for a, b in _pairs(samples):
         dt = b["t"] - a["t"]
         va, vb = _find(a["values"], stem, suffix), _find(b["values"], stem, suffix)
         for lab, v in vb.items():
@@ -87,9 +100,9 @@ def _rates(samples: list[dict], stem: str, suffix: str = "_total") -> dict[str, 
 
 
 def _ratio(samples, num_stem, den_stem, plus_one=False) -> dict[str, list[tuple[float, float]]]:
-    """Windowed ratio of two counters (e.g. accepted / drafted) between consecutive samples, per drafter."""
+    """Windowed ratio of two counters (e.g. accepted / drafted), per drafter."""
     out: dict[str, list] = defaultdict(list)
-    for a, b in zip(samples, samples[1:]):
+    for a, b in _pairs(samples):
         na, nb = _find(a["values"], num_stem, "_total"), _find(b["values"], num_stem, "_total")
         da, db = _find(a["values"], den_stem, "_total"), _find(b["values"], den_stem, "_total")
         for lab in db:
@@ -102,7 +115,7 @@ def _ratio(samples, num_stem, den_stem, plus_one=False) -> dict[str, list[tuple[
 def _hist_mean(samples, stem) -> dict[str, list[tuple[float, float]]]:
     """Windowed mean of a histogram (sum / count deltas), per drafter where tagged."""
     out: dict[str, list] = defaultdict(list)
-    for a, b in zip(samples, samples[1:]):
+    for a, b in _pairs(samples):
         sa, sb = _find(a["values"], stem, "_sum"), _find(b["values"], stem, "_sum")
         ca, cb = _find(a["values"], stem, "_count"), _find(b["values"], stem, "_count")
         for lab in cb:
