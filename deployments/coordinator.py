@@ -149,7 +149,7 @@ class SpeculationCoordinator:
                 if depth == 0 and r in first:
                     ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
                     if ll:
-                        self.router.add_request(r, ll)
+                        self.router.add_request(r, ll, tokens=max(1, len(contexts[r]) - 1))
                         keep = self.router.route(r)
                         props = {n: p for n, p in props.items() if n in keep}
                         chosen[r] = [n for n in chosen[r] if n in keep]

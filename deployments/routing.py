@@ -89,7 +89,7 @@ class Router:
         self._ll_sum: dict[str, float] = {}  # decayed sums of each drafter's prompt log-likelihoods
         self._ll_count: dict[str, float] = {}
 
-    def add_request(self, rid: str, prompt_loglik: dict[str, float] | None = None) -> None:
+    def add_request(self, rid: str, prompt_loglik: dict[str, float] | None = None, tokens: int = 1) -> None:
         """Cold start from each drafter's mean log-likelihood per prompt token, when known, relative to what that
         drafter usually gives the traffic's prompts: a drafter trained on everything (the generic one) assigns
         every prompt a higher likelihood than a specialist does, so raw likelihoods mostly pick it; how much better
@@ -102,9 +102,9 @@ class Router:
                 base = {n: 0.0 for n in self.drafters}
             zs = {n: (prompt_loglik[n] - base[n]) / t if n in prompt_loglik else -math.inf for n in self.drafters}
             w = self.config.baseline_decay
-            for n, v in prompt_loglik.items():
-                self._ll_sum[n] = w * self._ll_sum.get(n, 0.0) + v
-                self._ll_count[n] = w * self._ll_count.get(n, 0.0) + 1.0
+            for n, v in prompt_loglik.items():  # weighted by the prompt's scored tokens: short prompts say little
+                self._ll_sum[n] = w * self._ll_sum.get(n, 0.0) + v * tokens
+                self._ll_count[n] = w * self._ll_count.get(n, 0.0) + tokens
             top = max(zs.values())
             ex = {n: math.exp(z - top) for n, z in zs.items()}
             s = sum(ex.values())
