@@ -99,30 +99,22 @@ def _rates(samples: list[dict], stem: str, suffix: str = "_total") -> dict[str, 
     return out
 
 
-def _ratio(samples, num_stem, den_stem, plus_one=False) -> dict[str, list[tuple[float, float]]]:
-    """Windowed ratio of two counters (e.g. accepted / drafted), per drafter."""
+def _ratio(samples, num: tuple[str, str], den: tuple[str, str], offset: float = 0.0):
+    """Windowed ratio of two counters' increases, per label set: num and den are (stem, suffix), e.g. accepted /
+    drafted tokens, or a histogram's sum / count (its mean)."""
     out: dict[str, list] = defaultdict(list)
     for a, b in _pairs(samples):
-        na, nb = _find(a["values"], num_stem, "_total"), _find(b["values"], num_stem, "_total")
-        da, db = _find(a["values"], den_stem, "_total"), _find(b["values"], den_stem, "_total")
+        na, nb = _find(a["values"], *num), _find(b["values"], *num)
+        da, db = _find(a["values"], *den), _find(b["values"], *den)
         for lab in db:
             d = db[lab] - da.get(lab, 0.0)
             if d > 0:
-                out[lab].append((b["t"], (1.0 if plus_one else 0.0) + (nb.get(lab, 0.0) - na.get(lab, 0.0)) / d))
+                out[lab].append((b["t"], offset + (nb.get(lab, 0.0) - na.get(lab, 0.0)) / d))
     return out
 
 
 def _hist_mean(samples, stem) -> dict[str, list[tuple[float, float]]]:
-    """Windowed mean of a histogram (sum / count deltas), per drafter where tagged."""
-    out: dict[str, list] = defaultdict(list)
-    for a, b in _pairs(samples):
-        sa, sb = _find(a["values"], stem, "_sum"), _find(b["values"], stem, "_sum")
-        ca, cb = _find(a["values"], stem, "_count"), _find(b["values"], stem, "_count")
-        for lab in cb:
-            c = cb[lab] - ca.get(lab, 0.0)
-            if c > 0:
-                out[lab].append((b["t"], (sb.get(lab, 0.0) - sa.get(lab, 0.0)) / c))
-    return out
+    return _ratio(samples, (stem, "_sum"), (stem, "_count"))
 
 
 def render(samples: list[dict], out_dir: Path, title: str = "") -> list[Path]:
@@ -135,8 +127,10 @@ def render(samples: list[dict], out_dir: Path, title: str = "") -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     panels = [
         ("tokens/s to clients", _rates(samples, "cosine_generated_tokens")),
-        ("draft acceptance rate, by drafter", _ratio(samples, "cosine_accepted_tokens", "cosine_draft_tokens")),
-        ("mean accepted length, by drafter", _ratio(samples, "cosine_accepted_tokens", "cosine_drafts", True)),
+        ("draft acceptance rate, by drafter", _ratio(samples, ("cosine_accepted_tokens", "_total"),
+                                                                   ("cosine_draft_tokens", "_total"))),
+        ("mean accepted length, by drafter", _ratio(samples, ("cosine_accepted_tokens", "_total"),
+                                                                  ("cosine_drafts", "_total"), offset=1.0)),
         ("verify step, mean ms", _hist_mean(samples, "cosine_verify_latency_ms")),
         ("drafter step (hops included), mean ms", _hist_mean(samples, "cosine_drafter_step_ms")),
         ("requests in flight (verifier)", {"": [(s["t"], v) for s in samples
