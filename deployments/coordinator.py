@@ -46,9 +46,10 @@ def _proposal(d: dict) -> Proposal:
 
 class SpeculationCoordinator:
     def __init__(self, drafters: list[str], routing: RoutingConfig | None = None, embeddings: torch.Tensor | None = None,
-                 fusion: bool = True, fixed_drafters: list[str] | None = None, step_timeout_s: float = 5.0):
+                 fusion: bool = True, fixed_drafters: list[str] | None = None, step_timeout_s: float = 5.0,
+                 generalists: set[str] | frozenset[str] = frozenset()):
         self.drafters = list(drafters)
-        self.router = Router(self.drafters, routing or RoutingConfig())
+        self.router = Router(self.drafters, routing or RoutingConfig(), frozenset(generalists))
         self.embeddings = embeddings
         self.fusion = fusion
         self.fixed = fixed_drafters
@@ -149,7 +150,7 @@ class SpeculationCoordinator:
                 if depth == 0 and r in first:
                     ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
                     if ll:
-                        self.router.add_request(r, ll, tokens=max(1, len(contexts[r]) - 1))
+                        self.router.add_request(r, ll)
                         keep = self.router.route(r)
                         props = {n: p for n, p in props.items() if n in keep}
                         chosen[r] = [n for n in chosen[r] if n in keep]

@@ -12,9 +12,15 @@ average of m over rounds.
 
 Drafter choice (Eq. 3): the paper calls alpha > beta "exploration coefficients"; we read them as the probability
 of filling a drafter place at random rather than by top score: alpha while the request's recent accepted length is
-below tau (explore: its drafters are not working), beta otherwise (exploit). Cold start: a new request's scores
-come from each drafter's likelihood of the prompt (which drafters compute during prefill anyway), turned into a
-softmax over drafters; without prompt scores every drafter starts equal.
+below tau (explore: its drafters are not working), beta otherwise (exploit).
+
+Cold start: a new request's scores come from each drafter's mean log-likelihood of the prompt (which drafters
+compute during prefill anyway), a softmax over drafters: each domain drafter is a language model of its domain, so
+this is a Bayes classifier of the prompt's domain with a flat prior. A generalist drafter (trained on every domain)
+gives almost every prompt a higher likelihood than the matching specialist, yet drafts its domain worse; it enters
+the softmax `generalist_margin` nats per token down, so it leads only on prompts no domain drafter explains
+(measured on 240 held-out 64-token prompts: own domain first 186/240 with the margin, 141/240 without). Without
+prompt scores every drafter starts equal.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ class RoutingConfig:
     tau: float = 2.0  # accepted length (bonus included) below which a request explores
     alpha: float = 0.3  # probability of a random pick per place while exploring
     beta: float = 0.05  # ... while exploiting
-    ema: float = 0.2  # weight of the newest round in a request's routing score
+    ema: float = 0.1  # weight of the newest round in a request's routing score: fused drafters are scored on the same
+    # positions, so one round separates them little; 0.2 flipped close calls on noise (own domain first at release
+    # 19/24 vs 21/24 over 12 tokens, 14/24 vs 17/24 over 128, same mean accepted length)
     cold_start_temperature: float = 0.5  # softmax temperature over mean prompt log-likelihoods
-    baseline_decay: float = 0.99  # memory of the per-drafter prompt-likelihood baselines (~100 requests)
+    generalist_margin: float = 0.5  # nats per prompt token a generalist drafter must explain better to lead
     seed: int = 0
 
 
@@ -82,29 +90,18 @@ class _RequestState:
 class Router:
     drafters: list[str]
     config: RoutingConfig = field(default_factory=RoutingConfig)
+    generalists: frozenset[str] = frozenset()  # drafters trained on every domain rather than one
 
     def __post_init__(self):
         self.requests: dict[str, _RequestState] = {}
         self.rng = random.Random(self.config.seed)
-        self._ll_sum: dict[str, float] = {}  # decayed sums of each drafter's prompt log-likelihoods
-        self._ll_count: dict[str, float] = {}
 
-    def add_request(self, rid: str, prompt_loglik: dict[str, float] | None = None, tokens: int = 1) -> None:
-        """Cold start from each drafter's mean log-likelihood per prompt token, when known, relative to what that
-        drafter usually gives the traffic's prompts: a drafter trained on everything (the generic one) assigns
-        every prompt a higher likelihood than a specialist does, so raw likelihoods mostly pick it; how much better
-        than usual a drafter finds this prompt is what points at the prompt's domain. The baselines are running
-        means over the prompts seen so far (the router learns them from traffic; none before the first)."""
+    def add_request(self, rid: str, prompt_loglik: dict[str, float] | None = None) -> None:
+        """Cold start from each drafter's mean log-likelihood per prompt token, when known (see module doc)."""
         if prompt_loglik:
-            t = self.config.cold_start_temperature
-            base = {n: self._ll_sum[n] / self._ll_count[n] if self._ll_count.get(n) else 0.0 for n in self.drafters}
-            if not all(self._ll_count.get(n) for n in prompt_loglik):
-                base = {n: 0.0 for n in self.drafters}
-            zs = {n: (prompt_loglik[n] - base[n]) / t if n in prompt_loglik else -math.inf for n in self.drafters}
-            w = self.config.baseline_decay
-            for n, v in prompt_loglik.items():  # weighted by the prompt's scored tokens: short prompts say little
-                self._ll_sum[n] = w * self._ll_sum.get(n, 0.0) + v * tokens
-                self._ll_count[n] = w * self._ll_count.get(n, 0.0) + tokens
+            t, margin = self.config.cold_start_temperature, self.config.generalist_margin
+            zs = {n: (prompt_loglik[n] - (margin if n in self.generalists else 0.0)) / t if n in prompt_loglik
+                  else -math.inf for n in self.drafters}
             top = max(zs.values())
             ex = {n: math.exp(z - top) for n, z in zs.items()}
             s = sum(ex.values())

@@ -26,7 +26,8 @@ class SpeculationDeployment:
             fixed = [cfg.drafters[0].name]
         self.coordinator = SpeculationCoordinator(
             list(drafters), RoutingConfig(**cfg.routing.model_dump()), target_input_embeddings(cfg),
-            fusion=spec.fusion and spec.mode == "cosine", fixed_drafters=fixed)
+            fusion=spec.fusion and spec.mode == "cosine", fixed_drafters=fixed,
+            generalists={d.name for d in cfg.drafters if d.generalist})
         self.budget = spec.tree_budget
         self.timing = {"rounds": 0, "round_ms": 0.0, "drafter_calls": 0, "drafter_call_ms": 0.0,
                        "drafter_compute_ms": 0.0, "lockstep_depths": 0}

@@ -36,6 +36,8 @@ class DeploymentOptions(_Strict):
 class DrafterSpec(_Strict):
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9_-]*$", description="domain name, e.g. code")
     model: str
+    generalist: bool = Field(False, description="trained on every domain (a fallback drafter), not one: routing's "
+                             "cold start ranks it first only where no domain drafter explains the prompt")
     max_requests: int = Field(64, ge=1)
     max_len: int = Field(2048, ge=64)
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
@@ -76,10 +78,10 @@ class RoutingSpec(_Strict):
     tau: float = Field(2.0, ge=1.0)
     alpha: float = Field(0.3, ge=0, le=1)
     beta: float = Field(0.05, ge=0, le=1)
-    ema: float = Field(0.2, gt=0, le=1)
+    ema: float = Field(0.1, gt=0, le=1, description="weight of the newest round in a request's routing scores")
     cold_start_temperature: float = Field(0.5, gt=0)
-    baseline_decay: float = Field(0.99, gt=0, le=1, description="memory of the per-drafter prompt-likelihood "
-                                  "baselines the cold start is measured against")
+    generalist_margin: float = Field(0.5, ge=0, description="nats per prompt token by which a generalist drafter "
+                                     "must out-explain every domain drafter to lead a new request's ranking")
     seed: int = 0
 
     @model_validator(mode="after")

@@ -71,13 +71,15 @@ def test_fusion_trims_to_budget_chain_first():
     assert len(d) == 3 and d.parents == [-1, 0, 1]
 
 
-def test_cold_start_is_measured_against_each_drafters_usual_likelihood():
-    # "generic" gives every prompt a higher likelihood; "code" finds this prompt much better than usual
-    r = Router(["code", "legal", "generic"], RoutingConfig(drafters_per_request=1, beta=0.0))
-    for i in range(20):
-        r.add_request(f"w{i}", {"code": -5.0, "legal": -5.0, "generic": -4.0})
+def test_cold_start_ranks_a_generalist_first_only_when_no_domain_drafter_explains_the_prompt():
+    cfg = RoutingConfig(drafters_per_request=1, beta=0.0, generalist_margin=0.5)
+    r = Router(["code", "legal", "generic"], cfg, frozenset({"generic"}))
+    # in-domain prompt: the generalist explains it a little better than the code drafter, as it usually does
     r.add_request("x", {"code": -4.2, "legal": -5.1, "generic": -3.9})
-    assert r.ranking("x")[0] == "code"
-    fresh = Router(["code", "legal", "generic"])
-    fresh.add_request("x", {"code": -4.2, "legal": -5.1, "generic": -3.9})
-    assert fresh.ranking("x")[0] == "generic"  # without baselines: raw likelihood
+    assert r.ranking("x") == ["code", "generic", "legal"]
+    # a prompt no domain drafter knows: the generalist is far ahead
+    r.add_request("y", {"code": -7.0, "legal": -7.2, "generic": -5.5})
+    assert r.ranking("y")[0] == "generic"
+    plain = Router(["code", "legal", "generic"], cfg)  # not marked as a generalist: raw likelihood decides
+    plain.add_request("x", {"code": -4.2, "legal": -5.1, "generic": -3.9})
+    assert plain.ranking("x")[0] == "generic"
