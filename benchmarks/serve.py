@@ -122,6 +122,11 @@ def main(args) -> int:
                   f"{stats['drafter_compute_ms'] / stats['rounds']:.1f} ms over {stats['drafter_calls'] / stats['rounds']:.1f} "
                   f"drafter calls; a drafter call costs {stats['drafter_call_ms'] / max(1, stats['drafter_calls']):.1f} ms "
                   f"(compute {stats['drafter_compute_ms'] / max(1, stats['drafter_calls']):.1f} ms)")
+        if stats.get("controller"):
+            c = stats["controller"]
+            print(f"goodput controller (recent rounds): mean draft length {c['mean_k_recent']:.2f}, "
+                  f"{100 * c['zero_k_share']:.0f}% plain decoding, verify fit {c['verify_fit_ms'][0]:.1f} ms + "
+                  f"{c['verify_fit_ms'][1]:.2f} ms/token, pool acceptance {c['pool_acceptance'] or 0:.2f}")
     except Exception:  # noqa: BLE001 - stats are optional
         pass
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

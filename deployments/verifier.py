@@ -99,6 +99,12 @@ class VerifierDeployment:
         out = {"verify_steps": len(m.verify_seconds), "draft_fallbacks": m.draft_failures,
                "verify_ms_recent": 1000 * sum(m.verify_seconds) / max(1, len(m.verify_seconds)),
                "draft_round_ms_recent": 1000 * sum(m.draft_seconds) / max(1, len(m.draft_seconds))}
+        c = self.controller
+        if c is not None:
+            ks = list(m.draft_lengths)
+            out["controller"] = {"mean_k_recent": sum(ks) / max(1, len(ks)), "zero_k_share": ks.count(0) / max(1, len(ks)),
+                                 "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
+                                 "pool_acceptance": c.pool_acceptance}
         if self.speculation is not None:
             out.update(await self.speculation.stats.remote())
         return out
@@ -140,6 +146,7 @@ class VerifierDeployment:
             o = self.live[r].speculation if r in self.live else {}
             caps[r] = 0 if not o.get("enabled", True) else min(spec.k, o.get("max_draft_tokens") or spec.k)
         ks = self.controller.choose(rids, caps) if self.controller else caps
+        self.metrics.draft_lengths.extend(ks[r] for r in rids if caps[r] > 0)
         # Gamma_max: shorten the longest drafts until the total fits (CoSine Alg. 2)
         while sum(ks.values()) > spec.gamma_max:
             ks[max(ks, key=ks.get)] -= 1
@@ -242,6 +249,7 @@ class _Metrics:
         self.draft_failures = 0
         self.draft_seconds: deque = deque(maxlen=512)
         self.verify_seconds: deque = deque(maxlen=512)
+        self.draft_lengths: deque = deque(maxlen=512)  # the controller's recent choices (speculating requests)
         self.drafted = m.Counter("cosine_draft_tokens", "draft tokens verified, by drafter", tag_keys=("drafter",))
         self.accepted = m.Counter("cosine_accepted_tokens", "draft tokens accepted, by drafter",
                                   tag_keys=("drafter",))
