@@ -14,6 +14,14 @@ drafter had become good (or that the prior was too pessimistic). Two things keep
 starts from the pool's recent acceptance rather than a fixed prior, and a request held at k = 0 for
 `probe_interval` rounds drafts `probe_k` tokens once (exploration; a probe never changes the output, it only costs
 a little verify work).
+
+Participation (CoSine Alg. 2: "when the verifier is idle, more drafter nodes participate; when it is overloaded,
+fewer"): with `adaptive_participation` the controller also picks how many drafters every request drafts with this
+round, 1..`drafters_per_request`. A fused draft of n drafters puts up to n nodes per depth in the verify batch, so
+n multiplies the verify work per draft token; what it buys is measured, not assumed: acceptance is counted per
+participation level over the pool, and a request's own estimate is shifted by the difference between the levels.
+Where verify tokens are nearly free (batch 1 on a GPU, or small batches here) the extra drafters pay; at a loaded
+verifier one drafter per request does. A level not tried for `participation_probe` rounds is tried once.
 """
 
 from __future__ import annotations
@@ -71,13 +79,19 @@ class SpeculationController:
     parallel_groups: bool = False
     probe_interval: int = 8
     probe_k: int = 2
+    adaptive_participation: bool = False  # choose 1..drafters_per_request drafters per round (else always the max)
+    participation_probe: int = 32
     acceptance: dict[str, float] = field(default_factory=dict)
     pool_acceptance: float | None = None  # over every request's recent rounds: the start of new requests
     pool_counts: tuple = (0.0, 0.0)
     counts: dict[str, tuple] = field(default_factory=dict)
     idle_rounds: dict[str, int] = field(default_factory=dict)
+    participants: int = 0  # drafters per request chosen by the last `choose` (0 before the first)
+    level_counts: dict[int, tuple] = field(default_factory=dict)  # participation -> decayed (accepted, trials)
+    level_of: dict[str, int] = field(default_factory=dict)  # participation a request's estimate was formed under
+    level_age: dict[int, int] = field(default_factory=dict)  # rounds since each level was last used
 
-    def observe_acceptance(self, rid: str, drafted: int, accepted: int) -> None:
+    def observe_acceptance(self, rid: str, drafted: int, accepted: int, participants: int | None = None) -> None:
         """Per-token acceptance under the geometric model: the maximum-likelihood estimate is accepted tokens over
         (accepted tokens + rejections), a chain having one rejection unless it was accepted whole; exponentially
         decayed counts (weight `ema` on the newest round) follow drifting acceptance. `drafted` is the draft's
@@ -93,6 +107,14 @@ class SpeculationController:
         ps, pt = self.pool_counts
         self.pool_counts = (0.95 * ps + accepted, 0.95 * pt + trials)
         self.pool_acceptance = self.pool_counts[0] / self.pool_counts[1]
+        if participants:
+            ls, lt = self.level_counts.get(participants, (0.0, 0.0))
+            self.level_counts[participants] = (0.95 * ls + accepted, 0.95 * lt + trials)
+            self.level_of[rid] = participants
+
+    def level_acceptance(self, n: int) -> float | None:
+        s, t = self.level_counts.get(n, (0.0, 0.0))
+        return s / t if t >= 1.0 else None
 
     def _start(self) -> float:
         return self.prior_acceptance if self.pool_acceptance is None else self.pool_acceptance
@@ -101,9 +123,11 @@ class SpeculationController:
         self.acceptance.pop(rid, None)
         self.counts.pop(rid, None)
         self.idle_rounds.pop(rid, None)
+        self.level_of.pop(rid, None)
 
-    def _time(self, ks: list[int], groups: list | None = None) -> float:
-        verify = self.verify(sum(1 + k * self.drafters_per_request for k in ks))
+    def _time(self, ks: list[int], groups: list | None = None, n: int | None = None) -> float:
+        n = n or self.drafters_per_request
+        verify = self.verify(sum(1 + k * n for k in ks))
         groups = groups or [0] * len(ks)
         combine = max if self.parallel_groups else sum
         draft = 0.0
@@ -113,14 +137,30 @@ class SpeculationController:
                 if k >= depth:
                     per_group[g] = per_group.get(g, 0) + 1
             draft += combine(self.draft(n) for n in per_group.values())
-        return verify + draft * self.drafters_per_request
+        return verify + draft * n
 
     def choose(self, rids: list[str], k_caps: dict[str, int] | None = None,
                groups: dict[str, object] | None = None) -> dict[str, int]:
         """Greedy allocation: repeatedly set the one draft length (to any longer value) that raises goodput
         most, while any does. Jumps, not unit steps, because a drafter's fixed per-step cost can make k = 1
-        worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s)."""
-        ks = self._allocate(rids, k_caps, groups)
+        worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s). With adaptive
+        participation the allocation is made for every participation level and the best plan is kept; the
+        level is left in `self.participants`."""
+        levels = range(1, self.drafters_per_request + 1) if self.adaptive_participation else [self.drafters_per_request]
+        best = None
+        for n in levels:
+            ks_n, g = self._allocate(rids, k_caps, groups, n)
+            if best is None or g > best[2] * (1 + 1e-3):
+                best = (n, ks_n, g)
+        n, ks, _ = best
+        if self.adaptive_participation and any(ks.values()):
+            for m in levels:
+                self.level_age[m] = self.level_age.get(m, 0) + 1
+            stale = max(levels, key=lambda m: self.level_age[m])
+            if self.level_age[stale] > self.participation_probe:
+                n = stale  # keep every level's acceptance measured (a probe never changes the output)
+            self.level_age[n] = 0
+        self.participants = n
         for r in rids:  # exploration: a request held at k = 0 for long drafts a little once
             if ks[r] > 0:
                 self.idle_rounds[r] = 0
@@ -132,16 +172,30 @@ class SpeculationController:
                 self.idle_rounds[r] = 0
         return ks
 
-    def _allocate(self, rids, k_caps, groups) -> dict[str, int]:
+    def _acceptance_at(self, rid: str, n: int) -> float:
+        """The request's acceptance, moved to participation level n by the pool's difference between levels."""
+        if not self.adaptive_participation:
+            return self.acceptance.get(rid, self._start())
+        here = self.level_acceptance(n)
+        if rid not in self.acceptance:  # a new request starts from the level's pool acceptance
+            return here if here is not None else self._start()
+        a = self.acceptance[rid]
+        there = self.level_acceptance(self.level_of.get(rid, n))
+        if here is None or there is None:
+            return a
+        return min(max(a + here - there, 0.0), 0.999)
+
+    def _allocate(self, rids, k_caps, groups, n: int | None = None) -> tuple[dict[str, int], float]:
         caps = {r: min(self.k_max, (k_caps or {}).get(r, self.k_max)) for r in rids}
         ks = {r: 0 for r in rids}
         if not rids:
-            return ks
-        acc = {r: self.acceptance.get(r, self._start()) for r in rids}
+            return ks, 0.0
+        n = n or self.drafters_per_request
+        acc = {r: self._acceptance_at(r, n) for r in rids}
         group_list = [(groups or {}).get(r, 0) for r in rids]
 
         def goodput(kv: dict[str, int]) -> float:
-            t = self._time(list(kv.values()), group_list)
+            t = self._time(list(kv.values()), group_list, n)
             return sum(expected_tokens(acc[r], k) for r, k in kv.items()) / max(t, 1e-9)
 
         best = goodput(ks)
@@ -164,5 +218,5 @@ class SpeculationController:
                     if g > best * (1 + 1e-3) and (cand is None or g > cand[1]):
                         cand = (kv, g)
             if cand is None:
-                return ks
+                return ks, best
             ks, best = cand

@@ -91,8 +91,9 @@ class SpeculationCoordinator:
         return {r: _proposal(d) for r, d in raw.items()}
 
     async def draft(self, batch: list[dict], step_fn: StepFn, budget: int = 8) -> dict[str, Draft]:
-        """batch items: {"rid", "context": [...], "k": int} and optionally "budget" (tree nodes), and the
-        per-request overrides "drafters" (fixed list, no routing), "routing" ("router" | "random"), "fusion"."""
+        """batch items: {"rid", "context": [...], "k": int} and optionally "budget" (tree nodes), "participants"
+        (how many routed drafters, else routing.drafters_per_request), and the per-request overrides "drafters"
+        (fixed list, no routing), "routing" ("router" | "random"), "fusion"."""
         t0 = time.perf_counter()
         ks, contexts, chosen, first, fuse = {}, {}, {}, set(), {}
         for it in batch:
@@ -111,12 +112,13 @@ class SpeculationCoordinator:
                 chosen[rid] = [n for n in fixed if n in self.drafters]
                 first.discard(rid)  # no cold start scoring when the drafters are fixed
             elif it.get("routing") == "random":
-                chosen[rid] = self.router.rng.sample(self.drafters, self.router.config.drafters_per_request)
+                chosen[rid] = self.router.rng.sample(self.drafters, min(len(self.drafters), it.get(
+                    "participants") or self.router.config.drafters_per_request))
                 first.discard(rid)
             elif rid in first:
                 chosen[rid] = list(self.drafters)  # cold start: everyone scores the prompt
             else:
-                chosen[rid] = self.router.route(rid)
+                chosen[rid] = self.router.route(rid, it.get("participants"))
         if not ks:
             return {}
         fusers = {r: FusionTree(budget=next((it.get("budget", budget) for it in batch if it["rid"] == r), budget))
@@ -151,7 +153,8 @@ class SpeculationCoordinator:
                     ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
                     if ll:
                         self.router.add_request(r, ll)
-                        keep = self.router.route(r)
+                        keep = self.router.route(r, next((it.get("participants") for it in batch
+                                                          if it["rid"] == r), None))
                         props = {n: p for n, p in props.items() if n in keep}
                         chosen[r] = [n for n in chosen[r] if n in keep]
                 feed[r] = {}

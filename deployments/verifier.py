@@ -55,8 +55,10 @@ class VerifierDeployment:
         spec = self.cfg.speculation
         # a fused round verifies up to drafters_per_request nodes per depth (the chain and its sibling branches)
         per_depth = self.cfg.routing.drafters_per_request if spec.mode == "cosine" else 1
-        self.controller = SpeculationController(k_max=spec.k, drafters_per_request=per_depth) \
+        self.controller = SpeculationController(k_max=spec.k, drafters_per_request=per_depth,
+                                                adaptive_participation=spec.adaptive_drafters and per_depth > 1) \
             if spec.adaptive else None
+        self.levels: dict[str, int] = {}  # drafters per request each request's pending draft was made with
         self.live: dict[str, _Live] = {}
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.aborts: set[str] = set()
@@ -104,7 +106,9 @@ class VerifierDeployment:
             ks = list(m.draft_lengths)
             out["controller"] = {"mean_k_recent": sum(ks) / max(1, len(ks)), "zero_k_share": ks.count(0) / max(1, len(ks)),
                                  "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
-                                 "pool_acceptance": c.pool_acceptance}
+                                 "pool_acceptance": c.pool_acceptance,
+                                 "drafters_per_request": c.participants,
+                                 "acceptance_by_drafters": {n: c.level_acceptance(n) for n in sorted(c.level_counts)}}
         if self.speculation is not None:
             out.update(await self.speculation.stats.remote())
         return out
@@ -133,6 +137,9 @@ class VerifierDeployment:
             else:
                 self.engine.abort(rid)
                 self.group.pop(rid, None)
+                self.levels.pop(rid, None)
+                if self.controller:
+                    self.controller.release(rid)
                 released.append(rid)
         return released
 
@@ -150,15 +157,20 @@ class VerifierDeployment:
         # Gamma_max: shorten the longest drafts until the total fits (CoSine Alg. 2)
         while sum(ks.values()) > spec.gamma_max:
             ks[max(ks, key=ks.get)] -= 1
+        n = (self.controller.participants if self.controller else 0) or self.cfg.routing.drafters_per_request
         batch = []
         for r in rids:
             if ks[r] <= 0:
                 continue
-            item = {"rid": r, "context": self.engine.context(r), "k": ks[r], "budget": min(spec.tree_budget, 2 * ks[r])}
             o = self.live[r].speculation if r in self.live else {}
+            level = len(o["drafters"]) if o.get("drafters") else n
+            # a fused round verifies the chain plus up to level - 1 sibling branches per depth
+            item = {"rid": r, "context": self.engine.context(r), "k": ks[r], "participants": n,
+                    "budget": min(spec.tree_budget, max(1, level) * ks[r])}
             for key in ("drafters", "routing", "fusion"):
                 if o.get(key) is not None:
                     item[key] = o[key]
+            self.levels[r] = level
             batch.append(item)
         if not batch:
             return {}
@@ -215,8 +227,10 @@ class VerifierDeployment:
             self.controller.verify.observe(self.engine.last_step_tokens, self.engine.last_verify_seconds)
         finished = []
         for o in outs:
+            level = self.levels.pop(o.request_id, None)
             if self.controller:
-                self.controller.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens)
+                self.controller.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens,
+                                                   level if o.draft_depth else None)
             chunk = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason,
                      "num_draft_tokens": o.num_draft_tokens, "num_accepted_tokens": o.num_accepted_tokens,
                      "accepted_drafters": o.accepted_drafters}
@@ -224,6 +238,7 @@ class VerifierDeployment:
                 finished.append(o.request_id)
                 chunk["usage"] = self.engine.finished_stats(o.request_id) or {}
                 self.group.pop(o.request_id, None)
+                self.levels.pop(o.request_id, None)
                 if self.controller:
                     self.controller.release(o.request_id)
             live = self.live.get(o.request_id)

@@ -59,6 +59,9 @@ class SpeculationSpec(_Strict):
     tree_budget: int = Field(8, ge=1, description="draft nodes per request and round")
     fusion: bool = True
     adaptive: bool = True
+    adaptive_drafters: bool = Field(True, description="with adaptive speculation, the goodput controller also "
+                                    "picks 1..routing.drafters_per_request drafters per request each round: fewer "
+                                    "when the verifier is loaded (CoSine Alg. 2)")
     fixed_drafters: list[str] | None = Field(None, description="bypass routing: always use these drafters")
     draft_timeout_ms: float = Field(100.0, gt=0, description="decode without drafts when they are later")
     # the speculation cluster's central node keeps per-request state (routing scores, last round, which drafters

@@ -90,3 +90,24 @@ def test_cold_start_ranks_the_prompts_domain_drafter_first(target, servers, toke
             raw += cold_rank(raw_coord, f"raw-{d}-{i}", heldout[d][i]) == d
     assert own >= 42, f"{own}/60"  # measured 46/60; raw likelihoods over all drafters: 30/60
     assert own >= raw + 10, (own, raw)
+
+
+def test_participants_set_how_many_routed_drafters_draft(servers, prompts):
+    """The verifier's goodput controller lowers participation when verification is the bottleneck."""
+    coord = SpeculationCoordinator(NAMES, RoutingConfig(drafters_per_request=3), None, generalists={"generic"})
+    calls = []
+
+    async def step_fn(name, items):
+        calls.append(name)
+        return servers[name].step(items)
+
+    ctx = prompts[0]
+    drafts = asyncio.run(coord.draft([{"rid": "x", "context": ctx, "k": 2, "participants": 1}], step_fn))
+    assert len(set(calls)) == len(NAMES) and len(set(calls[len(NAMES):])) == 1  # all score the prompt, one drafts on
+    assert len(drafts["x"]) >= 2
+    for n, extra in ((1, [5]), (3, [5, 6])):
+        calls.clear()
+        asyncio.run(coord.draft([{"rid": "x", "context": ctx + extra, "k": 2, "participants": n}], step_fn))
+        assert len(set(calls)) == n
+    for n in coord.release("x"):
+        servers[n].release(["x"])

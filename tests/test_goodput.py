@@ -97,3 +97,44 @@ def test_fused_trees_accepted_along_their_depth_grow_to_long_drafts():
         c.observe_acceptance("a", drafted=k, accepted=k)  # depth k, every chain token accepted
         ks = c.choose(["a"])
     assert ks["a"] == c.k_max
+
+
+def _participation_ctrl(verify_a, verify_b, accepted_by_level):
+    c = SpeculationController(k_max=4, drafters_per_request=2, adaptive_participation=True, participation_probe=1000)
+    c.verify.a, c.verify.b = verify_a, verify_b
+    for _ in range(20):  # rounds measured at each participation level (pool-wide acceptance per level)
+        for n, accepted in accepted_by_level.items():  # of 4 drafted: MLE 2 -> 0.67, 3 -> 0.75
+            c.observe_acceptance(f"pool-{n}", drafted=4, accepted=accepted, participants=n)
+    return c
+
+
+def test_idle_verifier_lets_more_drafters_participate():
+    # extra verify tokens are nearly free and two fused drafters are accepted more often than one
+    c = _participation_ctrl(0.030, 0.0001, {1: 2, 2: 3})
+    ks = c.choose(["a", "b"])
+    assert c.participants == 2 and min(ks.values()) >= 3
+
+
+def test_loaded_verifier_drafts_with_fewer_drafters():
+    # the same measured gain, but each verified token costs a tenth of a decode step of the batch: the second
+    # drafter's sibling branches double the verify work, so one drafter per request pays more
+    c = _participation_ctrl(0.030, 0.003, {1: 2, 2: 3})
+    ks = c.choose([str(i) for i in range(8)])
+    assert c.participants == 1 and any(ks.values())
+
+
+def test_a_request_estimate_moves_by_the_pools_difference_between_levels():
+    c = _participation_ctrl(0.030, 0.0001, {1: 2, 2: 3})
+    for _ in range(10):
+        c.observe_acceptance("r", drafted=4, accepted=1, participants=1)  # measured with one drafter
+    assert c._acceptance_at("r", 1) < 0.55 and c._acceptance_at("r", 2) > c._acceptance_at("r", 1) + 0.05
+
+
+def test_an_untried_participation_level_is_probed():
+    c = SpeculationController(k_max=4, drafters_per_request=2, adaptive_participation=True, participation_probe=4)
+    c.verify.a, c.verify.b = 0.030, 0.002
+    seen = set()
+    for _ in range(12):
+        c.choose(["a", "b"])
+        seen.add(c.participants)
+    assert seen == {1, 2}
