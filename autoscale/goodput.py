@@ -90,6 +90,7 @@ class SpeculationController:
     level_counts: dict[int, tuple] = field(default_factory=dict)  # participation -> decayed (accepted, trials)
     level_of: dict[str, int] = field(default_factory=dict)  # participation a request's estimate was formed under
     level_age: dict[int, int] = field(default_factory=dict)  # rounds since each level was last used
+    level_draft: dict[int, LinearLatency] = field(default_factory=dict)  # drafting cost per level, when adaptive
 
     def observe_acceptance(self, rid: str, drafted: int, accepted: int, participants: int | None = None) -> None:
         """Per-token acceptance under the geometric model: the maximum-likelihood estimate is accepted tokens over
@@ -112,6 +113,13 @@ class SpeculationController:
             self.level_counts[participants] = (0.95 * ls + accepted, 0.95 * lt + trials)
             self.level_of[rid] = participants
 
+    def draft_model(self, n: int) -> LinearLatency:
+        """Drafting time per depth at participation n: a lone drafter (or unfused ones) drafts its chain in one
+        call, fused drafters need a round trip per depth, so the levels cost differently."""
+        if not self.adaptive_participation:
+            return self.draft
+        return self.level_draft.setdefault(n, LinearLatency())
+
     def level_acceptance(self, n: int) -> float | None:
         s, t = self.level_counts.get(n, (0.0, 0.0))
         return s / t if t >= 1.0 else None
@@ -125,22 +133,27 @@ class SpeculationController:
         self.idle_rounds.pop(rid, None)
         self.level_of.pop(rid, None)
 
-    def _time(self, ks: list[int], groups: list | None = None, n: int | None = None) -> float:
+    def _time(self, ks: list[int], groups: list | None = None, n: int | None = None, overlap: float = 0.0) -> float:
+        """Seconds per round. `overlap`: verify work of other requests that the drafting runs alongside (the
+        serving graph's pipeline), so only drafting beyond it costs time."""
         n = n or self.drafters_per_request
         verify = self.verify(sum(1 + k * n for k in ks))
         groups = groups or [0] * len(ks)
         combine = max if self.parallel_groups else sum
+        model = self.draft_model(n)
         draft = 0.0
         for depth in range(1, max(ks, default=0) + 1):
             per_group: dict = {}
             for k, g in zip(ks, groups):
                 if k >= depth:
                     per_group[g] = per_group.get(g, 0) + 1
-            draft += combine(self.draft(n) for n in per_group.values())
-        return verify + draft * n
+            draft += combine(model(m) for m in per_group.values())
+        # drafters of one request step one after another in one process, in parallel as separate deployments
+        draft *= 1 if self.parallel_groups else n
+        return verify + max(0.0, draft - overlap)
 
     def choose(self, rids: list[str], k_caps: dict[str, int] | None = None,
-               groups: dict[str, object] | None = None) -> dict[str, int]:
+               groups: dict[str, object] | None = None, overlap_s: float = 0.0) -> dict[str, int]:
         """Greedy allocation: repeatedly set the one draft length (to any longer value) that raises goodput
         most, while any does. Jumps, not unit steps, because a drafter's fixed per-step cost can make k = 1
         worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s). With adaptive
@@ -149,7 +162,7 @@ class SpeculationController:
         levels = range(1, self.drafters_per_request + 1) if self.adaptive_participation else [self.drafters_per_request]
         best = None
         for n in levels:
-            ks_n, g = self._allocate(rids, k_caps, groups, n)
+            ks_n, g = self._allocate(rids, k_caps, groups, n, overlap_s)
             if best is None or g > best[2] * (1 + 1e-3):
                 best = (n, ks_n, g)
         n, ks, _ = best
@@ -185,7 +198,8 @@ class SpeculationController:
             return a
         return min(max(a + here - there, 0.0), 0.999)
 
-    def _allocate(self, rids, k_caps, groups, n: int | None = None) -> tuple[dict[str, int], float]:
+    def _allocate(self, rids, k_caps, groups, n: int | None = None,
+                  overlap: float = 0.0) -> tuple[dict[str, int], float]:
         caps = {r: min(self.k_max, (k_caps or {}).get(r, self.k_max)) for r in rids}
         ks = {r: 0 for r in rids}
         if not rids:
@@ -195,7 +209,7 @@ class SpeculationController:
         group_list = [(groups or {}).get(r, 0) for r in rids]
 
         def goodput(kv: dict[str, int]) -> float:
-            t = self._time(list(kv.values()), group_list, n)
+            t = self._time(list(kv.values()), group_list, n, overlap)
             return sum(expected_tokens(acc[r], k) for r, k in kv.items()) / max(t, 1e-9)
 
         best = goodput(ks)

@@ -82,13 +82,14 @@ class SpeculationCoordinator:
                 if self.embeddings is not None else _exact_alignment(committed, toks)
         self.router.update(rid, float(len(committed)), scores)
 
-    async def _call(self, step_fn: StepFn, name: str, items: list[dict]) -> dict[str, Proposal]:
+    async def _call(self, step_fn: StepFn, name: str, items: list[dict]) -> dict[str, list[Proposal]]:
+        """{rid: [proposal, ...]}: one proposal, or the whole chain when the item asked for several steps."""
         try:
             raw = await asyncio.wait_for(step_fn(name, items), self.step_timeout_s)
         except Exception:  # noqa: BLE001 - a failed drafter only loses its proposals for this round
             self.stats["drafter_failures"] += 1
             return {}
-        return {r: _proposal(d) for r, d in raw.items()}
+        return {r: [_proposal(d)] + [_proposal(m) for m in d.get("more", [])] for r, d in raw.items()}
 
     async def draft(self, batch: list[dict], step_fn: StepFn, budget: int = 8) -> dict[str, Draft]:
         """batch items: {"rid", "context": [...], "k": int} and optionally "budget" (tree nodes), "participants"
@@ -125,20 +126,26 @@ class SpeculationCoordinator:
                   for r in ks}
         chains: dict[str, dict[str, list[Proposal]]] = {r: {n: [] for n in chosen[r]} for r in ks}
         feed: dict[str, dict[str, int]] = {r: {} for r in ks}  # what each drafter is fed next
+        # requests whose drafters will only be fed their own tokens (no fusion, or one drafter) get each chain
+        # from a single call; on a first round every drafter scores the prompt and most are dropped, so not then
+        solo = {r for r in ks if r not in first and (not fuse[r] or len(chosen[r]) == 1)}
+        ahead: dict[str, dict[str, list[Proposal]]] = {}  # their chains, handed out depth by depth
         for depth in range(max(ks.values())):
             per_drafter: dict[str, list[dict]] = {}
             for r in ks:
-                if depth >= ks[r]:
+                if depth >= ks[r] or (depth > 0 and r in solo):
                     continue
                 for n in chosen[r]:
                     if depth == 0:
                         item = {"rid": r, "context": contexts[r], "score_context": r in first}
+                        if r in solo and ks[r] > 1:
+                            item["steps"] = ks[r]
                     elif n in feed[r]:
                         item = {"rid": r, "feed": [feed[r][n]]}
                     else:
                         continue  # this drafter dropped out of the request's round
                     per_drafter.setdefault(n, []).append(item)
-            if not per_drafter:
+            if not per_drafter and not any(r in solo and depth < ks[r] for r in ks):
                 break
             names = list(per_drafter)
             answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n]) for n in names))
@@ -146,7 +153,14 @@ class SpeculationCoordinator:
             for r in ks:
                 if depth >= ks[r]:
                     continue
-                props = {n: got[n][r] for n in chosen[r] if n in got and r in got[n]}
+                if depth == 0:
+                    fetched = {n: got[n][r] for n in chosen[r] if n in got and r in got[n]}
+                    ahead[r] = {n: ch[1:] for n, ch in fetched.items()}
+                    props = {n: ch[0] for n, ch in fetched.items()}
+                elif r in solo:
+                    props = {n: ch[depth - 1] for n, ch in ahead[r].items() if len(ch) >= depth and n in feed[r]}
+                else:
+                    props = {n: got[n][r][0] for n in chosen[r] if n in got and r in got[n]}
                 for n in props:
                     self.where.setdefault(r, set()).add(n)
                 if depth == 0 and r in first:

@@ -2,7 +2,9 @@
 
 The fusion node calls `step` in lockstep for all requests routed to this drafter. Each item either carries the
 request's full committed context (first step of a round: the engine keeps the agreeing cached prefix, so a
-replica that never saw the request, or restarted, simply rebuilds it) or the token fusion chose to feed.
+replica that never saw the request, or restarted, simply rebuilds it) or the token fusion chose to feed. Where
+the drafter will only ever be fed its own tokens this round (no fusion, or it drafts alone), an item asks for
+`steps` > 1 and gets the whole chain from one call: one hop instead of one per depth.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class DrafterServer:
 
     def step(self, items: list[dict]) -> dict[str, dict]:
         """items: {"rid", "context": [...]} or {"rid", "feed": [...]}; "score_context" asks for the context's
-        log-likelihood (cold-start routing)."""
+        log-likelihood (cold-start routing); "steps": n > 1 continues the chain from the drafter's own tokens and
+        returns the n - 1 later proposals under "more"."""
         rids = []
         for it in items:
             rid = it["rid"]
@@ -46,7 +49,15 @@ class DrafterServer:
         if not rids:
             return {}
         want_loglik = any(it.get("score_context") for it in items)
-        return {r: proposal_dict(p) for r, p in self.engine.step(rids, want_loglik=want_loglik).items()}
+        first = self.engine.step(rids, want_loglik=want_loglik)
+        out = {r: proposal_dict(p) for r, p in first.items()}
+        more = {it["rid"]: it["steps"] - 1 for it in items if it.get("steps", 1) > 1 and it["rid"] in first}
+        if more:
+            for r in more:
+                self.engine.feed(r, [first[r].token])
+            for r, chain in self.engine.draft(list(more), more).items():
+                out[r]["more"] = [proposal_dict(p) for p in chain]
+        return out
 
     def release(self, rids: list[str]) -> None:
         for r in rids:

@@ -55,9 +55,12 @@ class VerifierDeployment:
         spec = self.cfg.speculation
         # a fused round verifies up to drafters_per_request nodes per depth (the chain and its sibling branches)
         per_depth = self.cfg.routing.drafters_per_request if spec.mode == "cosine" else 1
-        self.controller = SpeculationController(k_max=spec.k, drafters_per_request=per_depth,
+        # drafting is priced from the rounds this replica observes (hops included); each domain's drafters are
+        # their own deployment, so they step in parallel
+        self.controller = SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True,
                                                 adaptive_participation=spec.adaptive_drafters and per_depth > 1) \
             if spec.adaptive else None
+        self.half_verify_s = [0.0, 0.0]  # last verify step time of each pipeline half
         self.levels: dict[str, int] = {}  # drafters per request each request's pending draft was made with
         self.live: dict[str, _Live] = {}
         self.inbox: asyncio.Queue = asyncio.Queue()
@@ -106,6 +109,7 @@ class VerifierDeployment:
             ks = list(m.draft_lengths)
             out["controller"] = {"mean_k_recent": sum(ks) / max(1, len(ks)), "zero_k_share": ks.count(0) / max(1, len(ks)),
                                  "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
+                                 "draft_depth_fit_ms": [1000 * c.draft.a, 1000 * c.draft.b],
                                  "pool_acceptance": c.pool_acceptance,
                                  "drafters_per_request": c.participants,
                                  "acceptance_by_drafters": {n: c.level_acceptance(n) for n in sorted(c.level_counts)}}
@@ -152,7 +156,7 @@ class VerifierDeployment:
         for r in rids:
             o = self.live[r].speculation if r in self.live else {}
             caps[r] = 0 if not o.get("enabled", True) else min(spec.k, o.get("max_draft_tokens") or spec.k)
-        ks = self.controller.choose(rids, caps) if self.controller else caps
+        ks = self.controller.choose(rids, caps, overlap_s=self._overlap(rids)) if self.controller else caps
         self.metrics.draft_lengths.extend(ks[r] for r in rids if caps[r] > 0)
         # Gamma_max: shorten the longest drafts until the total fits (CoSine Alg. 2)
         while sum(ks.values()) > spec.gamma_max:
@@ -181,8 +185,19 @@ class VerifierDeployment:
             self.metrics.draft_round(None)
             logger.warning("drafts unavailable this step (%r); decoding without them", e)
             return {}
-        self.metrics.draft_round(time.perf_counter() - t)
+        seconds = time.perf_counter() - t
+        self.metrics.draft_round(seconds)
+        if self.controller:  # per lockstep depth, by the number of requests drafting
+            self.controller.draft_model(n).observe(len(batch), seconds / max(it["k"] for it in batch))
         return {r: draft_from_dict(d) for r, d in raw.items()}
+
+    def _overlap(self, rids: list[str]) -> float:
+        """How long the other pipeline half's verification runs alongside these requests' drafting (0 when the
+        other half is empty: then drafting and verification take turns)."""
+        half = self.group.get(rids[0], 0) if rids else 0
+        if not any(self.group.get(r, 0) != half for r in self.engine.running):
+            return 0.0
+        return self.half_verify_s[1 - half]
 
     async def _loop(self) -> None:
         """Two halves of the pool take turns: while one half is verified (in a worker thread), the other half's
@@ -215,7 +230,8 @@ class VerifierDeployment:
                     if live:
                         live.queue.put_nowait(RuntimeError(f"verification failed: {e}"))
                 continue
-            self.metrics.verify_step(time.perf_counter() - t, drafts, outs, len(self.live))
+            self.half_verify_s[turn] = time.perf_counter() - t
+            self.metrics.verify_step(self.half_verify_s[turn], drafts, outs, len(self.live))
             self._dispatch(outs)
             nxt = [r for r in self.engine.running if self.group.get(r, 0) == turn]
             if nxt:  # this half's next drafts are produced while the other half is verified

@@ -107,7 +107,10 @@ def test_participants_set_how_many_routed_drafters_draft(servers, prompts):
     assert len(drafts["x"]) >= 2
     for n, extra in ((1, [5]), (3, [5, 6])):
         calls.clear()
-        asyncio.run(coord.draft([{"rid": "x", "context": ctx + extra, "k": 2, "participants": n}], step_fn))
-        assert len(set(calls)) == n
+        drafts = asyncio.run(coord.draft([{"rid": "x", "context": ctx + extra, "k": 2, "participants": n}], step_fn))
+        assert len(set(calls)) == n and len(drafts["x"]) >= 2
+        # a lone drafter is only ever fed its own tokens: its whole chain comes from one call (one hop);
+        # fused drafters need a round trip per depth
+        assert len(calls) == (1 if n == 1 else 2 * n)
     for n in coord.release("x"):
         servers[n].release(["x"])

@@ -138,3 +138,13 @@ def test_an_untried_participation_level_is_probed():
         c.choose(["a", "b"])
         seen.add(c.participants)
     assert seen == {1, 2}
+
+
+def test_drafting_hidden_behind_the_other_halfs_verification_costs_nothing():
+    # 15 ms per lockstep depth; alone, drafting adds to every round, but while the other pipeline half is being
+    # verified for 60 ms, four depths are free
+    c = _ctrl(0.040, 0.001, 0.015, 0.0, acc=0.7)
+    c.parallel_groups = True
+    alone = c.choose(["a"])["a"]
+    hidden = c.choose(["a"], overlap_s=0.060)["a"]
+    assert alone <= 2 and hidden >= 4
