@@ -23,6 +23,8 @@ VARIANTS = {
     "oracle drafter (true domain)": lambda d: {"drafters": [d], "fusion": False},
     "random routing": lambda d: {"routing": "random"},
     "routing without fusion": lambda d: {"fusion": False},
+    # fusion of two routed drafters every round (the controller's participation choice overridden)
+    "routing + fusion, 2 drafters always": lambda d: {"drafters_per_request": 2},
     "full CoSine (routing + fusion + adaptive)": lambda d: {},
 }
 
@@ -126,8 +128,8 @@ def main(args) -> int:
             c = stats["controller"]
             print(f"goodput controller (recent rounds): mean draft length {c['mean_k_recent']:.2f}, "
                   f"{100 * c['zero_k_share']:.0f}% plain decoding, verify fit {c['verify_fit_ms'][0]:.1f} ms + "
-                  f"{c['verify_fit_ms'][1]:.2f} ms/token, drafting {c['draft_depth_fit_ms'][0]:.1f} ms + "
-                  f"{c['draft_depth_fit_ms'][1]:.2f} ms/request per depth, pool acceptance {c['pool_acceptance'] or 0:.2f}, "
+                  f"{c['verify_fit_ms'][1]:.2f} ms/token, drafting per depth by drafters per request (ms + ms/request) "
+                  f"{c['draft_depth_fit_ms']}, pool acceptance {c['pool_acceptance'] or 0:.2f}, "
                   f"acceptance by drafters per request {c['acceptance_by_drafters']}, now {c['drafters_per_request']}")
     except Exception:  # noqa: BLE001 - stats are optional
         pass

@@ -109,7 +109,8 @@ class VerifierDeployment:
             ks = list(m.draft_lengths)
             out["controller"] = {"mean_k_recent": sum(ks) / max(1, len(ks)), "zero_k_share": ks.count(0) / max(1, len(ks)),
                                  "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
-                                 "draft_depth_fit_ms": [1000 * c.draft.a, 1000 * c.draft.b],
+                                 "draft_depth_fit_ms": {n: [1000 * m.a, 1000 * m.b] for n, m in
+                                                        (sorted(c.level_draft.items()) or [(0, c.draft)])},
                                  "pool_acceptance": c.pool_acceptance,
                                  "drafters_per_request": c.participants,
                                  "acceptance_by_drafters": {n: c.level_acceptance(n) for n in sorted(c.level_counts)}}
@@ -167,9 +168,9 @@ class VerifierDeployment:
             if ks[r] <= 0:
                 continue
             o = self.live[r].speculation if r in self.live else {}
-            level = len(o["drafters"]) if o.get("drafters") else n
+            level = len(o["drafters"]) if o.get("drafters") else (o.get("drafters_per_request") or n)
             # a fused round verifies the chain plus up to level - 1 sibling branches per depth
-            item = {"rid": r, "context": self.engine.context(r), "k": ks[r], "participants": n,
+            item = {"rid": r, "context": self.engine.context(r), "k": ks[r], "participants": level,
                     "budget": min(spec.tree_budget, max(1, level) * ks[r])}
             for key in ("drafters", "routing", "fusion"):
                 if o.get(key) is not None:

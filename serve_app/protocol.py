@@ -45,6 +45,8 @@ class SpeculationOverride(BaseModel):
     drafters: list[str] | None = None  # fixed drafters: bypass routing
     routing: Literal["router", "random"] = "router"
     fusion: bool | None = None
+    drafters_per_request: int | None = Field(None, ge=1, le=8, description="routed drafters every round "
+                                             "(overrides the controller's adaptive participation)")
 
 
 class _Common(BaseModel):

@@ -84,6 +84,18 @@ def test_greedy_through_the_graph_equals_target_only(server, tokenizer, target, 
         assert out.usage.model_extra["mean_acceptance_length"] >= 1.0
 
 
+@pytest.mark.parametrize("override", [{"drafters_per_request": 3}, {"fusion": False}, {"drafters": ["legal"]}])
+def test_speculation_overrides_stay_lossless(server, tokenizer, target, heldout, override):
+    ids = tokenizer(heldout["legal"][11][:300], add_special_tokens=False).input_ids
+    r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 20, "temperature": 0,
+                                                      "ignore_eos": True, "speculation": override}, timeout=120)
+    assert r.status_code == 200, r.text
+    want = greedy_continue(target, torch.tensor([ids]), 20)[0, len(ids):].tolist()
+    body = r.json()
+    assert body["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    assert body["usage"]["num_drafts"] > 0
+
+
 def test_chat_non_streamed_and_streamed_agree(server):
     plain = _chat(server, "Tell me about the law.").json()
     text = plain["choices"][0]["message"]["content"]
