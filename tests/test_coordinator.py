@@ -67,8 +67,8 @@ def test_a_failing_drafter_loses_nothing(target, servers, prompts):
 
 
 def test_cold_start_ranks_the_prompts_domain_drafter_first(target, servers, tokenizer, heldout):
-    """Prompt likelihoods as a Bayes classifier over the domain drafters; the generic drafter (trained on
-    everything, so it explains nearly every prompt best) is held back by the generalist margin."""
+    """Prompt likelihoods (per-token floor) as a Bayes classifier over the domain drafters, the generic drafter
+    held back by the generalist margin."""
 
     async def step_fn(name, items):
         return servers[name].step(items)
@@ -82,14 +82,9 @@ def test_cold_start_ranks_the_prompts_domain_drafter_first(target, servers, toke
         return first
 
     coord = SpeculationCoordinator(NAMES, RoutingConfig(), None, generalists={"generic"})
-    raw_coord = SpeculationCoordinator(NAMES, RoutingConfig(), None)  # generic not marked: raw likelihoods
-    own = raw = 0
-    for d in DOMAINS:
-        for i in range(30, 40):
-            own += cold_rank(coord, f"cold-{d}-{i}", heldout[d][i]) == d
-            raw += cold_rank(raw_coord, f"raw-{d}-{i}", heldout[d][i]) == d
-    assert own >= 42, f"{own}/60"  # measured 46/60; raw likelihoods over all drafters: 30/60
-    assert own >= raw + 10, (own, raw)
+    own = sum(cold_rank(coord, f"cold-{d}-{i}", heldout[d][i]) == d for d in DOMAINS for i in range(30, 40))
+    # measured 51/60; 46/60 without the log-likelihood floor, 30/60 with neither floor nor generalist margin
+    assert own >= 48, f"{own}/60"
 
 
 def test_participants_set_how_many_routed_drafters_draft(servers, prompts):

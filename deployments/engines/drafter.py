@@ -21,6 +21,12 @@ from deployments.engines.verifier import load_causal_lm
 LONG_PENDING = 16  # pending runs longer than this (prompts) are prefilled apart from the one-token steps
 
 
+# Per-token floor of the context log-likelihood used for routing's cold start: a token no drafter expects (a name,
+# a number) says little about the domain, and unfloored a few of them decided the mean (own domain ranked first
+# for 206 of 240 held-out 64-token prompts with the floor, 186 without).
+LOGLIK_FLOOR = -8.0
+
+
 @dataclass
 class Proposal:
     token: int
@@ -133,7 +139,8 @@ class DrafterEngine:
                 out[r] = self._propose(self.states[r], lg[-1], want_q)
                 if full and len(x) > 1:  # how well this drafter knows the context: CoSine's cold start
                     logp = torch.log_softmax(lg[:-1].float(), dim=-1)
-                    out[r].context_loglik = float(logp.gather(-1, torch.tensor(x[1:])[:, None]).mean())
+                    lp = logp.gather(-1, torch.tensor(x[1:])[:, None])
+                    out[r].context_loglik = float(lp.clamp(min=LOGLIK_FLOOR).mean())
         return out
 
     def _propose(self, st: _State, logits: torch.Tensor, want_q: bool) -> Proposal:
