@@ -101,16 +101,17 @@ class SpeculationController:
         if drafted <= 0:
             return
         trials = accepted + (1 if accepted < drafted else 0)
-        s, t = self.counts.get(rid, (2 * self._start(), 2.0))  # the starting estimate weighs two trials
-        s, t = (1 - self.ema) * s + accepted, (1 - self.ema) * t + trials
-        self.counts[rid] = (s, t)
+
+        def decayed(counts: tuple, keep: float) -> tuple:
+            return keep * counts[0] + accepted, keep * counts[1] + trials
+
+        # the starting estimate weighs two trials
+        s, t = self.counts[rid] = decayed(self.counts.get(rid, (2 * self._start(), 2.0)), 1 - self.ema)
         self.acceptance[rid] = s / t
-        ps, pt = self.pool_counts
-        self.pool_counts = (0.95 * ps + accepted, 0.95 * pt + trials)
+        self.pool_counts = decayed(self.pool_counts, 0.95)
         self.pool_acceptance = self.pool_counts[0] / self.pool_counts[1]
         if participants:
-            ls, lt = self.level_counts.get(participants, (0.0, 0.0))
-            self.level_counts[participants] = (0.95 * ls + accepted, 0.95 * lt + trials)
+            self.level_counts[participants] = decayed(self.level_counts.get(participants, (0.0, 0.0)), 0.95)
             self.level_of[rid] = participants
 
     def draft_model(self, n: int) -> LinearLatency:

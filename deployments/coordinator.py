@@ -122,8 +122,8 @@ class SpeculationCoordinator:
                 chosen[rid] = self.router.route(rid, it.get("participants"))
         if not ks:
             return {}
-        fusers = {r: FusionTree(budget=next((it.get("budget", budget) for it in batch if it["rid"] == r), budget))
-                  for r in ks}
+        items = {it["rid"]: it for it in batch}
+        fusers = {r: FusionTree(budget=items[r].get("budget", budget)) for r in ks}
         chains: dict[str, dict[str, list[Proposal]]] = {r: {n: [] for n in chosen[r]} for r in ks}
         feed: dict[str, dict[str, int]] = {r: {} for r in ks}  # what each drafter is fed next
         # requests whose drafters will only be fed their own tokens (no fusion, or one drafter) get each chain
@@ -167,8 +167,7 @@ class SpeculationCoordinator:
                     ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
                     if ll:
                         self.router.add_request(r, ll)
-                        keep = self.router.route(r, next((it.get("participants") for it in batch
-                                                          if it["rid"] == r), None))
+                        keep = self.router.route(r, items[r].get("participants"))
                         props = {n: p for n, p in props.items() if n in keep}
                         chosen[r] = [n for n in chosen[r] if n in keep]
                 feed[r] = {}

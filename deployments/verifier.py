@@ -153,10 +153,9 @@ class VerifierDeployment:
         if self.speculation is None or self.cfg.speculation.mode == "off" or not rids:
             return {}
         spec = self.cfg.speculation
-        caps = {}
-        for r in rids:
-            o = self.live[r].speculation if r in self.live else {}
-            caps[r] = 0 if not o.get("enabled", True) else min(spec.k, o.get("max_draft_tokens") or spec.k)
+        overrides = {r: self.live[r].speculation if r in self.live else {} for r in rids}
+        caps = {r: 0 if not o.get("enabled", True) else min(spec.k, o.get("max_draft_tokens") or spec.k)
+                for r, o in overrides.items()}
         ks = self.controller.choose(rids, caps, overlap_s=self._overlap(rids)) if self.controller else caps
         self.metrics.draft_lengths.extend(ks[r] for r in rids if caps[r] > 0)
         # Gamma_max: shorten the longest drafts until the total fits (CoSine Alg. 2)
@@ -167,7 +166,7 @@ class VerifierDeployment:
         for r in rids:
             if ks[r] <= 0:
                 continue
-            o = self.live[r].speculation if r in self.live else {}
+            o = overrides[r]
             level = len(o["drafters"]) if o.get("drafters") else (o.get("drafters_per_request") or n)
             # a fused round verifies the chain plus up to level - 1 sibling branches per depth
             item = {"rid": r, "context": self.engine.context(r), "k": ks[r], "participants": level,
