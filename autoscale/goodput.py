@@ -16,12 +16,14 @@ starts from the pool's recent acceptance rather than a fixed prior, and a reques
 a little verify work).
 
 Participation (CoSine Alg. 2: "when the verifier is idle, more drafter nodes participate; when it is overloaded,
-fewer"): with `adaptive_participation` the controller also picks how many drafters every request drafts with this
-round, 1..`drafters_per_request`. A fused draft of n drafters puts up to n nodes per depth in the verify batch, so
-n multiplies the verify work per draft token; what it buys is measured, not assumed: acceptance is counted per
-participation level over the pool, and a request's own estimate is shifted by the difference between the levels.
-Where verify tokens are nearly free (batch 1 on a GPU, or small batches here) the extra drafters pay; at a loaded
-verifier one drafter per request does. A level not tried for `participation_probe` rounds is tried once.
+fewer"): given `modes`, the controller also picks how every request drafts this round: with how many drafters, and
+whether they are fused in lockstep (a round trip per depth, the fused token fed back) or each drafts its own chain
+in one call, fused at the divergences (deployments/fusion.py). n drafters put up to n nodes per depth in the verify
+batch, so n multiplies the verify work per draft token; what a mode buys is measured, not assumed: acceptance is
+counted per mode over the pool (a request's own estimate is shifted by the difference between the modes), and
+drafting time per mode is fitted from the rounds drafted in it (lockstep pays its hops per depth, one-shot once).
+Where verify tokens are nearly free (batch 1 on a GPU, or small batches here) extra drafters pay; at a loaded
+verifier one drafter per request does. A mode not tried for `participation_probe` rounds is tried once.
 """
 
 from __future__ import annotations
@@ -64,6 +66,17 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
+@dataclass(frozen=True)
+class Participation:
+    """How a request drafts a round: with how many drafters, fused in lockstep or one-shot."""
+
+    drafters: int = 1
+    lockstep: bool = False  # fused token fed back at every depth (one round trip each); else one call per drafter
+
+    def __str__(self) -> str:
+        return "1" if self.drafters == 1 else f"{self.drafters} {'lockstep' if self.lockstep else 'one-shot'}"
+
+
 @dataclass
 class SpeculationController:
     """Per-request draft lengths from acceptance estimates and fitted step-latency models."""
@@ -79,20 +92,20 @@ class SpeculationController:
     parallel_groups: bool = False
     probe_interval: int = 8
     probe_k: int = 2
-    adaptive_participation: bool = False  # choose 1..drafters_per_request drafters per round (else always the max)
+    modes: tuple[Participation, ...] = ()  # participation modes to choose from each round (none: not adaptive)
     participation_probe: int = 32
     acceptance: dict[str, float] = field(default_factory=dict)
     pool_acceptance: float | None = None  # over every request's recent rounds: the start of new requests
     pool_counts: tuple = (0.0, 0.0)
     counts: dict[str, tuple] = field(default_factory=dict)
     idle_rounds: dict[str, int] = field(default_factory=dict)
-    participants: int = 0  # drafters per request chosen by the last `choose` (0 before the first)
-    level_counts: dict[int, tuple] = field(default_factory=dict)  # participation -> decayed (accepted, trials)
-    level_of: dict[str, int] = field(default_factory=dict)  # participation a request's estimate was formed under
-    level_age: dict[int, int] = field(default_factory=dict)  # rounds since each level was last used
-    level_draft: dict[int, LinearLatency] = field(default_factory=dict)  # drafting cost per level, when adaptive
+    mode: Participation | None = None  # chosen by the last `choose` when adaptive
+    mode_counts: dict[Participation, tuple] = field(default_factory=dict)  # decayed (accepted, trials) per mode
+    mode_of: dict[str, Participation] = field(default_factory=dict)  # mode a request's estimate was formed under
+    mode_age: dict[Participation, int] = field(default_factory=dict)  # rounds since each mode was last used
+    mode_draft: dict[Participation, LinearLatency] = field(default_factory=dict)  # round's drafting time by depth
 
-    def observe_acceptance(self, rid: str, drafted: int, accepted: int, participants: int | None = None) -> None:
+    def observe_acceptance(self, rid: str, drafted: int, accepted: int, mode: Participation | None = None) -> None:
         """Per-token acceptance under the geometric model: the maximum-likelihood estimate is accepted tokens over
         (accepted tokens + rejections), a chain having one rejection unless it was accepted whole; exponentially
         decayed counts (weight `ema` on the newest round) follow drifting acceptance. `drafted` is the draft's
@@ -110,19 +123,17 @@ class SpeculationController:
         self.acceptance[rid] = s / t
         self.pool_counts = decayed(self.pool_counts, 0.95)
         self.pool_acceptance = self.pool_counts[0] / self.pool_counts[1]
-        if participants:
-            self.level_counts[participants] = decayed(self.level_counts.get(participants, (0.0, 0.0)), 0.95)
-            self.level_of[rid] = participants
+        if mode is not None:
+            self.mode_counts[mode] = decayed(self.mode_counts.get(mode, (0.0, 0.0)), 0.95)
+            self.mode_of[rid] = mode
 
-    def draft_model(self, n: int) -> LinearLatency:
-        """Drafting time per depth at participation n: a lone drafter (or unfused ones) drafts its chain in one
-        call, fused drafters need a round trip per depth, so the levels cost differently."""
-        if not self.adaptive_participation:
-            return self.draft
-        return self.level_draft.setdefault(n, LinearLatency())
+    def draft_model(self, mode: Participation) -> LinearLatency:
+        """A round's drafting time in its depth, per mode: t(k) = a + b k. Lockstep fusion pays a round trip per
+        depth (large b), one-shot drafting one call for the whole chain (the hop in a, engine steps in b)."""
+        return self.mode_draft.setdefault(mode, LinearLatency())
 
-    def level_acceptance(self, n: int) -> float | None:
-        s, t = self.level_counts.get(n, (0.0, 0.0))
+    def mode_acceptance(self, mode: Participation) -> float | None:
+        s, t = self.mode_counts.get(mode, (0.0, 0.0))
         return s / t if t >= 1.0 else None
 
     def _start(self) -> float:
@@ -132,16 +143,20 @@ class SpeculationController:
         self.acceptance.pop(rid, None)
         self.counts.pop(rid, None)
         self.idle_rounds.pop(rid, None)
-        self.level_of.pop(rid, None)
+        self.mode_of.pop(rid, None)
 
-    def _time(self, ks: list[int], groups: list | None = None, n: int | None = None, overlap: float = 0.0) -> float:
+    def _time(self, ks: list[int], groups: list | None = None, mode: Participation | None = None,
+              overlap: float = 0.0) -> float:
         """Seconds per round. `overlap`: verify work of other requests that the drafting runs alongside (the
         serving graph's pipeline), so only drafting beyond it costs time."""
-        n = n or self.drafters_per_request
+        n = mode.drafters if mode else self.drafters_per_request
         verify = self.verify(sum(1 + k * n for k in ks))
+        if mode is not None:  # measured per mode, the hops included
+            depth = max(ks, default=0)
+            return verify + (max(0.0, self.draft_model(mode)(depth) - overlap) if depth else 0.0)
         groups = groups or [0] * len(ks)
         combine = max if self.parallel_groups else sum
-        model = self.draft_model(n)
+        model = self.draft
         draft = 0.0
         for depth in range(1, max(ks, default=0) + 1):
             per_group: dict = {}
@@ -157,24 +172,22 @@ class SpeculationController:
                groups: dict[str, object] | None = None, overlap_s: float = 0.0) -> dict[str, int]:
         """Greedy allocation: repeatedly set the one draft length (to any longer value) that raises goodput
         most, while any does. Jumps, not unit steps, because a drafter's fixed per-step cost can make k = 1
-        worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s). With adaptive
-        participation the allocation is made for every participation level and the best plan is kept; the
-        level is left in `self.participants`."""
-        levels = range(1, self.drafters_per_request + 1) if self.adaptive_participation else [self.drafters_per_request]
+        worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s). Given `modes`,
+        the allocation is made for every mode and the best plan is kept; the mode is left in `self.mode`."""
         best = None
-        for n in levels:
-            ks_n, g = self._allocate(rids, k_caps, groups, n, overlap_s)
+        for mode in self.modes or [None]:
+            ks_m, g = self._allocate(rids, k_caps, groups, mode, overlap_s)
             if best is None or g > best[2] * (1 + 1e-3):
-                best = (n, ks_n, g)
-        n, ks, _ = best
-        if self.adaptive_participation and any(ks.values()):
-            for m in levels:
-                self.level_age[m] = self.level_age.get(m, 0) + 1
-            stale = max(levels, key=lambda m: self.level_age[m])
-            if self.level_age[stale] > self.participation_probe:
-                n = stale  # keep every level's acceptance measured (a probe never changes the output)
-            self.level_age[n] = 0
-        self.participants = n
+                best = (mode, ks_m, g)
+        mode, ks, _ = best
+        if self.modes and any(ks.values()):
+            for m in self.modes:
+                self.mode_age[m] = self.mode_age.get(m, 0) + 1
+            stale = max(self.modes, key=lambda m: self.mode_age[m])
+            if self.mode_age[stale] > self.participation_probe:
+                mode = stale  # keep every mode's acceptance and cost measured (a probe never changes the output)
+            self.mode_age[mode] = 0
+        self.mode = mode
         for r in rids:  # exploration: a request held at k = 0 for long drafts a little once
             if ks[r] > 0:
                 self.idle_rounds[r] = 0
@@ -186,31 +199,30 @@ class SpeculationController:
                 self.idle_rounds[r] = 0
         return ks
 
-    def _acceptance_at(self, rid: str, n: int) -> float:
-        """The request's acceptance, moved to participation level n by the pool's difference between levels."""
-        if not self.adaptive_participation:
+    def _acceptance_at(self, rid: str, mode: Participation | None) -> float:
+        """The request's acceptance, moved to `mode` by the pool's difference between modes."""
+        if mode is None:
             return self.acceptance.get(rid, self._start())
-        here = self.level_acceptance(n)
-        if rid not in self.acceptance:  # a new request starts from the level's pool acceptance
+        here = self.mode_acceptance(mode)
+        if rid not in self.acceptance:  # a new request starts from the mode's pool acceptance
             return here if here is not None else self._start()
         a = self.acceptance[rid]
-        there = self.level_acceptance(self.level_of.get(rid, n))
+        there = self.mode_acceptance(self.mode_of.get(rid, mode))
         if here is None or there is None:
             return a
         return min(max(a + here - there, 0.0), 0.999)
 
-    def _allocate(self, rids, k_caps, groups, n: int | None = None,
+    def _allocate(self, rids, k_caps, groups, mode: Participation | None = None,
                   overlap: float = 0.0) -> tuple[dict[str, int], float]:
         caps = {r: min(self.k_max, (k_caps or {}).get(r, self.k_max)) for r in rids}
         ks = {r: 0 for r in rids}
         if not rids:
             return ks, 0.0
-        n = n or self.drafters_per_request
-        acc = {r: self._acceptance_at(r, n) for r in rids}
+        acc = {r: self._acceptance_at(r, mode) for r in rids}
         group_list = [(groups or {}).get(r, 0) for r in rids]
 
         def goodput(kv: dict[str, int]) -> float:
-            t = self._time(list(kv.values()), group_list, n, overlap)
+            t = self._time(list(kv.values()), group_list, mode, overlap)
             return sum(expected_tokens(acc[r], k) for r, k in kv.items()) / max(t, 1e-9)
 
         best = goodput(ks)

@@ -22,9 +22,11 @@ VARIANTS = {
     "generic drafter only (vanilla SD)": lambda d: {"drafters": ["generic"], "fusion": False},
     "oracle drafter (true domain)": lambda d: {"drafters": [d], "fusion": False},
     "random routing": lambda d: {"routing": "random"},
-    "routing without fusion": lambda d: {"fusion": False},
-    # fusion of two routed drafters every round (the controller's participation choice overridden)
-    "routing + fusion, 2 drafters always": lambda d: {"drafters_per_request": 2},
+    # the top routed drafter alone: picking the right drafter without combining drafters
+    "routing without fusion": lambda d: {"fusion": False, "drafters_per_request": 1},
+    # two routed drafters every round, fused in lockstep / one-shot (the controller's participation overridden)
+    "routing + lockstep fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "fusion": True},
+    "routing + one-shot fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "fusion": False},
     "full CoSine (routing + fusion + adaptive)": lambda d: {},
 }
 
@@ -128,9 +130,9 @@ def main(args) -> int:
             c = stats["controller"]
             print(f"goodput controller (recent rounds): mean draft length {c['mean_k_recent']:.2f}, "
                   f"{100 * c['zero_k_share']:.0f}% plain decoding, verify fit {c['verify_fit_ms'][0]:.1f} ms + "
-                  f"{c['verify_fit_ms'][1]:.2f} ms/token, drafting per depth by drafters per request (ms + ms/request) "
-                  f"{c['draft_depth_fit_ms']}, pool acceptance {c['pool_acceptance'] or 0:.2f}, "
-                  f"acceptance by drafters per request {c['acceptance_by_drafters']}, now {c['drafters_per_request']}")
+                  f"{c['verify_fit_ms'][1]:.2f} ms/token, drafting per round by participation (ms + ms per depth) "
+                  f"{c['draft_round_fit_ms']}, pool acceptance {c['pool_acceptance'] or 0:.2f}, "
+                  f"acceptance by participation {c['acceptance_by_participation']}, now {c['participation']}")
     except Exception:  # noqa: BLE001 - stats are optional
         pass
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

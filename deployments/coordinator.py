@@ -8,9 +8,9 @@ length it may use) and an async `step_fn(drafter_name, items) -> {rid: proposal}
    (Eq. 1-2) and update the router (accepted length and per-drafter scores);
 2. routing: the request's drafters (Eq. 3), or all drafters on a request's first round, which score the prompt
    (mean log-likelihood) for the cold start;
-3. lockstep drafting: at each depth every chosen drafter proposes; with fusion the most confident token is fed
-   back to all of them (Eq. 4) and losers become branches; without fusion each drafter continues its own chain
-   and the chains are merged into a tree;
+3. drafting: with lockstep fusion, at each depth every chosen drafter proposes and the most confident token is fed
+   back to all of them (Eq. 4), losers become branches; otherwise each drafter drafts its own chain in one call
+   and the chains are fused one-shot (`fuse_chains`);
 4. the tree, trimmed to the request's budget, goes back to the verifier.
 A drafter that fails or times out just drops out of the round; the verifier decodes without a draft if none is left.
 """
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deployments.engines.draft import Draft, TreeBuilder
+from deployments.engines.draft import Draft
 from deployments.engines.drafter import Proposal
-from deployments.fusion import FusionTree
+from deployments.fusion import FusionTree, fuse_chains
 from deployments.routing import Router, RoutingConfig, alignment
 
 StepFn = Callable[[str, list[dict]], Awaitable[dict[str, dict]]]
@@ -184,11 +184,9 @@ class SpeculationCoordinator:
         for r in ks:
             if fuse[r]:
                 d = fusers[r].build() if fusers[r].chain else None
-            else:
-                tb = TreeBuilder(merge=True)
-                for n, ch in chains[r].items():
-                    tb.add_chain([p.token for p in ch], None, n, [p.prob for p in ch], budget=fusers[r].budget)
-                d = tb.build() if tb.tokens else None
+            else:  # each drafter followed its own tokens: fuse the chains one-shot
+                d = fuse_chains({n: [(p.token, p.prob) for p in ch] for n, ch in chains[r].items()},
+                                fusers[r].budget)
             if d is not None and len(d):
                 drafts[r] = d
             self.rounds[r] = _Round(len(contexts[r]), {n: [(p.token, p.prob) for p in ch]

@@ -6,13 +6,18 @@ from the fused prefix. The proposals that lost are kept as alternative branches:
 that depth. At the end the tree is trimmed to the verification budget: the fused chain first (it is what every
 drafter agreed to continue), then alternatives by confidence. Fused tokens are deterministic proposals, so the
 verifier treats them as one-hot q, which is lossless for sampling too (see deployments/engines/rules.py).
+
+Lockstep fusion costs a round trip to the drafters per depth. `fuse_chains` is its one-shot form: every drafter
+drafts its own chain in one call, all from the same context; Eq. 4 picks the main path wherever the chains
+disagree, and a losing chain stays a branch from there on (its continuation is conditioned on its own token, so
+it is still a coherent guess). Without feedback a loser cannot win a later depth, which is what lockstep buys.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deployments.engines.draft import Draft
+from deployments.engines.draft import Draft, TreeBuilder
 from deployments.engines.drafter import Proposal
 
 
@@ -60,3 +65,31 @@ class FusionTree:
             probs.append(prob)
         # parents must precede children: alternatives only hang off chain nodes, which come first
         return Draft(tokens, parents, None, drafters, probs)
+
+
+def fuse_chains(chains: dict[str, list[tuple[int, float]]], budget: int) -> Draft | None:
+    """One-shot fusion of drafters' own chains [(token, confidence), ...], drafted from the same context: the main
+    path takes the most confident token among the chains that agree with it so far (Eq. 4); each chain that
+    disagrees becomes a branch at that depth. The main path goes in first, then the branches by the confidence
+    of their diverging token, all trimmed to `budget` nodes. None when there is nothing to draft."""
+    alive = {n: ch for n, ch in chains.items() if ch}
+    main: list[tuple[int, float, str]] = []
+    branches: list[tuple[float, str]] = []
+    depth = 0
+    while alive:
+        here = {n: ch for n, ch in alive.items() if len(ch) > depth}
+        if not here:
+            break
+        name = max(here, key=lambda n: (here[n][depth][1], n))
+        tok = here[name][depth][0]
+        main.append((tok, here[name][depth][1], name))
+        branches += [(ch[depth][1], n) for n, ch in here.items() if ch[depth][0] != tok]
+        alive = {n: ch for n, ch in here.items() if ch[depth][0] == tok}
+        depth += 1
+    if not main:
+        return None
+    tb = TreeBuilder(merge=True)
+    tb.add_chain([t for t, _, _ in main], None, [n for _, _, n in main], [p for _, p, _ in main], budget)
+    for _, n in sorted(branches, reverse=True):
+        tb.add_chain([t for t, _ in chains[n]], None, n, [p for _, p in chains[n]], budget)
+    return tb.build()

@@ -45,7 +45,7 @@ def draft_to_dict(d: Draft) -> dict:
 @serve.deployment(name="Verifier")
 class VerifierDeployment:
     def __init__(self, config: dict, speculation=None):
-        from autoscale.goodput import SpeculationController
+        from autoscale.goodput import Participation, SpeculationController
         from serve_app.config import AppConfig
         from serve_app.engines import build_verifier_engine
 
@@ -53,15 +53,20 @@ class VerifierDeployment:
         self.engine = build_verifier_engine(self.cfg)
         self.speculation = speculation  # handle to the Speculation deployment, or None
         spec = self.cfg.speculation
-        # a fused round verifies up to drafters_per_request nodes per depth (the chain and its sibling branches)
+        # a multi-drafter round verifies up to drafters_per_request nodes per depth (the chain and its branches)
         per_depth = self.cfg.routing.drafters_per_request if spec.mode == "cosine" else 1
-        # drafting is priced from the rounds this replica observes (hops included); each domain's drafters are
-        # their own deployment, so they step in parallel
+        # participation modes the controller picks from each round: one drafter, or n drafters fused in lockstep
+        # (when fusion is on) or one-shot; drafting is priced per mode from the rounds this replica observes
+        modes = ()
+        if spec.adaptive_drafters and per_depth > 1:
+            modes = (Participation(1),) + tuple(Participation(n, lockstep) for lockstep in
+                                                 ((True, False) if spec.fusion else (False,))
+                                                 for n in range(2, per_depth + 1))
         self.controller = SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True,
-                                                adaptive_participation=spec.adaptive_drafters and per_depth > 1) \
-            if spec.adaptive else None
+                                                modes=modes) if spec.adaptive else None
         self.half_verify_s = [0.0, 0.0]  # last verify step time of each pipeline half
-        self.levels: dict[str, int] = {}  # drafters per request each request's pending draft was made with
+        self.modes: dict[str, object] = {}  # the Participation each request's pending draft was made with
+        self.drafted: set[str] = set()  # requests past their first round (which scores the prompt: not priced)
         self.live: dict[str, _Live] = {}
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.aborts: set[str] = set()
@@ -109,11 +114,11 @@ class VerifierDeployment:
             ks = list(m.draft_lengths)
             out["controller"] = {"mean_k_recent": sum(ks) / max(1, len(ks)), "zero_k_share": ks.count(0) / max(1, len(ks)),
                                  "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
-                                 "draft_depth_fit_ms": {n: [1000 * m.a, 1000 * m.b] for n, m in
-                                                        (sorted(c.level_draft.items()) or [(0, c.draft)])},
+                                 "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b]
+                                                        for p, m in c.mode_draft.items()},
                                  "pool_acceptance": c.pool_acceptance,
-                                 "drafters_per_request": c.participants,
-                                 "acceptance_by_drafters": {n: c.level_acceptance(n) for n in sorted(c.level_counts)}}
+                                 "participation": str(c.mode) if c.mode else None,
+                                 "acceptance_by_participation": {str(p): c.mode_acceptance(p) for p in c.mode_counts}}
         if self.speculation is not None:
             out.update(await self.speculation.stats.remote())
         return out
@@ -142,7 +147,8 @@ class VerifierDeployment:
             else:
                 self.engine.abort(rid)
                 self.group.pop(rid, None)
-                self.levels.pop(rid, None)
+                self.modes.pop(rid, None)
+                self.drafted.discard(rid)
                 if self.controller:
                     self.controller.release(rid)
                 released.append(rid)
@@ -161,20 +167,21 @@ class VerifierDeployment:
         # Gamma_max: shorten the longest drafts until the total fits (CoSine Alg. 2)
         while sum(ks.values()) > spec.gamma_max:
             ks[max(ks, key=ks.get)] -= 1
-        n = (self.controller.participants if self.controller else 0) or self.cfg.routing.drafters_per_request
-        batch = []
+        batch, modes = [], set()
         for r in rids:
             if ks[r] <= 0:
                 continue
-            o = overrides[r]
-            level = len(o["drafters"]) if o.get("drafters") else (o.get("drafters_per_request") or n)
-            # a fused round verifies the chain plus up to level - 1 sibling branches per depth
-            item = {"rid": r, "context": self.engine.context(r), "k": ks[r], "participants": level,
-                    "budget": min(spec.tree_budget, max(1, level) * ks[r])}
-            for key in ("drafters", "routing", "fusion"):
-                if o.get(key) is not None:
-                    item[key] = o[key]
-            self.levels[r] = level
+            item = {"rid": r, "context": self.engine.context(r), "k": ks[r]}
+            mode = self._participation(overrides[r])
+            item.update(participants=mode.drafters, fusion=mode.lockstep,
+                        # up to `drafters` nodes per depth: the fused chain and its branches
+                        budget=min(spec.tree_budget, mode.drafters * ks[r]))
+            for key in ("drafters", "routing"):
+                if overrides[r].get(key) is not None:
+                    item[key] = overrides[r][key]
+            self.modes[r] = mode
+            modes.add(mode if r in self.drafted else None)
+            self.drafted.add(r)
             batch.append(item)
         if not batch:
             return {}
@@ -187,9 +194,35 @@ class VerifierDeployment:
             return {}
         seconds = time.perf_counter() - t
         self.metrics.draft_round(seconds)
-        if self.controller:  # per lockstep depth, by the number of requests drafting
-            self.controller.draft_model(n).observe(len(batch), seconds / max(it["k"] for it in batch))
+        depth = max(it["k"] for it in batch)
+        if self.controller and not self.controller.modes:  # per lockstep depth, by the number of requests drafting
+            self.controller.draft.observe(len(batch), seconds / depth)
+        elif self.controller and len(modes) == 1 and None not in modes:  # one mode, no prompt scoring: price it
+            self.controller.draft_model(modes.pop()).observe(depth, seconds)
         return {r: draft_from_dict(d) for r, d in raw.items()}
+
+    def _participation(self, o: dict):
+        """How a request drafts this round: the controller's mode, unless the request overrides the drafters,
+        their number or fusion (then lockstep is the configured fusion, or the controller's choice where the
+        number matches)."""
+        from autoscale.goodput import Participation
+
+        spec, mode = self.cfg.speculation, self.controller.mode if self.controller else None
+        if o.get("drafters"):
+            n = len(o["drafters"])
+        elif spec.mode != "cosine":
+            n = 1
+        else:
+            n = o.get("drafters_per_request") or (mode.drafters if mode else self.cfg.routing.drafters_per_request)
+        if n <= 1:
+            return Participation(1)
+        if o.get("fusion") is not None:
+            lockstep = bool(o["fusion"])
+        elif mode is not None and mode.drafters == n:
+            lockstep = mode.lockstep
+        else:
+            lockstep = spec.fusion
+        return Participation(n, lockstep and spec.mode == "cosine")
 
     def _overlap(self, rids: list[str]) -> float:
         """How long the other pipeline half's verification runs alongside these requests' drafting (0 when the
@@ -243,10 +276,10 @@ class VerifierDeployment:
             self.controller.verify.observe(self.engine.last_step_tokens, self.engine.last_verify_seconds)
         finished = []
         for o in outs:
-            level = self.levels.pop(o.request_id, None)
+            mode = self.modes.pop(o.request_id, None)
             if self.controller:
                 self.controller.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens,
-                                                   level if o.draft_depth else None)
+                                                   mode if o.draft_depth and self.controller.modes else None)
             chunk = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason,
                      "num_draft_tokens": o.num_draft_tokens, "num_accepted_tokens": o.num_accepted_tokens,
                      "accepted_drafters": o.accepted_drafters}
@@ -254,7 +287,8 @@ class VerifierDeployment:
                 finished.append(o.request_id)
                 chunk["usage"] = self.engine.finished_stats(o.request_id) or {}
                 self.group.pop(o.request_id, None)
-                self.levels.pop(o.request_id, None)
+                self.modes.pop(o.request_id, None)
+                self.drafted.discard(o.request_id)
                 if self.controller:
                     self.controller.release(o.request_id)
             live = self.live.get(o.request_id)

@@ -44,7 +44,8 @@ class SpeculationOverride(BaseModel):
     max_draft_tokens: int | None = Field(None, ge=0, le=32)
     drafters: list[str] | None = None  # fixed drafters: bypass routing
     routing: Literal["router", "random"] = "router"
-    fusion: bool | None = None
+    fusion: bool | None = Field(None, description="with several drafters: true fuses them in lockstep, false "
+                                "one-shot (each drafts its own chain in one call); default: the controller's choice")
     drafters_per_request: int | None = Field(None, ge=1, le=8, description="routed drafters every round "
                                              "(overrides the controller's adaptive participation)")
 

@@ -107,5 +107,10 @@ def test_participants_set_how_many_routed_drafters_draft(servers, prompts):
         # a lone drafter is only ever fed its own tokens: its whole chain comes from one call (one hop);
         # fused drafters need a round trip per depth
         assert len(calls) == (1 if n == 1 else 2 * n)
+    # one-shot fusion: every drafter drafts its chain in one call, the chains are fused afterwards
+    calls.clear()
+    item = {"rid": "x", "context": ctx + [5, 6, 7], "k": 3, "participants": 2, "fusion": False}
+    drafts = asyncio.run(coord.draft([item], step_fn))
+    assert len(calls) == 2 and len(set(calls)) == 2 and len(drafts["x"]) >= 3
     for n in coord.release("x"):
         servers[n].release(["x"])

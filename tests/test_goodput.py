@@ -1,4 +1,6 @@
-from autoscale.goodput import LinearLatency, SpeculationController, expected_tokens
+from autoscale.goodput import LinearLatency, Participation, SpeculationController, expected_tokens
+
+ONE, FUSED = Participation(1), Participation(2, lockstep=True)
 
 
 def test_expected_tokens():
@@ -99,45 +101,61 @@ def test_fused_trees_accepted_along_their_depth_grow_to_long_drafts():
     assert ks["a"] == c.k_max
 
 
-def _participation_ctrl(verify_a, verify_b, accepted_by_level):
-    c = SpeculationController(k_max=4, drafters_per_request=2, adaptive_participation=True, participation_probe=1000)
+def _participation_ctrl(verify_a, verify_b, accepted_by_mode, modes=(ONE, FUSED)):
+    c = SpeculationController(k_max=4, drafters_per_request=2, modes=modes, participation_probe=1000)
     c.verify.a, c.verify.b = verify_a, verify_b
-    for _ in range(20):  # rounds measured at each participation level (pool-wide acceptance per level)
-        for n, accepted in accepted_by_level.items():  # of 4 drafted: MLE 2 -> 0.67, 3 -> 0.75
-            c.observe_acceptance(f"pool-{n}", drafted=4, accepted=accepted, participants=n)
+    for m in modes:  # drafting time per round, per mode
+        c.draft_model(m).a, c.draft_model(m).b = 0.005, 0.001
+    for _ in range(20):  # rounds measured in each mode (pool-wide acceptance per mode)
+        for m, accepted in accepted_by_mode.items():  # of 4 drafted: MLE 2 -> 0.67, 3 -> 0.75
+            c.observe_acceptance(f"pool-{m}", drafted=4, accepted=accepted, mode=m)
     return c
 
 
 def test_idle_verifier_lets_more_drafters_participate():
     # extra verify tokens are nearly free and two fused drafters are accepted more often than one
-    c = _participation_ctrl(0.030, 0.0001, {1: 2, 2: 3})
+    c = _participation_ctrl(0.030, 0.0001, {ONE: 2, FUSED: 3})
     ks = c.choose(["a", "b"])
-    assert c.participants == 2 and min(ks.values()) >= 3
+    assert c.mode == FUSED and min(ks.values()) >= 3
 
 
 def test_loaded_verifier_drafts_with_fewer_drafters():
     # the same measured gain, but each verified token costs a tenth of a decode step of the batch: the second
     # drafter's sibling branches double the verify work, so one drafter per request pays more
-    c = _participation_ctrl(0.030, 0.003, {1: 2, 2: 3})
+    c = _participation_ctrl(0.030, 0.003, {ONE: 2, FUSED: 3})
     ks = c.choose([str(i) for i in range(8)])
-    assert c.participants == 1 and any(ks.values())
+    assert c.mode == ONE and any(ks.values())
 
 
-def test_a_request_estimate_moves_by_the_pools_difference_between_levels():
-    c = _participation_ctrl(0.030, 0.0001, {1: 2, 2: 3})
+def test_lockstep_round_trips_priced_against_one_shot_drafting():
+    # fusion in lockstep is accepted a little more often than one-shot, but pays a 10 ms round trip per depth
+    one_shot = Participation(2, lockstep=False)
+    c = _participation_ctrl(0.030, 0.0001, {ONE: 2, FUSED: 3, one_shot: 3}, modes=(ONE, FUSED, one_shot))
+    c.draft_model(FUSED).b = 0.010
+    c.observe_acceptance("pool-fused", drafted=4, accepted=4, mode=FUSED)
+    c.choose(["a"])
+    assert c.mode == one_shot
+    c.draft_model(FUSED).b = 0.001  # hops as cheap as one-shot's engine steps: the better acceptance wins
+    c.choose(["a"])
+    assert c.mode == FUSED
+
+
+def test_a_request_estimate_moves_by_the_pools_difference_between_modes():
+    c = _participation_ctrl(0.030, 0.0001, {ONE: 2, FUSED: 3})
     for _ in range(10):
-        c.observe_acceptance("r", drafted=4, accepted=1, participants=1)  # measured with one drafter
-    assert c._acceptance_at("r", 1) < 0.55 and c._acceptance_at("r", 2) > c._acceptance_at("r", 1) + 0.05
+        c.observe_acceptance("r", drafted=4, accepted=1, mode=ONE)  # measured with one drafter
+    assert c._acceptance_at("r", ONE) < 0.55 and c._acceptance_at("r", FUSED) > c._acceptance_at("r", ONE) + 0.05
 
 
-def test_an_untried_participation_level_is_probed():
-    c = SpeculationController(k_max=4, drafters_per_request=2, adaptive_participation=True, participation_probe=4)
+def test_an_untried_participation_mode_is_probed():
+    c = SpeculationController(k_max=4, drafters_per_request=2, modes=(ONE, FUSED), participation_probe=4)
     c.verify.a, c.verify.b = 0.030, 0.002
+    c.draft_model(FUSED).a = 0.050  # fused drafting looks too slow to ever be chosen
     seen = set()
     for _ in range(12):
         c.choose(["a", "b"])
-        seen.add(c.participants)
-    assert seen == {1, 2}
+        seen.add(c.mode)
+    assert seen == {ONE, FUSED}
 
 
 def test_drafting_hidden_behind_the_other_halfs_verification_costs_nothing():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deployments.engines.drafter import Proposal
-from deployments.fusion import FusionTree
+from deployments.fusion import FusionTree, fuse_chains
 from deployments.routing import Router, RoutingConfig, alignment
 
 
@@ -69,6 +69,19 @@ def test_fusion_trims_to_budget_chain_first():
         f.step({"a": _p(1, 0.9), "b": _p(2, 0.5)})
     d = f.build()
     assert len(d) == 3 and d.parents == [-1, 0, 1]
+
+
+def test_one_shot_fusion_follows_the_more_confident_chain_where_they_disagree():
+    chains = {"a": [(1, 0.9), (2, 0.4), (3, 0.8)], "b": [(1, 0.7), (5, 0.6), (6, 0.9)]}
+    d = fuse_chains(chains, budget=8)
+    # shared first token, then b is more confident (0.6 > 0.4): the main path is 1, 5, 6 and a's 2, 3 hang off 1
+    assert d.tokens[:3] == [1, 5, 6] and d.parents[:3] == [-1, 0, 1]
+    assert d.drafters[:3] == ["a", "b", "b"]  # the shared token is credited to its more confident proposer
+    assert list(zip(d.tokens[3:], d.parents[3:])) == [(2, 0), (3, 3)]
+    # the budget keeps the main path whole and cuts the branch
+    small = fuse_chains(chains, budget=4)
+    assert small.tokens == [1, 5, 6, 2]
+    assert fuse_chains({"a": [], "b": []}, budget=4) is None
 
 
 def test_cold_start_ranks_a_generalist_first_only_when_no_domain_drafter_explains_the_prompt():

@@ -71,8 +71,9 @@ class TreeBuilder:
     drafters: list = field(default_factory=list)
     probs: list = field(default_factory=list)
 
-    def add_chain(self, tokens: list[int], q: list | None, drafter: str | None, probs: list[float] | None,
-                  budget: int | None = None) -> None:
+    def add_chain(self, tokens: list[int], q: list | None, drafter: str | list[str] | None,
+                  probs: list[float] | None, budget: int | None = None) -> None:
+        """`drafter`: who proposed the chain, or one name per token."""
         parent = -1
         for i, tok in enumerate(tokens):
             existing = None
@@ -87,7 +88,7 @@ class TreeBuilder:
             self.tokens.append(tok)
             self.parents.append(parent)
             self.q.append(None if q is None else q[i])
-            self.drafters.append(drafter)
+            self.drafters.append(drafter[i] if isinstance(drafter, list) else drafter)
             self.probs.append(None if probs is None else probs[i])
             parent = len(self.tokens) - 1
 
