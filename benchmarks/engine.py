@@ -47,8 +47,8 @@ class Row:
     efficiency: float | None = None
 
 
-def _load(path: Path, packed: bool = False):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def _load(path: Path, packed: bool = False, device: str = "cpu"):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
     return pack_linear_modules(model) if packed else model
 
 
@@ -66,9 +66,9 @@ def _step_cost_ms(model, batch: int, context: int, new: int) -> float:
 
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
-        prompt_len: int = 64, include_hf: bool = True, repeats: int = 1, log=print) -> dict:
+        prompt_len: int = 64, include_hf: bool = True, repeats: int = 1, device: str = "cpu", log=print) -> dict:
     """Every method at every batch size, `repeats` times round-robin (the fastest run of each counts, which
-    keeps a noisy neighbour from deciding a ratio)."""
+    keeps a noisy neighbour from deciding a ratio). `device`: where every model runs ("cuda" on a GPU)."""
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
     bench_dir = models_dir / "bench-target"
     if not (bench_dir / "config.json").exists():
@@ -76,8 +76,8 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
 
         log("building the bench target (cosine models bench-target) ...")
         build_bench_target(models_dir / "target", bench_dir)
-    target = _load(bench_dir)
-    drafters = {d: _load(models_dir / f"drafter-{d}") for d in list(DOMAINS) + ["generic"]}
+    target = _load(bench_dir, device=device)
+    drafters = {d: _load(models_dir / f"drafter-{d}", device=device) for d in list(DOMAINS) + ["generic"]}
     prompts = _prompts(tok, per_domain, prompt_len)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     outputs: dict[tuple[str, int], list[list[int]]] = {}
@@ -120,8 +120,8 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
 
     def hf(packed: bool) -> Row:
         if packed not in hf_models:  # HF runs the model's own forward: give it the same packed kernels as ours
-            hf_models[packed] = (_load(bench_dir, packed),
-                                 {d: _load(models_dir / f"drafter-{d}", packed) for d in DOMAINS})
+            hf_models[packed] = (_load(bench_dir, packed, device),
+                                 {d: _load(models_dir / f"drafter-{d}", packed, device) for d in DOMAINS})
         name = "HF assisted generation" + (" (same packed kernels)" if packed else " (stock kernels)")
         return _hf_assisted(name, *hf_models[packed], prompts, new_tokens, outputs)
 
@@ -135,8 +135,9 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                  (f"ours: chain, goodput-adaptive k<={2 * k}", batch,
                   lambda b: ours(f"ours: chain, goodput-adaptive k<={2 * k}", b, lambda d: [d], adaptive=True))]
         if include_hf and batch == 1:
-            plan += [("HF assisted generation (same packed kernels)", 1, lambda b: hf(True)),
-                     ("HF assisted generation (stock kernels)", 1, lambda b: hf(False))]
+            if PackedLinears(target).enabled:  # CPU: HF with our packed kernels too, for a like-for-like ratio
+                plan += [("HF assisted generation (same packed kernels)", 1, lambda b: hf(True))]
+            plan += [("HF assisted generation (stock kernels)", 1, lambda b: hf(False))]
     best: dict[tuple[str, int], Row] = {}
     for rep in range(repeats):
         for i, (method, batch, fn) in enumerate(plan):
@@ -167,6 +168,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                     "draft_1": _step_cost_ms(drafters["generic"], b, ctx, 1)}
     return {"config": {"new_tokens": new_tokens, "k": k, "prompts": len(prompts), "prompt_len": prompt_len,
                        "threads": torch.get_num_threads(), "repeats": repeats,
+                       "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                        "prepacked_cpu_linears": PackedLinears(target).enabled},
             "step_costs_ms": {str(b): {n: round(v, 2) for n, v in c.items()} for b, c in costs.items()},
             "rows": [asdict(r) for r in rows]}
@@ -177,7 +179,7 @@ def _hf_assisted(name, target, drafters, prompts, new_tokens, outputs) -> Row:
     results, tokens = [], 0
     t = time.perf_counter()
     for domain, p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=target.device)
         out = target.generate(ids, assistant_model=drafters[domain], max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         new = out[0, len(p):].tolist()
@@ -209,7 +211,7 @@ def main(args) -> int:
     from serve_app.paths import models_dir
 
     result = run(models_dir(), per_domain=args.per_domain, new_tokens=args.new_tokens, k=args.k,
-                 batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats)
+                 batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device)
     print(format_table(result))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))

@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     e.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
     e.add_argument("--repeats", type=int, default=1, help="run every method this many times, keep the fastest")
+    e.add_argument("--device", default="cpu", help="where the models run: cpu, or cuda on a GPU machine")
     e.add_argument("--json", default="bench_results/engine.json")
     e.set_defaults(func=_bench_engine)
     sv = bsub.add_parser("serve", help="the running application: speculation variants side by side")

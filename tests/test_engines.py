@@ -210,3 +210,21 @@ def test_greedy_with_stacked_drafters_equals_target(target, drafter_models, mixe
     assert [o.token_ids for o in out] == reference
     assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
     assert not pool.states  # every (request, drafter) pair released
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_greedy_on_cuda_equals_target(target, drafter_models, mixed_prompts, shape):
+    """The same engines with every model on a GPU: cache and forward passes there, verification on the host."""
+    import copy
+
+    gpu_target = copy.deepcopy(target).cuda()
+    prompts = mixed_prompts[::3]
+    ref = [greedy_continue(gpu_target, torch.tensor([p], device="cuda"), NEW_TOKENS)[0, len(p):].tolist()
+           for p in prompts]
+    names = ["code"] if shape == "chain" else ["code", "generic"]
+    drafters = [copy.deepcopy(drafter_models[n]).cuda() for n in names]
+    out, verifier = _run(gpu_target, drafters, prompts, k=4, batch=4, tree_budget=8 if shape == "tree" else None)
+    assert verifier.runner.k.is_cuda
+    assert [o.token_ids for o in out] == ref
+    assert sum(o.stats["num_accepted_tokens"] for o in out) > 0

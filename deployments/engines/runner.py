@@ -9,6 +9,10 @@ when `commit` keeps them, which is also how rejected draft tokens are rolled bac
 
 The layers of the Hugging Face model are reused as they are (projections, norms, MLP, rotary embedding), so the
 numbers match `transformers` up to the attention kernel's rounding.
+
+The runner works on whatever device the model is on (CPU, or CUDA after `model.to("cuda")`): the cache lives
+there, the step's index tensors are built on the host and copied over, and logits come back to the host, where the
+verification rules and samplers run (one copy per step, which the `.tolist()`s downstream would sync on anyway).
 """
 
 from __future__ import annotations
@@ -70,9 +74,10 @@ class LlamaRunner:
         self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_slots = max_slots
         dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
         shape = (self.n_layers, max_slots, self.n_kv, self.max_len, self.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.requests: dict[str, _Slot] = {}
         self.forward_seconds = 0.0  # time spent in forward passes (benchmarks split it from orchestration)
 
@@ -164,9 +169,15 @@ class LlamaRunner:
         b_idx, t_idx = valid.nonzero(as_tuple=True)
         write_slot = slot_idx[b_idx]
         write_pos = lens[b_idx] + t_idx
+        model_idx = torch.tensor([s.model for s in slots])
+        last = n_new - 1
+        if self.device.type != "cpu":
+            ids, pos, mask, slot_idx, b_idx, t_idx, write_slot, write_pos, model_idx, last = (
+                t.to(self.device, non_blocking=True) for t in
+                (ids, pos, mask, slot_idx, b_idx, t_idx, write_slot, write_pos, model_idx, last))
 
         w = self.w
-        w.bind(torch.tensor([s.model for s in slots]))
+        w.bind(model_idx)
         h = w.embed(ids)
         cos, sin = w.rotary(h, pos)
         for li in range(self.n_layers):
@@ -190,10 +201,12 @@ class LlamaRunner:
         for s, x in zip(slots, inputs):
             s.pending = len(x)
         if hidden_only_last:
-            out = list(w.lm_head(h[torch.arange(B), n_new - 1]).unsqueeze(1).unbind(0))
+            logits = w.lm_head(h[torch.arange(B, device=self.device), last]).unsqueeze(1)
         else:
             logits = w.lm_head(h)
-            out = [logits[b, :len(x)] for b, x in enumerate(inputs)]
+        if self.device.type != "cpu":
+            logits = logits.cpu()
+        out = [logits[b, :1 if hidden_only_last else len(x)] for b, x in enumerate(inputs)]
         self.forward_seconds += time.perf_counter() - t_start
         return out
 
@@ -201,8 +214,8 @@ class LlamaRunner:
         """Keep the keys/values of new tokens at indices `keep` (a root-to-node path, in order)."""
         s = self.requests[rid]
         if keep != list(range(len(keep))):  # a tree path: move the kept nodes next to the prefix
-            src = torch.tensor(keep) + s.length
-            dst = torch.arange(len(keep)) + s.length
+            src = torch.tensor(keep, device=self.device) + s.length
+            dst = torch.arange(len(keep), device=self.device) + s.length
             self.k[:, s.slot, :, dst] = self.k[:, s.slot, :, src]
             self.v[:, s.slot, :, dst] = self.v[:, s.slot, :, src]
         s.length += len(keep)

@@ -90,7 +90,7 @@ class StackedLlamaWeights:
         """Gather index [M * L] into the flattened rows (padding points past the end, at a zero row) and the
         position of every real row in the padded [M, L] blocks, for `rows` rows per request."""
         if rows not in self._layouts:
-            idx, B = self.model_idx, len(self.model_idx)
+            idx, B = self.model_idx.cpu(), len(self.model_idx)
             counts = torch.bincount(idx, minlength=self.n_models)
             per_block = int(counts.max())
             rank = torch.zeros(B, dtype=torch.long)  # a request's place among the requests of its model
@@ -102,7 +102,8 @@ class StackedLlamaWeights:
             flat = (idx * L + rank * rows)[:, None] + torch.arange(rows)  # [B, rows]
             gather = torch.full((self.n_models * L,), B * rows, dtype=torch.long)
             gather[flat.reshape(-1)] = torch.arange(B * rows)
-            self._layouts[rows] = (gather, flat.reshape(-1), L)
+            dev = self.emb.device
+            self._layouts[rows] = (gather.to(dev), flat.reshape(-1).to(dev), L)
         return self._layouts[rows]
 
     def _bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
