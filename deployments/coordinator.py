@@ -9,8 +9,9 @@ length it may use) and an async `step_fn(drafter_name, items) -> {rid: proposal}
 2. routing: the request's drafters (Eq. 3), or all drafters on a request's first round, which score the prompt
    (mean log-likelihood) for the cold start;
 3. drafting: with lockstep fusion, at each depth every chosen drafter proposes and the most confident token is fed
-   back to all of them (Eq. 4), losers become branches; otherwise each drafter drafts its own chain in one call
-   and the chains are fused one-shot (`fuse_chains`);
+   back to all of them (Eq. 4), losers become branches; a drafter returns its whole chain from one call, and is
+   only called again where its token lost (then its chain no longer follows the fused prefix). Without fusion
+   each drafter drafts its own chain in one call and the chains are fused one-shot (`fuse_chains`);
 4. the tree, trimmed to the request's budget, goes back to the verifier.
 A drafter that fails or times out just drops out of the round; the verifier decodes without a draft if none is left.
 """
@@ -125,44 +126,42 @@ class SpeculationCoordinator:
         items = {it["rid"]: it for it in batch}
         fusers = {r: FusionTree(budget=items[r].get("budget", budget)) for r in ks}
         chains: dict[str, dict[str, list[Proposal]]] = {r: {n: [] for n in chosen[r]} for r in ks}
-        feed: dict[str, dict[str, int]] = {r: {} for r in ks}  # what each drafter is fed next
-        # requests whose drafters will only be fed their own tokens (no fusion, or one drafter) get each chain
-        # from a single call; on a first round every drafter scores the prompt and most are dropped, so not then
-        solo = {r for r in ks if r not in first and (not fuse[r] or len(chosen[r]) == 1)}
-        ahead: dict[str, dict[str, list[Proposal]]] = {}  # their chains, handed out depth by depth
+        # Every call asks a drafter for its whole remaining chain. A chain stays valid while the drafter's own
+        # tokens are what it would have been fed: always without fusion, and with fusion while its token is the
+        # fused one. A drafter whose token lost is called again at the next depth with the fused prefix. The
+        # drafts are lockstep fusion's, at one round trip plus one per depth where a drafter disagreed, instead
+        # of one per depth.
+        ahead: dict[str, dict[str, dict[int, Proposal]]] = {r: {n: {} for n in chosen[r]} for r in ks}
+        path: dict[str, dict[str, list[int]]] = {r: {n: [] for n in chosen[r]} for r in ks}  # fed after context
+        alive = {r: set(chosen[r]) for r in ks}  # drafters still in the request's round
         for depth in range(max(ks.values())):
-            per_drafter: dict[str, list[dict]] = {}
-            for r in ks:
-                if depth >= ks[r] or (depth > 0 and r in solo):
-                    continue
-                for n in chosen[r]:
-                    if depth == 0:
-                        item = {"rid": r, "context": contexts[r], "score_context": r in first}
-                        if r in solo and ks[r] > 1:
-                            item["steps"] = ks[r]
-                    elif n in feed[r]:
-                        item = {"rid": r, "feed": [feed[r][n]]}
-                    else:
-                        continue  # this drafter dropped out of the request's round
-                    per_drafter.setdefault(n, []).append(item)
-            if not per_drafter and not any(r in solo and depth < ks[r] for r in ks):
+            if not any(alive[r] for r in ks if depth < ks[r]):
                 break
-            names = list(per_drafter)
-            answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n]) for n in names))
-            got = dict(zip(names, answers))
+            per_drafter: dict[str, list[dict]] = {}
             for r in ks:
                 if depth >= ks[r]:
                     continue
-                if depth == 0:
-                    fetched = {n: got[n][r] for n in chosen[r] if n in got and r in got[n]}
-                    ahead[r] = {n: ch[1:] for n, ch in fetched.items()}
-                    props = {n: ch[0] for n, ch in fetched.items()}
-                elif r in solo:
-                    props = {n: ch[depth - 1] for n, ch in ahead[r].items() if len(ch) >= depth and n in feed[r]}
-                else:
-                    props = {n: got[n][r][0] for n in chosen[r] if n in got and r in got[n]}
-                for n in props:
-                    self.where.setdefault(r, set()).add(n)
+                for n in alive[r]:
+                    if depth in ahead[r][n]:
+                        continue
+                    item = {"rid": r, "context": contexts[r] + path[r][n]}
+                    if depth == 0 and r in first:  # cold start: everyone scores the prompt, most are dropped
+                        item["score_context"] = True
+                    elif ks[r] - depth > 1:
+                        item["steps"] = ks[r] - depth
+                    per_drafter.setdefault(n, []).append(item)
+            names = list(per_drafter)
+            answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n]) for n in names))
+            for n, got in zip(names, answers):
+                for it in per_drafter[n]:
+                    r = it["rid"]
+                    if r in got:
+                        ahead[r][n] = {depth + i: p for i, p in enumerate(got[r])}
+                        self.where.setdefault(r, set()).add(n)
+            for r in ks:
+                if depth >= ks[r]:
+                    continue
+                props = {n: ahead[r][n][depth] for n in alive[r] if depth in ahead[r][n]}
                 if depth == 0 and r in first:
                     ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
                     if ll:
@@ -170,16 +169,16 @@ class SpeculationCoordinator:
                         keep = self.router.route(r, items[r].get("participants"))
                         props = {n: p for n, p in props.items() if n in keep}
                         chosen[r] = [n for n in chosen[r] if n in keep]
-                feed[r] = {}
+                alive[r] = set(props)  # a drafter that failed or ran out of room sits the rest of the round out
                 if not props:
                     continue
                 for n, p in props.items():
                     chains[r][n].append(p)
-                if fuse[r]:
-                    tok = fusers[r].step(props)
-                    feed[r] = {n: tok for n in props}
-                else:
-                    feed[r] = {n: p.token for n, p in props.items()}
+                tok = fusers[r].step(props) if fuse[r] else None
+                for n, p in props.items():
+                    path[r][n].append(p.token if tok is None else tok)
+                    if tok is not None and p.token != tok:
+                        ahead[r][n] = {}  # its chain went on from its own token: call it again
         drafts = {}
         for r in ks:
             if fuse[r]:

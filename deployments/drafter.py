@@ -1,10 +1,10 @@
 """The drafter deployment: one per domain, a thin Serve wrapper around `DrafterServer` (plain, testable).
 
-The fusion node calls `step` in lockstep for all requests routed to this drafter. Each item either carries the
-request's full committed context (first step of a round: the engine keeps the agreeing cached prefix, so a
-replica that never saw the request, or restarted, simply rebuilds it) or the token fusion chose to feed. Where
-the drafter will only ever be fed its own tokens this round (no fusion, or it drafts alone), an item asks for
-`steps` > 1 and gets the whole chain from one call: one hop instead of one per depth.
+The fusion node calls `step` for all requests routed to this drafter that need proposals. Each item carries the
+context the drafter must continue (the committed context, plus the fused prefix when fusion overrode the
+drafter's own token): the engine keeps the agreeing cached prefix, so a replica that never saw the request, or
+restarted, simply rebuilds it. An item asks for `steps` > 1 to get the drafter's whole chain from one call, each
+proposal fed back as the next input: one hop instead of one per depth.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ def proposal_dict(p) -> dict:
 
 
 class DrafterServer:
-    def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048):
+    def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048, device: str | None = None):
         self.name = name
-        self.engine = DrafterEngine(model, name=name, max_requests=max_requests, max_len=max_len)
+        self.engine = DrafterEngine(model, name=name, max_requests=max_requests, max_len=max_len, device=device)
 
     def step(self, items: list[dict]) -> dict[str, dict]:
-        """items: {"rid", "context": [...]} or {"rid", "feed": [...]}; "score_context" asks for the context's
+        """items: {"rid", "context": [...]} (the cached prefix that agrees is kept) or {"rid", "feed": [...]} (tokens
+        after the cached ones); "score_context" asks for the context's
         log-likelihood (cold-start routing); "steps": n > 1 continues the chain from the drafter's own tokens and
         returns the n - 1 later proposals under "more"."""
         rids = []
@@ -67,12 +68,12 @@ class DrafterServer:
 
 @serve.deployment(name="Drafter")
 class DrafterDeployment:
-    def __init__(self, name: str, model: str, max_requests: int = 64, max_len: int = 2048):
+    def __init__(self, name: str, model: str, max_requests: int = 64, max_len: int = 2048, device: str = "auto"):
         from serve_app.paths import model_path
 
         from ray.serve import metrics
 
-        self.server = DrafterServer(name, str(model_path(model)), max_requests, max_len)
+        self.server = DrafterServer(name, str(model_path(model)), max_requests, max_len, device)
         self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
         self.requests_gauge = metrics.Gauge("cosine_drafter_requests", "requests holding a KV cache in this "
                                             "drafter replica, by drafter", tag_keys=("drafter",))

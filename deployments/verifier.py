@@ -59,9 +59,9 @@ class VerifierDeployment:
         # (when fusion is on) or one-shot; drafting is priced per mode from the rounds this replica observes
         modes = ()
         if spec.adaptive_drafters and per_depth > 1:
-            modes = (Participation(1),) + tuple(Participation(n, lockstep) for lockstep in
-                                                 ((True, False) if spec.fusion else (False,))
-                                                 for n in range(2, per_depth + 1))
+            modes = (Participation(1),) + tuple(Participation(n, lockstep, branches)
+                                                 for lockstep in ((True, False) if spec.fusion else (False,))
+                                                 for branches in (True, False) for n in range(2, per_depth + 1))
         self.controller = SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True,
                                                 modes=modes) if spec.adaptive else None
         self.half_verify_s = [0.0, 0.0]  # last verify step time of each pipeline half
@@ -174,8 +174,8 @@ class VerifierDeployment:
             item = {"rid": r, "context": self.engine.context(r), "k": ks[r]}
             mode = self._participation(overrides[r])
             item.update(participants=mode.drafters, fusion=mode.lockstep,
-                        # up to `drafters` nodes per depth: the fused chain and its branches
-                        budget=min(spec.tree_budget, mode.drafters * ks[r]))
+                        # the fused path first, then branches: up to `width` nodes per depth
+                        budget=min(spec.tree_budget, mode.width * ks[r]))
             for key in ("drafters", "routing"):
                 if overrides[r].get(key) is not None:
                     item[key] = overrides[r][key]
@@ -216,13 +216,14 @@ class VerifierDeployment:
             n = o.get("drafters_per_request") or (mode.drafters if mode else self.cfg.routing.drafters_per_request)
         if n <= 1:
             return Participation(1)
+        same = mode is not None and mode.drafters == n
         if o.get("fusion") is not None:
             lockstep = bool(o["fusion"])
-        elif mode is not None and mode.drafters == n:
-            lockstep = mode.lockstep
         else:
-            lockstep = spec.fusion
-        return Participation(n, lockstep and spec.mode == "cosine")
+            lockstep = mode.lockstep if same else spec.fusion
+        # the controller's choice of verifying only the fused path applies where nothing was overridden
+        own = same and not any(o.get(key) is not None for key in ("fusion", "drafters", "drafters_per_request"))
+        return Participation(n, lockstep and spec.mode == "cosine", mode.branches if own else True)
 
     def _overlap(self, rids: list[str]) -> float:
         """How long the other pipeline half's verification runs alongside these requests' drafting (0 when the

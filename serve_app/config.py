@@ -40,6 +40,8 @@ class DrafterSpec(_Strict):
                              "cold start ranks it first only where no domain drafter explains the prompt")
     max_requests: int = Field(64, ge=1)
     max_len: int = Field(2048, ge=64)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs; auto: a GPU if the "
+                                                  "replica sees one (ray_actor_options.num_gpus), else the CPU")
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
 
@@ -48,6 +50,8 @@ class VerifierSpec(_Strict):
     model: str
     max_batch: int = Field(16, ge=1)
     max_len: int = Field(2048, ge=64)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the torch engine runs; auto: a GPU "
+                                                  "if the replica sees one (ray_actor_options.num_gpus), else the CPU")
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to the vLLM engine")
 

@@ -18,7 +18,7 @@ def build_verifier_engine(cfg: AppConfig):
         from deployments.engines.verifier import TorchVerifierEngine
 
         return TorchVerifierEngine(str(model_path(v.model)), max_batch=v.max_batch, max_len=v.max_len,
-                                   tokenizer=load_tokenizer(cfg))
+                                   tokenizer=load_tokenizer(cfg), device=v.device)
     raise NotImplementedError("the vLLM verifier engine is not built yet; use verifier.engine: torch")
 
 

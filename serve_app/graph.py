@@ -20,7 +20,7 @@ def build_app(args: dict) -> Application:
     speculation = None
     if cfg.speculation.mode != "off":
         drafters = {d.name: DrafterDeployment.options(name=f"Drafter-{d.name}", **d.deployment.serve_options())
-                    .bind(d.name, d.model, d.max_requests, d.max_len) for d in cfg.drafters}
+                    .bind(d.name, d.model, d.max_requests, d.max_len, d.device) for d in cfg.drafters}
         speculation = SpeculationDeployment.options(**cfg.speculation.deployment.serve_options()).bind(config, drafters)
     verifier = VerifierDeployment.options(**cfg.verifier.deployment.serve_options()).bind(config, speculation)
     return IngressDeployment.options(**cfg.ingress.deployment.serve_options()).bind(config, verifier)

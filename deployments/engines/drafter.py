@@ -51,15 +51,17 @@ class DrafterEngine:
     engine drafts for (request, drafter) pairs, keyed by `key(rid, name)`, all in one forward per step."""
 
     def __init__(self, model, name: str = "drafter", max_requests: int = 64, max_len: int | None = 2048,
-                 top_alternatives: int = 4):
+                 top_alternatives: int = 4, device: str | None = None):
+        """`device`: where to load the model(s) ("auto": a GPU if this process has one); None leaves a model
+        object where it is."""
         if isinstance(model, dict):
-            models = {n: load_causal_lm(m) for n, m in model.items()}
+            models = {n: load_causal_lm(m, device) for n, m in model.items()}
             self.model_names = list(models)
             self.model = next(iter(models.values()))
             self.runner = LlamaRunner(models, max_slots=max_requests, max_len=max_len)
             name = "+".join(self.model_names) if name == "drafter" else name
         else:
-            self.model = load_causal_lm(model)
+            self.model = load_causal_lm(model, device)
             self.model_names = [name]
             self.runner = LlamaRunner(self.model, max_slots=max_requests, max_len=max_len)
         self.stacked = isinstance(model, dict)

@@ -54,18 +54,26 @@ class _Request:
     drafters_used: set = field(default_factory=set)
 
 
-def load_causal_lm(model_or_path):
+def resolve_device(device: str = "auto") -> str:
+    """"auto": the GPU Ray assigned to this replica (CUDA_VISIBLE_DEVICES), else the CPU."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def load_causal_lm(model_or_path, device: str | None = None):
+    """A model object as it is (on its own device unless `device` is given), or loaded from a path or id."""
     if isinstance(model_or_path, (str, Path)):
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(model_or_path, dtype=torch.float32).eval()
-    return model_or_path.eval()
+        model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=torch.float32)
+    else:
+        model = model_or_path
+    return (model.to(resolve_device(device)) if device else model).eval()
 
 
 class TorchVerifierEngine:
     def __init__(self, model, max_batch: int = 16, max_len: int | None = 2048, tokenizer=None,
-                 eos_token_ids: tuple[int, ...] | None = None, max_draft_tokens: int = 64):
-        self.model = load_causal_lm(model)
+                 eos_token_ids: tuple[int, ...] | None = None, max_draft_tokens: int = 64, device: str | None = None):
+        self.model = load_causal_lm(model, device)
         self.runner = LlamaRunner(self.model, max_slots=max_batch, max_len=max_len)
         self.tokenizer = tokenizer
         eos = eos_token_ids if eos_token_ids is not None else self.model.generation_config.eos_token_id
