@@ -18,9 +18,9 @@ a little verify work).
 Participation (CoSine Alg. 2: "when the verifier is idle, more drafter nodes participate; when it is overloaded,
 fewer"): given `modes`, the controller also picks how every request drafts this round: with how many drafters, and
 whether they are fused in lockstep (the fused token fed back) or each drafts its own chain in one call, fused at the
-divergences (deployments/fusion.py), and whether the losing proposals are verified as branches. With branches n
-drafters put up to n nodes per depth in the verify batch, so n multiplies the verify work per draft token; the
-fused path alone costs what one drafter's chain does. What a mode buys is measured, not assumed: acceptance is
+divergences (deployments/fusion.py). n drafters put up to n nodes per depth in the verify batch (the fused path
+and its branches), so n multiplies the verify work per draft token. What a mode buys is measured, not assumed:
+acceptance is
 counted per mode over the pool (a request's own estimate is shifted by the difference between the modes), and
 drafting time per mode is fitted from the rounds drafted in it (lockstep pays its hops per depth, one-shot once).
 Where verify tokens are nearly free (batch 1 on a GPU, or small batches here) extra drafters pay; at a loaded
@@ -73,17 +73,9 @@ class Participation:
 
     drafters: int = 1
     lockstep: bool = False  # fused token fed back at every depth; else each drafter's own chain, fused after
-    branches: bool = True  # verify the losing proposals as branches too, else only the fused path
-
-    @property
-    def width(self) -> int:
-        """Verify nodes per draft depth, at most."""
-        return self.drafters if self.branches else 1
 
     def __str__(self) -> str:
-        if self.drafters == 1:
-            return "1"
-        return f"{self.drafters} {'lockstep' if self.lockstep else 'one-shot'}{'' if self.branches else ' path'}"
+        return "1" if self.drafters == 1 else f"{self.drafters} {'lockstep' if self.lockstep else 'one-shot'}"
 
 
 @dataclass
@@ -158,7 +150,7 @@ class SpeculationController:
               overlap: float = 0.0) -> float:
         """Seconds per round. `overlap`: verify work of other requests that the drafting runs alongside (the
         serving graph's pipeline), so only drafting beyond it costs time."""
-        n = mode.width if mode else self.drafters_per_request
+        n = mode.drafters if mode else self.drafters_per_request
         verify = self.verify(sum(1 + k * n for k in ks))
         if mode is not None:  # measured per mode, the hops included
             depth = max(ks, default=0)

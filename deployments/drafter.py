@@ -92,6 +92,12 @@ class DrafterDeployment:
             self.server.release(rids)
             self.requests_gauge.set(len(self.server.engine.states))
 
+    def placement(self) -> dict:
+        """Where this replica computes: its Ray node and device type."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "device": self.server.engine.runner.device.type}
+
     def num_requests(self) -> int:
         """Requests holding a KV cache here (0 once every request has finished or been cancelled)."""
         return len(self.server.engine.states)

@@ -3,6 +3,7 @@ holding handles to the drafter deployments."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from ray import serve
@@ -69,6 +70,12 @@ class SpeculationDeployment:
                 per.setdefault(n, []).append(r)
         for n, rs in per.items():
             self.handles[n].release.remote(rs)
+
+    async def placement(self) -> dict[str, dict]:
+        """Each drafter's node and device (one replica's: replicas of a deployment share their options)."""
+        names = list(self.handles)
+        got = await asyncio.gather(*(self.handles[n].placement.remote() for n in names), return_exceptions=True)
+        return {n: p for n, p in zip(names, got) if isinstance(p, dict)}
 
     def routing_history(self) -> list[tuple[str, list[str]]]:
         """(request id, drafters by routing score) of recently finished requests."""

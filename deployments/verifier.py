@@ -59,12 +59,13 @@ class VerifierDeployment:
         # (when fusion is on) or one-shot; drafting is priced per mode from the rounds this replica observes
         modes = ()
         if spec.adaptive_drafters and per_depth > 1:
-            modes = (Participation(1),) + tuple(Participation(n, lockstep, branches)
+            modes = (Participation(1),) + tuple(Participation(n, lockstep)
                                                  for lockstep in ((True, False) if spec.fusion else (False,))
-                                                 for branches in (True, False) for n in range(2, per_depth + 1))
+                                                 for n in range(2, per_depth + 1))
         self.controller = SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True,
                                                 modes=modes) if spec.adaptive else None
         self.half_verify_s = [0.0, 0.0]  # last verify step time of each pipeline half
+        self.shared_cpu: list[str] | None = None  # drafters computing on this replica's CPU (see _check_placement)
         self.modes: dict[str, object] = {}  # the Participation each request's pending draft was made with
         self.drafted: set[str] = set()  # requests past their first round (which scores the prompt: not priced)
         self.live: dict[str, _Live] = {}
@@ -117,6 +118,7 @@ class VerifierDeployment:
                                  "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b]
                                                         for p, m in c.mode_draft.items()},
                                  "pool_acceptance": c.pool_acceptance,
+                                 "drafting_overlaps_verification": not self.shared_cpu,
                                  "participation": str(c.mode) if c.mode else None,
                                  "acceptance_by_participation": {str(p): c.mode_acceptance(p) for p in c.mode_counts}}
         if self.speculation is not None:
@@ -130,7 +132,26 @@ class VerifierDeployment:
     # ------------------------------------------------------------------ the loop
     def _ensure_loop(self) -> None:
         if self.loop_task is None or self.loop_task.done():
-            self.loop_task = asyncio.get_running_loop().create_task(self._loop())
+            loop = asyncio.get_running_loop()
+            self.loop_task = loop.create_task(self._loop())
+            if self.shared_cpu is None and self.speculation is not None:
+                loop.create_task(self._check_placement())
+
+    async def _check_placement(self) -> None:
+        """Drafting only overlaps verification where it has hardware of its own. Drafters on this node's CPU, next
+        to a CPU verifier (the one-machine configuration), take their cycles from verification: for them the
+        controller counts drafting time in full."""
+        import ray
+
+        try:
+            drafters = await self.speculation.placement.remote()
+        except Exception:  # noqa: BLE001 - unknown placement: assume separate hardware, as in a cluster
+            logger.warning("drafter placement unknown; assuming drafting overlaps verification")
+            self.shared_cpu = []
+            return
+        node, device = ray.get_runtime_context().get_node_id(), self.engine.runner.device.type
+        self.shared_cpu = sorted(n for n, p in drafters.items()
+                                 if p["node_id"] == node and p["device"] == device == "cpu")
 
     async def _drain_inbox(self, block: bool) -> list[str]:
         released = []
@@ -174,8 +195,8 @@ class VerifierDeployment:
             item = {"rid": r, "context": self.engine.context(r), "k": ks[r]}
             mode = self._participation(overrides[r])
             item.update(participants=mode.drafters, fusion=mode.lockstep,
-                        # the fused path first, then branches: up to `width` nodes per depth
-                        budget=min(spec.tree_budget, mode.width * ks[r]))
+                        # up to `drafters` nodes per depth: the fused path and its branches
+                        budget=min(spec.tree_budget, mode.drafters * ks[r]))
             for key in ("drafters", "routing"):
                 if overrides[r].get(key) is not None:
                     item[key] = overrides[r][key]
@@ -216,18 +237,19 @@ class VerifierDeployment:
             n = o.get("drafters_per_request") or (mode.drafters if mode else self.cfg.routing.drafters_per_request)
         if n <= 1:
             return Participation(1)
-        same = mode is not None and mode.drafters == n
         if o.get("fusion") is not None:
             lockstep = bool(o["fusion"])
+        elif mode is not None and mode.drafters == n:
+            lockstep = mode.lockstep
         else:
-            lockstep = mode.lockstep if same else spec.fusion
-        # the controller's choice of verifying only the fused path applies where nothing was overridden
-        own = same and not any(o.get(key) is not None for key in ("fusion", "drafters", "drafters_per_request"))
-        return Participation(n, lockstep and spec.mode == "cosine", mode.branches if own else True)
+            lockstep = spec.fusion
+        return Participation(n, lockstep and spec.mode == "cosine")
 
     def _overlap(self, rids: list[str]) -> float:
         """How long the other pipeline half's verification runs alongside these requests' drafting (0 when the
         other half is empty: then drafting and verification take turns)."""
+        if self.shared_cpu:
+            return 0.0
         half = self.group.get(rids[0], 0) if rids else 0
         if not any(self.group.get(r, 0) != half for r in self.engine.running):
             return 0.0

@@ -167,12 +167,3 @@ def test_drafting_hidden_behind_the_other_halfs_verification_costs_nothing():
     hidden = c.choose(["a"], overlap_s=0.060)["a"]
     assert alone <= 2 and hidden >= 4
 
-
-def test_verifying_only_the_fused_path_costs_what_one_chain_does():
-    # a loaded verifier: branches double the verify work and lose; the fused path alone keeps fusion's better
-    # acceptance at one chain's verify cost
-    path = Participation(2, lockstep=True, branches=False)
-    assert path.width == 1 and FUSED.width == 2
-    c = _participation_ctrl(0.030, 0.003, {ONE: 2, FUSED: 3, path: 3}, modes=(ONE, FUSED, path))
-    c.choose([str(i) for i in range(8)])
-    assert c.mode == path

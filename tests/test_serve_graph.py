@@ -84,7 +84,9 @@ def test_greedy_through_the_graph_equals_target_only(server, tokenizer, target, 
         assert out.usage.model_extra["mean_acceptance_length"] >= 1.0
 
 
-@pytest.mark.parametrize("override", [{"drafters_per_request": 3}, {"fusion": False}, {"drafters": ["legal"]}])
+@pytest.mark.parametrize("override", [{"drafters_per_request": 3}, {"fusion": False}, {"drafters": ["legal"]},
+                                      {"drafters_per_request": 2, "fusion": True},
+                                      {"drafters_per_request": 2, "fusion": False}])
 def test_speculation_overrides_stay_lossless(server, tokenizer, target, heldout, override):
     ids = tokenizer(heldout["legal"][11][:300], add_special_tokens=False).input_ids
     r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 20, "temperature": 0,
@@ -94,6 +96,14 @@ def test_speculation_overrides_stay_lossless(server, tokenizer, target, heldout,
     body = r.json()
     assert body["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
     assert body["usage"]["num_drafts"] > 0
+
+
+def test_the_controller_reports_its_modes_and_that_drafters_share_this_cpu(server):
+    c = httpx.get(f"{server}/v1/internal/speculation_stats", timeout=30).json()["controller"]
+    # one machine, every drafter on the verifier's CPU: drafting takes its cycles from verification
+    assert c["drafting_overlaps_verification"] is False
+    assert {"2 lockstep", "2 one-shot"} <= set(c["acceptance_by_participation"])  # the overrides above
+    assert c["participation"] in {"1", "2 lockstep", "2 one-shot"}
 
 
 def test_chat_non_streamed_and_streamed_agree(server):
