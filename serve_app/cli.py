@@ -209,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--per-domain", type=int, default=2)
     sv.add_argument("--new-tokens", type=int, default=128)
     sv.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    sv.add_argument("--repeats", type=int, default=1, help="run the variants round-robin this many times, keep "
+                                                           "each one's fastest run")
     sv.add_argument("--json", default="bench_results/serve.json")
     sv.add_argument("--metrics-url", help="Ray's metrics agent, e.g. http://127.0.0.1:8080/metrics: sample the "
                                           "Prometheus metrics during the run into the JSON")
