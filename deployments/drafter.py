@@ -29,20 +29,14 @@ class DrafterServer:
         self.engine = DrafterEngine(model, name=name, max_requests=max_requests, max_len=max_len, device=device)
 
     def step(self, items: list[dict]) -> dict[str, dict]:
-        """items: {"rid", "context": [...]} (the cached prefix that agrees is kept) or {"rid", "feed": [...]} (tokens
-        after the cached ones); "score_context" asks for the context's
-        log-likelihood (cold-start routing); "steps": n > 1 continues the chain from the drafter's own tokens and
-        returns the n - 1 later proposals under "more"."""
+        """items: {"rid", "context": [...]} (the cached prefix that agrees is kept); "score_context" asks for the
+        context's log-likelihood (cold-start routing); "steps": n > 1 continues the chain from the drafter's own
+        tokens and returns the n - 1 later proposals under "more"."""
         rids = []
         for it in items:
             rid = it["rid"]
-            if "context" not in it and rid not in self.engine:
-                continue  # lost this request mid-round (e.g. a restart): sit the round out, rebuild next round
             try:
-                if "context" in it:
-                    self.engine.sync(rid, it["context"])
-                else:
-                    self.engine.feed(rid, it["feed"])
+                self.engine.sync(rid, it["context"])
             except CacheFull:
                 self.engine.release(rid)
                 continue

@@ -134,14 +134,12 @@ def test_lockstep_fusion_calls_a_drafter_again_only_where_its_token_lost(servers
         rid, ref_id = f"lazy-{i}", f"eager-{i}"
         draft = asyncio.run(coord.draft([{"rid": rid, "context": ctx, "k": k, "budget": 3 * k}], step_fn))[rid]
         # the reference: every drafter fed the fused token at every depth, one call per drafter and depth
-        ref, losers = FusionTree(budget=3 * k), 0
-        props = {n: _proposal(servers[n].step([{"rid": ref_id, "context": ctx}])[ref_id]) for n in names}
+        ref, losers, fused = FusionTree(budget=3 * k), 0, []
         for depth in range(k):
-            tok = ref.step(props)
-            if depth == k - 1:
-                break
-            losers += sum(p.token != tok for p in props.values())
-            props = {n: _proposal(servers[n].step([{"rid": ref_id, "feed": [tok]}])[ref_id]) for n in names}
+            props = {n: _proposal(servers[n].step([{"rid": ref_id, "context": ctx + fused}])[ref_id]) for n in names}
+            fused.append(ref.step(props))
+            if depth < k - 1:
+                losers += sum(p.token != fused[-1] for p in props.values())
         expected = ref.build()
         assert (draft.tokens, draft.parents) == (expected.tokens, expected.parents)
         assert len(calls) == len(names) + losers
