@@ -6,6 +6,7 @@ Each step reads the previous step's output from disk, so steps can be re-run alo
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -114,11 +115,15 @@ def step_drafters(data_dir: Path, models_dir: Path, seed: int = 0, only: list[st
 
 
 def step_heldout_samples(data_dir: Path, models_dir: Path, per_domain: int = 60) -> None:
-    """Ship a slice of every domain's held-out split so a fresh clone can evaluate without the corpora."""
+    """Ship a slice of every domain's held-out split so a fresh clone can evaluate without the corpora. Passages
+    that quote paths under a home directory (root's or a user's) are skipped: in the repository they read as paths
+    of the machine that built it."""
     from model_family.corpora import load_split
     from model_family.samples import write_heldout
 
-    write_heldout(models_dir, {d: load_split(data_dir, d, "test")[:per_domain] for d in DOMAINS})
+    home = re.compile(r"(?<![\w.])/(?:root|home)/")
+    write_heldout(models_dir, {d: [t for t in load_split(data_dir, d, "test") if not home.search(t)][:per_domain]
+                               for d in DOMAINS})
 
 
 def step_acceptance_matrix(models_dir: Path, out: Path, k: int = 4, n_prompts: int = 24,
