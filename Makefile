@@ -1,10 +1,10 @@
-# Two entry points: `make run` (set up, then run the embedded default) and `make test`.
+# Two entry points: `make run` (set up, then serve the embedded default until Ctrl-C) and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRA ?= cpu
 
-.PHONY: setup run serve test bench-target bench-engine acceptance-matrix clean
+.PHONY: setup run test bench-target bench-engine acceptance-matrix clean
 
 setup: $(VENV)/.installed
 
@@ -17,12 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
 
+# The whole serving graph on this machine with the shipped models: OpenAI API on 127.0.0.1:8000, the Ray
+# dashboard on 127.0.0.1:8265; prints both once a completion has gone through, and Ctrl-C stops everything.
 run: setup
-	$(VENV)/bin/cosine generate --model target --drafter auto --max-tokens 64
-
-# The serving graph on this machine (OpenAI API on 127.0.0.1:8000) with the shipped models.
-serve: setup
-	$(VENV)/bin/serve run examples/local.yaml
+	$(VENV)/bin/cosine serve examples/local.yaml
 
 test: setup
 	$(VENV)/bin/pytest -q tests

@@ -191,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--json")
     lat.set_defaults(func=_models_latency)
 
+    s = sub.add_parser("serve", help="run a Serve config on this machine: ready check, URLs, Ctrl-C stops it")
+    s.add_argument("config", nargs="?", default=str(REPO_ROOT / "examples" / "local.yaml"))
+    s.add_argument("--port", type=int, help="HTTP port (default: the config's http_options.port)")
+    s.add_argument("--dashboard-port", type=int, default=8265)
+    s.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the first answer")
+    s.set_defaults(func=_serve)
+
     bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     e = bsub.add_parser("engine", help="speculative engines vs target-only and HF assisted generation")
@@ -217,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--plot-dir", help="render the sampled metrics as PNG here (needs the docs extra)")
     sv.set_defaults(func=_bench_serve)
     return p
+
+
+def _serve(args) -> int:
+    from serve_app.launch import serve_forever
+
+    return serve_forever(Path(args.config), args.port, args.dashboard_port, args.ready_timeout)
 
 
 def _bench_serve(args) -> int:

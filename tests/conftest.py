@@ -3,17 +3,24 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-# vLLM and torch.compile write caches; keep them out of the user's home and remove them afterwards.
-_CACHE = Path(tempfile.mkdtemp(prefix="cosine-test-cache-"))
+# The suite owns every directory it writes: vLLM and torch.compile caches, Ray's temp dir (sessions, sockets and
+# the ray_current_cluster address file, which Ray puts under $RAY_TMPDIR/ray), and Ray's auth token (given in the
+# environment, so nothing is written to ~/.ray). All of it goes when the session ends; nothing is assumed to exist.
+# The prefix is short: Ray's unix socket paths under it must stay within 107 bytes.
+_CACHE = Path(tempfile.mkdtemp(prefix="cos-"))
+os.environ["RAY_TMPDIR"] = str(_CACHE)
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
 os.environ.setdefault("VLLM_CACHE_ROOT", str(_CACHE / "vllm"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE / "inductor"))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-RAY_TMP = str(_CACHE / "ray")  # Ray's session files and sockets, removed with the rest
+RAY_TMP = str(_CACHE / "ray")  # Ray's default temp dir under RAY_TMPDIR
 
 from model_family import DOMAINS  # noqa: E402
 from serve_app.paths import models_dir  # noqa: E402

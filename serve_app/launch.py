@@ -1,0 +1,112 @@
+"""`cosine serve CONFIG`: run a Serve config file on this machine until Ctrl-C.
+
+`serve run` leaves the user to find out when the graph is ready and where it listens; this starts a local Ray head
+(dashboard on loopback), deploys the config's applications, waits until the endpoint answers a real completion,
+prints where everything is, and on Ctrl-C / SIGTERM shuts Serve and the Ray processes it started down.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+# Application keys this launcher honours; anything else (autoscaling policies, per-deployment overrides) needs a
+# real cluster: `serve deploy`.
+_APP_KEYS = {"name", "route_prefix", "import_path", "args"}
+
+
+def load_config(path: Path, http_port: int | None = None) -> dict:
+    cfg = yaml.safe_load(Path(path).read_text()) or {}
+    if not cfg.get("applications"):
+        raise SystemExit(f"{path}: no applications to run")
+    for app in cfg["applications"]:
+        extra = set(app) - _APP_KEYS
+        if extra:
+            raise SystemExit(f"{path}: application {app.get('name')!r} uses {sorted(extra)}, which `cosine serve` "
+                             "does not apply; deploy it with `serve deploy` on a Ray cluster")
+    cfg["http_options"] = {"host": "127.0.0.1", "port": 8000, **(cfg.get("http_options") or {})}
+    if http_port is not None:
+        cfg["http_options"]["port"] = http_port
+    return cfg
+
+
+def _wait_ready(base: str, model: str, deadline: float) -> None:
+    """Until a one-token completion through the whole graph succeeds (the proxy answers before replicas do)."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    last = "no answer yet"
+    while time.time() < deadline:
+        try:
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(1)
+    raise TimeoutError(f"{base} did not answer a completion in time ({last})")
+
+
+def banner(base: str, model: str, dashboard: str | None, metrics_port: int | None) -> str:
+    lines = [
+        f"CoSine is serving {model!r} at {base}/v1 (OpenAI-compatible)",
+        "",
+        "  curl:",
+        f"    curl {base}/v1/chat/completions -H 'content-type: application/json' \\",
+        f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+        "\"max_tokens\": 32}'",
+        "  openai SDK (Python):",
+        f"    from openai import OpenAI; client = OpenAI(base_url=\"{base}/v1\", api_key=\"none\")",
+        f"    print(client.chat.completions.create(model=\"{model}\", max_tokens=32,",
+        "          messages=[{\"role\": \"user\", \"content\": \"Hello\"}]).choices[0].message.content)",
+        "",
+        f"  Ray dashboard:      {dashboard or 'not running'}",
+    ]
+    if metrics_port:
+        lines.append(f"  Prometheus metrics: http://127.0.0.1:{metrics_port}/metrics")
+    lines += [f"  speculation stats:  {base}/v1/internal/speculation_stats", "", "Ctrl-C stops it."]
+    return "\n".join(lines)
+
+
+def serve_forever(config_path: Path, http_port: int | None = None, dashboard_port: int = 8265,
+                  ready_timeout_s: float = 900.0) -> int:
+    import ray
+    from ray import serve
+    from ray._common.utils import import_attr
+
+    cfg = load_config(config_path, http_port)
+    http = cfg["http_options"]
+    base = f"http://{http['host']}:{http['port']}"
+    t0 = time.time()
+    ctx = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
+                   log_to_driver=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs a SIGTERM handler of its own
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        print(f"Ray started ({time.time() - t0:.0f} s); deploying {config_path} ...", flush=True)
+        serve.start(http_options=http, proxy_location=cfg.get("proxy_location", "HeadOnly"))
+        model = "cosine-target"
+        for app in cfg["applications"]:
+            args = app.get("args") or {}
+            model = (args.get("ingress") or {}).get("model_name", model)
+            serve.run(import_attr(app["import_path"])(args), name=app["name"],
+                      route_prefix=app.get("route_prefix", "/"), blocking=False)
+        _wait_ready(base, model, t0 + ready_timeout_s)
+        dashboard = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
+        metrics_port = ray._private.worker.global_worker.node.metrics_export_port
+        print(f"ready in {time.time() - t0:.0f} s\n\n{banner(base, model, dashboard, metrics_port)}", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("stopping ...", flush=True)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    print("stopped", flush=True)
+    return 0
