@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from autoscale.goodput import LinearLatency
-from deployments.engines.runner import LlamaRunner
+from speculation.goodput import LinearLatency
+from engines.runner import LlamaRunner
 
 
 @torch.no_grad()

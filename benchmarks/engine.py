@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from autoscale.profiling import step_seconds
-from deployments.engines.cpu_kernels import PackedLinears, pack_linear_modules
-from deployments.engines.drafter import DrafterEngine
-from deployments.engines.sampling import SamplingParams
-from deployments.engines.speculative import SpeculativeGenerator
-from deployments.engines.verifier import TorchVerifierEngine
+from engines.cpu_kernels import PackedLinears, pack_linear_modules
+from engines.drafter import DrafterEngine
+from engines.sampling import SamplingParams
+from engines.speculative import SpeculativeGenerator
+from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
 from model_family.samples import heldout_texts
 
@@ -94,7 +94,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                                  max_len=max_len)] if names else []
         controller = None
         if adaptive:
-            from autoscale.goodput import SpeculationController
+            from speculation.goodput import SpeculationController
             from autoscale.profiling import fit_draft_latency, fit_verify_latency
 
             controller = SpeculationController(k_max=2 * k, drafters_per_request=per_req,
@@ -208,7 +208,7 @@ def format_table(result: dict) -> str:
 
 
 def main(args) -> int:
-    from serve_app.paths import models_dir
+    from model_family.paths import models_dir
 
     result = run(models_dir(), per_domain=args.per_domain, new_tokens=args.new_tokens, k=args.k,
                  batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device)

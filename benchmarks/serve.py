@@ -73,7 +73,7 @@ def run(url: str, model: str, per_domain: int = 2, new_tokens: int = 128, concur
     from transformers import AutoTokenizer
 
     from model_family.samples import heldout_texts
-    from serve_app.paths import model_path
+    from model_family.paths import model_path
 
     tok = AutoTokenizer.from_pretrained(model_path("tokenizer"))
     texts = heldout_texts()

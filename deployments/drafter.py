@@ -14,8 +14,8 @@ import time
 
 from ray import serve
 
-from deployments.engines.drafter import DrafterEngine
-from deployments.engines.runner import CacheFull
+from engines.drafter import DrafterEngine
+from engines.runner import CacheFull
 
 
 def proposal_dict(p) -> dict:
@@ -63,7 +63,7 @@ class DrafterServer:
 @serve.deployment(name="Drafter")
 class DrafterDeployment:
     def __init__(self, name: str, model: str, max_requests: int = 64, max_len: int = 2048, device: str = "auto"):
-        from serve_app.paths import model_path
+        from model_family.paths import model_path
 
         from ray.serve import metrics
 

@@ -8,16 +8,16 @@ import time
 
 from ray import serve
 
-from deployments.coordinator import SpeculationCoordinator
-from deployments.routing import RoutingConfig
+from speculation.coordinator import SpeculationCoordinator
+from speculation.routing import RoutingConfig
 from deployments.verifier import draft_to_dict
 
 
 @serve.deployment(name="Speculation")
 class SpeculationDeployment:
     def __init__(self, config: dict, drafters: dict):
-        from serve_app.config import AppConfig
-        from serve_app.engines import target_input_embeddings
+        from config import AppConfig
+        from engines.build import target_input_embeddings
 
         cfg = AppConfig.model_validate(config)
         self.handles = drafters  # name -> DeploymentHandle

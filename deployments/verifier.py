@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from ray import serve
 
-from deployments.engines.draft import Draft
-from deployments.engines.sampling import SamplingParams
+from engines.draft import Draft
+from engines.sampling import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
@@ -45,9 +45,9 @@ def draft_to_dict(d: Draft) -> dict:
 @serve.deployment(name="Verifier")
 class VerifierDeployment:
     def __init__(self, config: dict, speculation=None):
-        from autoscale.goodput import Participation, SpeculationController
-        from serve_app.config import AppConfig
-        from serve_app.engines import build_verifier_engine
+        from speculation.goodput import Participation, SpeculationController
+        from config import AppConfig
+        from engines.build import build_verifier_engine
 
         self.cfg = AppConfig.model_validate(config)
         self.engine = build_verifier_engine(self.cfg)
@@ -226,7 +226,7 @@ class VerifierDeployment:
         """How a request drafts this round: the controller's mode, unless the request overrides the drafters,
         their number or fusion (then lockstep is the configured fusion, or the controller's choice where the
         number matches)."""
-        from autoscale.goodput import Participation
+        from speculation.goodput import Participation
 
         spec, mode = self.cfg.speculation, self.controller.mode if self.controller else None
         if o.get("drafters"):

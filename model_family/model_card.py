@@ -10,9 +10,18 @@ from model_family import DOMAINS
 from model_family.corpora import SOURCES
 
 
-def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, latencies: list[dict] | None) -> str:
-    from model_family.recipe import format_matrix
+def format_matrix(matrix: dict) -> str:
+    header = "| drafter \\ domain | " + " | ".join(DOMAINS) + " | mean |"
+    lines = [header, "|" + "---|" * (len(DOMAINS) + 2)]
+    for name, row in matrix["drafters"].items():
+        vals = [row[d]["mean_accepted_length"] for d in DOMAINS]
+        cells = [f"**{v:.2f}**" if d == name else f"{v:.2f}" for d, v in zip(DOMAINS, vals)]
+        rates = sum(row[d]["acceptance_rate"] for d in DOMAINS) / len(DOMAINS)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {sum(vals) / len(vals):.2f} (rate {rates:.2f}) |")
+    return "\n".join(lines)
 
+
+def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, latencies: list[dict] | None) -> str:
     out = ["# Model card: the CoSine small model family", "",
            "One target and seven drafters (six domain drafters and one generic), all Llama-architecture causal LMs "
            "sharing one byte-level BPE tokenizer (8192 tokens, ChatML chat template). Trained from scratch on "

@@ -166,17 +166,6 @@ def check_acceptance(matrix: dict) -> list[str]:
     return problems
 
 
-def format_matrix(matrix: dict) -> str:
-    header = "| drafter \\ domain | " + " | ".join(DOMAINS) + " | mean |"
-    lines = [header, "|" + "---|" * (len(DOMAINS) + 2)]
-    for name, row in matrix["drafters"].items():
-        vals = [row[d]["mean_accepted_length"] for d in DOMAINS]
-        cells = [f"**{v:.2f}**" if d == name else f"{v:.2f}" for d, v in zip(DOMAINS, vals)]
-        rates = sum(row[d]["acceptance_rate"] for d in DOMAINS) / len(DOMAINS)
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {sum(vals) / len(vals):.2f} (rate {rates:.2f}) |")
-    return "\n".join(lines)
-
-
 def step_model_card(data_dir: Path, models_dir: Path, docs_dir: Path, matrix_json: Path,
                     latency_json: Path | None = None) -> Path:
     from model_family.model_card import render

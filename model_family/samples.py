@@ -17,7 +17,7 @@ def write_heldout(models_dir: Path, texts: dict[str, list[str]]) -> None:
 
 def heldout_texts(models_dir: Path | None = None) -> dict[str, list[str]]:
     if models_dir is None:
-        from serve_app.paths import models_dir as default
+        from model_family.paths import models_dir as default
 
         models_dir = default()
     return {d: read_jsonl(models_dir / "heldout" / f"{d}.jsonl") for d in DOMAINS}

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from serve_app.paths import REPO_ROOT, model_path, models_dir
+from model_family.paths import REPO_ROOT, model_path, models_dir
 
 RECIPE_STEPS = ("corpora", "tokenizer", "target", "distill", "drafters", "matrix")
 # Wall-clock minutes of each step measured on a 2-core x86-64 CPU (see docs/model_card.md).
@@ -45,7 +45,8 @@ def _models_train(args) -> int:
 
 
 def _print_matrix(matrix: dict) -> list[str]:
-    from model_family.recipe import check_acceptance, format_matrix
+    from model_family.model_card import format_matrix
+    from model_family.recipe import check_acceptance
 
     print(f"mean accepted length per verification (k={matrix['k']}, greedy, bonus token included)")
     print(format_matrix(matrix))
@@ -129,10 +130,10 @@ def _generate(args) -> int:
 
 
 def _speculative(model, ids: list[int], args, domain: str):
-    from deployments.engines.drafter import DrafterEngine
-    from deployments.engines.sampling import SamplingParams
-    from deployments.engines.speculative import SpeculativeGenerator
-    from deployments.engines.verifier import TorchVerifierEngine
+    from engines.drafter import DrafterEngine
+    from engines.sampling import SamplingParams
+    from engines.speculative import SpeculativeGenerator
+    from engines.verifier import TorchVerifierEngine
     from model_family import DOMAINS
 
     name = args.drafter

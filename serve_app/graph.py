@@ -8,10 +8,10 @@ from __future__ import annotations
 from ray.serve import Application
 
 from deployments.drafter import DrafterDeployment
-from deployments.ingress import IngressDeployment
+from serve_app.ingress import IngressDeployment
 from deployments.speculation import SpeculationDeployment
 from deployments.verifier import VerifierDeployment
-from serve_app.config import AppConfig
+from config import AppConfig
 
 
 def build_app(args: dict) -> Application:

@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 RAY_TMP = str(_CACHE / "ray")  # Ray's default temp dir under RAY_TMPDIR
 
 from model_family import DOMAINS  # noqa: E402
-from serve_app.paths import models_dir  # noqa: E402
+from model_family.paths import models_dir  # noqa: E402
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from serve_app.config import AppConfig
+from config import AppConfig
 
 
 def _cfg(**over):

@@ -7,12 +7,12 @@ import asyncio
 import pytest
 import torch
 
-from deployments.coordinator import SpeculationCoordinator, _proposal
+from speculation.coordinator import SpeculationCoordinator, _proposal
 from deployments.drafter import DrafterServer
-from deployments.engines.sampling import SamplingParams
-from deployments.engines.verifier import TorchVerifierEngine
-from deployments.fusion import FusionTree
-from deployments.routing import RoutingConfig
+from engines.sampling import SamplingParams
+from engines.verifier import TorchVerifierEngine
+from speculation.fusion import FusionTree
+from speculation.routing import RoutingConfig
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
 

@@ -8,11 +8,11 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from deployments.engines.drafter import DrafterEngine
-from deployments.engines.runner import LlamaRunner
-from deployments.engines.sampling import SamplingParams, target_probs
-from deployments.engines.speculative import SpeculativeGenerator
-from deployments.engines.verifier import TorchVerifierEngine
+from engines.drafter import DrafterEngine
+from engines.runner import LlamaRunner
+from engines.sampling import SamplingParams, target_probs
+from engines.speculative import SpeculativeGenerator
+from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
 
@@ -164,7 +164,7 @@ def test_release_between_forward_and_commit_keeps_the_movers_new_tokens(target, 
 
 
 def test_prepacked_cpu_linears_match_plain_matmuls(target):
-    from deployments.engines.cpu_kernels import PackedLinears
+    from engines.cpu_kernels import PackedLinears
 
     packed = PackedLinears(target)
     assert packed.enabled  # float32 on x86 CPU: the oneDNN path must be active, or the benchmarks mislead

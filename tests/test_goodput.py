@@ -1,4 +1,4 @@
-from autoscale.goodput import LinearLatency, Participation, SpeculationController, expected_tokens
+from speculation.goodput import LinearLatency, Participation, SpeculationController, expected_tokens
 
 ONE, FUSED = Participation(1), Participation(2, lockstep=True)
 

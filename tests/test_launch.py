@@ -30,7 +30,7 @@ def _port() -> int:
 
 def _small_config(path: Path) -> Path:
     """examples/local.yaml with two drafters, to keep the suite quick."""
-    from serve_app.paths import REPO_ROOT
+    from model_family.paths import REPO_ROOT
 
     cfg = yaml.safe_load((REPO_ROOT / "examples" / "local.yaml").read_text())
     args = cfg["applications"][0]["args"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from deployments.engines.drafter import Proposal
-from deployments.fusion import FusionTree, fuse_chains
-from deployments.routing import Router, RoutingConfig, alignment
+from engines.drafter import Proposal
+from speculation.fusion import FusionTree, fuse_chains
+from speculation.routing import Router, RoutingConfig, alignment
 
 
 def _emb():

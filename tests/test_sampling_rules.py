@@ -12,8 +12,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from deployments.engines.draft import Draft, TreeBuilder
-from deployments.engines.rules import verify_sampling
+from engines.draft import Draft, TreeBuilder
+from engines.rules import verify_sampling
 
 V = 5
 N_SAMPLES = 12000

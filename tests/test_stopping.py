@@ -1,5 +1,5 @@
-from deployments.engines.sampling import SamplingParams
-from deployments.engines.stopping import StopChecker
+from engines.sampling import SamplingParams
+from engines.stopping import StopChecker
 
 
 def test_eos_stops_and_is_not_emitted():

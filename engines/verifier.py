@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from deployments.engines.draft import Draft
-from deployments.engines.rules import verify_greedy, verify_sampling
-from deployments.engines.runner import LlamaRunner, tree_depths
-from deployments.engines.sampling import SamplingParams, target_probs
-from deployments.engines.stopping import StopChecker
+from engines.draft import Draft
+from engines.rules import verify_greedy, verify_sampling
+from engines.runner import LlamaRunner, tree_depths
+from engines.sampling import SamplingParams, target_probs
+from engines.stopping import StopChecker
 
 
 @dataclass

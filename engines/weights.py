@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deployments.engines.cpu_kernels import PackedLinears
+from engines.cpu_kernels import PackedLinears
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")

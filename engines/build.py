@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from serve_app.config import AppConfig
-from serve_app.paths import model_path
+from config import AppConfig
+from model_family.paths import model_path
 
 
 def load_tokenizer(cfg: AppConfig):
@@ -15,7 +15,7 @@ def load_tokenizer(cfg: AppConfig):
 def build_verifier_engine(cfg: AppConfig):
     v = cfg.verifier
     if v.engine == "torch":
-        from deployments.engines.verifier import TorchVerifierEngine
+        from engines.verifier import TorchVerifierEngine
 
         return TorchVerifierEngine(str(model_path(v.model)), max_batch=v.max_batch, max_len=v.max_len,
                                    tokenizer=load_tokenizer(cfg), device=v.device)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from deployments.engines.draft import Draft, TreeBuilder
-from deployments.engines.drafter import DrafterEngine
-from deployments.engines.runner import CacheFull
-from deployments.engines.sampling import SamplingParams
-from deployments.engines.verifier import TorchVerifierEngine
+from engines.draft import Draft, TreeBuilder
+from engines.drafter import DrafterEngine
+from engines.runner import CacheFull
+from engines.sampling import SamplingParams
+from engines.verifier import TorchVerifierEngine
 
 
 @dataclass
@@ -35,7 +35,7 @@ class SpeculativeGenerator:
         self.drafters = drafters or []
         self.k = k
         self.tree_budget = tree_budget or k * max(1, len(self.drafters))
-        self.controller = controller  # autoscale.goodput.SpeculationController or None (fixed k)
+        self.controller = controller  # speculation.goodput.SpeculationController or None (fixed k)
         self.draft_seconds = 0.0
         self.verify_seconds = 0.0
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from deployments.engines.weights import LlamaWeights, StackedLlamaWeights
+from engines.weights import LlamaWeights, StackedLlamaWeights
 
 
 @dataclass

@@ -49,8 +49,8 @@ class _Detokenizer:
 @serve.ingress(app)
 class IngressDeployment:
     def __init__(self, config: dict, verifier):
-        from serve_app.config import AppConfig
-        from serve_app.engines import load_tokenizer
+        from config import AppConfig
+        from engines.build import load_tokenizer
 
         self.cfg = AppConfig.model_validate(config)
         self.tokenizer = load_tokenizer(self.cfg)

@@ -18,7 +18,7 @@ a little verify work).
 Participation (CoSine Alg. 2: "when the verifier is idle, more drafter nodes participate; when it is overloaded,
 fewer"): given `modes`, the controller also picks how every request drafts this round: with how many drafters, and
 whether they are fused in lockstep (the fused token fed back) or each drafts its own chain in one call, fused at the
-divergences (deployments/fusion.py). n drafters put up to n nodes per depth in the verify batch (the fused path
+divergences (speculation/fusion.py). n drafters put up to n nodes per depth in the verify batch (the fused path
 and its branches), so n multiplies the verify work per draft token. What a mode buys is measured, not assumed:
 acceptance is
 counted per mode over the pool (a request's own estimate is shifted by the difference between the modes), and

@@ -5,7 +5,7 @@ token of the most confident drafter is chosen (Eq. 4) and fed back to all of the
 from the fused prefix. The proposals that lost are kept as alternative branches: a sibling of the fused token at
 that depth. At the end the tree is trimmed to the verification budget: the fused chain first (it is what every
 drafter agreed to continue), then alternatives by confidence. Fused tokens are deterministic proposals, so the
-verifier treats them as one-hot q, which is lossless for sampling too (see deployments/engines/rules.py).
+verifier treats them as one-hot q, which is lossless for sampling too (see engines/rules.py).
 
 Lockstep fusion costs a round trip to the drafters per depth. `fuse_chains` is its one-shot form: every drafter
 drafts its own chain in one call, all from the same context; Eq. 4 picks the main path wherever the chains
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deployments.engines.draft import Draft, TreeBuilder
-from deployments.engines.drafter import Proposal
+from engines.draft import Draft, TreeBuilder
+from engines.drafter import Proposal
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from deployments.engines.draft import Draft
+from engines.draft import Draft
 
 EPS = 1e-12
 

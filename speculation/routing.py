@@ -20,7 +20,7 @@ this is a Bayes classifier of the prompt's domain with a flat prior. A generalis
 tends to give a prompt a higher likelihood than the matching specialist, yet drafts its domain worse; it enters
 the softmax `generalist_margin` nats per token down, so it leads only on prompts no domain drafter explains.
 Measured on 240 held-out 64-token prompts, own domain first: 141 raw, 186 with the margin, 206 with the margin and
-the drafters' per-token floor (deployments/engines/drafter.py). Without prompt scores every drafter starts equal.
+the drafters' per-token floor (engines/drafter.py). Without prompt scores every drafter starts equal.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deployments.engines.draft import Draft
-from deployments.engines.drafter import Proposal
-from deployments.fusion import FusionTree, fuse_chains
-from deployments.routing import Router, RoutingConfig, alignment
+from engines.draft import Draft
+from engines.drafter import Proposal
+from speculation.fusion import FusionTree, fuse_chains
+from speculation.routing import Router, RoutingConfig, alignment
 
 StepFn = Callable[[str, list[dict]], Awaitable[dict[str, dict]]]
 

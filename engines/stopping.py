@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deployments.engines.sampling import SamplingParams
+from engines.sampling import SamplingParams
 
 
 @dataclass

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deployments.engines.runner import CacheFull, LlamaRunner
-from deployments.engines.verifier import load_causal_lm
+from engines.runner import CacheFull, LlamaRunner
+from engines.verifier import load_causal_lm
 
 LONG_PENDING = 16  # pending runs longer than this (prompts) are prefilled apart from the one-token steps
 
