@@ -9,7 +9,9 @@ speed-up an overhead-free system would reach with the measured acceptance and me
 
 from __future__ import annotations
 
+import asyncio
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,14 +19,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from autoscale.profiling import step_seconds
+from autoscale.profiling import fit_draft_latency, fit_verify_latency, step_seconds
+from config import AppConfig
 from engines.cpu_kernels import PackedLinears, pack_linear_modules
-from engines.drafter import DrafterEngine
 from engines.sampling import SamplingParams
-from engines.speculative import SpeculativeGenerator
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
 from model_family.samples import heldout_texts
+from speculation.inprocess import build_loop, generate_all
+from speculation.messages import SpeculationOverrides
 
 
 @dataclass
@@ -33,7 +36,7 @@ class Row:
     batch: int
     tokens: int
     seconds: float
-    tokens_per_s: float
+    tokens_per_s: float  # the median run's
     mean_accepted_length: float | None
     target_passes_per_token: float | None
     rounds: int | None = None
@@ -45,6 +48,9 @@ class Row:
     identical_to_target: bool | None = None
     limit_speedup: float | None = None
     efficiency: float | None = None
+    tokens_per_s_min: float | None = None  # over the repeats
+    tokens_per_s_max: float | None = None
+    runs: int = 1
 
 
 def _load(path: Path, packed: bool = False, device: str = "cpu"):
@@ -65,10 +71,20 @@ def _step_cost_ms(model, batch: int, context: int, new: int) -> float:
     return step_seconds(model, batch, context, new, repeats=7) * 1000
 
 
+# Our configurations: (name, drafters of a prompt's request, lockstep, adaptive). One drafter drafts a chain;
+# two draft a tree (their chains fused one-shot, or in lockstep).
+def _methods(k: int) -> list[tuple[str, object, bool, bool]]:
+    return [("target-only (our engine)", lambda d: [], False, False),
+            (f"ours: chain, domain drafter, k={k}", lambda d: [d], False, False),
+            (f"ours: tree, domain + generic drafters, k={k}", lambda d: [d, "generic"], False, False),
+            (f"ours: chain, goodput-adaptive k<={2 * k}", lambda d: [d], False, True),
+            (f"ours: full CoSine (routing, fusion, adaptive), k<={2 * k}", None, True, True)]
+
+
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
-        prompt_len: int = 64, include_hf: bool = True, repeats: int = 1, device: str = "cpu", log=print) -> dict:
-    """Every method at every batch size, `repeats` times round-robin (the fastest run of each counts, which
-    keeps a noisy neighbour from deciding a ratio). `device`: where every model runs ("cuda" on a GPU)."""
+        prompt_len: int = 64, include_hf: bool = True, repeats: int = 3, device: str = "cpu", log=print) -> dict:
+    """Every method at every batch size, warmed up, then `repeats` times round-robin; the median run counts.
+    `device`: where every model runs ("cuda" on a GPU)."""
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
     bench_dir = models_dir / "bench-target"
     if not (bench_dir / "config.json").exists():
@@ -77,33 +93,38 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         log("building the bench target (cosine models bench-target) ...")
         build_bench_target(models_dir / "target", bench_dir)
     target = _load(bench_dir, device=device)
-    drafters = {d: _load(models_dir / f"drafter-{d}", device=device) for d in list(DOMAINS) + ["generic"]}
+    names = list(DOMAINS) + ["generic"]
+    drafters = {d: _load(models_dir / f"drafter-{d}", device=device) for d in names}
     prompts = _prompts(tok, per_domain, prompt_len)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     hf_models = {}
+    max_len = prompt_len + new_tokens + 16
+    seeds = {}  # fitted step-latency models that seed the goodput controller, per batch size
 
-    def ours(method: str, batch: int, drafter_names, adaptive: bool = False) -> Row:
-        """All prompts through one verifier with continuous batching; each request drafted by its own drafters."""
-        max_len = prompt_len + new_tokens + 16
+    def ours(method: str, batch: int, drafter_names, lockstep: bool, adaptive: bool, warmup: bool = False) -> Row:
+        """All prompts through one `VerifyLoop` (continuous batching up to `batch`)."""
+        cfg = AppConfig(verifier={"model": str(bench_dir), "max_batch": batch, "max_len": max_len},
+                        drafters=[{"name": n, "model": f"drafter-{n}", "max_len": max_len,
+                                   "max_requests": 2 * batch, "generalist": n == "generic"} for n in names],
+                        speculation={"mode": "off" if method.startswith("target-only") else "cosine",
+                                     "k": 2 * k if adaptive else k, "tree_budget": 2 * k, "lockstep": lockstep,
+                                     "adaptive": adaptive, "draft_timeout_ms": 600_000},
+                        routing={"drafters_per_request": 2 if drafter_names is None else
+                                 max(1, len(drafter_names("code")))})
         verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len)
-        names = sorted({n for d, _ in prompts for n in drafter_names(d)})
-        # all drafters share this process: one stacked engine drafts every (request, drafter) pair per step
-        per_req = max(len(drafter_names(d)) for d, _ in prompts)
-        engines = [DrafterEngine({n: drafters[n] for n in names}, max_requests=batch * per_req,
-                                 max_len=max_len)] if names else []
-        controller = None
-        if adaptive:
-            from speculation.goodput import SpeculationController
-            from autoscale.profiling import fit_draft_latency, fit_verify_latency
-
-            controller = SpeculationController(k_max=2 * k, drafters_per_request=per_req,
-                                               verify=fit_verify_latency(target, batch, prompt_len),
-                                               draft=fit_draft_latency(drafters["generic"], batch, prompt_len))
-        gen = SpeculativeGenerator(verifier, engines, k=k if engines else 0, tree_budget=2 * k,
-                                   controller=controller)
+        loop = build_loop(cfg, verifier, drafters)
+        if loop.controller is not None and not loop.controller.modes:
+            if batch not in seeds:
+                seeds[batch] = (fit_verify_latency(target, batch, prompt_len),
+                                fit_draft_latency(drafters["generic"], batch, prompt_len))
+            loop.controller.verify, loop.controller.draft = seeds[batch]
+        overrides = [SpeculationOverrides(drafters=drafter_names(d)) if drafter_names else None for d, _ in prompts]
+        todo = [p for _, p in prompts]
+        if warmup:
+            todo, overrides = todo[:2], overrides[:2]
         t = time.perf_counter()
-        res = gen.generate([p for _, p in prompts], params, [drafter_names(d) for d, _ in prompts])
+        res = asyncio.run(generate_all(loop, todo, [params] * len(todo), overrides))
         dt = time.perf_counter() - t
         outputs[(method, batch)] = [r.token_ids for r in res]
         tokens = sum(len(r.token_ids) for r in res)
@@ -112,41 +133,39 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         mal = 1 + accepted / drafts if drafts else None
         rounds = verifier.forward_passes
         t_verify = verifier.runner.forward_seconds
-        t_draft = sum(e.runner.forward_seconds for e in engines)
+        servers = loop.drafting.servers.values() if loop.drafting else []
+        t_draft = sum(s.engine.runner.forward_seconds for s in servers)
         return Row(method, batch, tokens, round(dt, 2), round(tokens / dt, 1),
                    round(mal, 3) if mal else None, round(rounds / tokens, 3), rounds,
                    round(t_verify + t_draft, 3), round(1000 * t_draft / rounds, 2),
                    round(1000 * t_verify / rounds, 2), round(1000 * (dt - t_verify - t_draft) / rounds, 2))
 
-    def hf(packed: bool) -> Row:
+    def hf(packed: bool, warmup: bool = False) -> Row:
         if packed not in hf_models:  # HF runs the model's own forward: give it the same packed kernels as ours
             hf_models[packed] = (_load(bench_dir, packed, device),
                                  {d: _load(models_dir / f"drafter-{d}", packed, device) for d in DOMAINS})
         name = "HF assisted generation" + (" (same packed kernels)" if packed else " (stock kernels)")
-        return _hf_assisted(name, *hf_models[packed], prompts, new_tokens, outputs)
+        return _hf_assisted(name, *hf_models[packed], prompts[:2] if warmup else prompts, new_tokens, outputs)
 
     plan = []
     for batch in batches:
-        plan += [(f"target-only (our engine)", batch, lambda b: ours("target-only (our engine)", b, lambda d: [])),
-                 (f"ours: chain, domain drafter, k={k}", batch,
-                  lambda b: ours(f"ours: chain, domain drafter, k={k}", b, lambda d: [d])),
-                 (f"ours: tree, domain + generic drafters, k={k}", batch,
-                  lambda b: ours(f"ours: tree, domain + generic drafters, k={k}", b, lambda d: [d, "generic"])),
-                 (f"ours: chain, goodput-adaptive k<={2 * k}", batch,
-                  lambda b: ours(f"ours: chain, goodput-adaptive k<={2 * k}", b, lambda d: [d], adaptive=True))]
+        for method, names_of, lockstep, adaptive in _methods(k):
+            plan.append((method, batch, lambda b, w, m=method, n=names_of, ls=lockstep, a=adaptive:
+                         ours(m, b, n, ls, a, warmup=w)))
         if include_hf and batch == 1:
             if PackedLinears(target).enabled:  # CPU: HF with our packed kernels too, for a like-for-like ratio
-                plan += [("HF assisted generation (same packed kernels)", 1, lambda b: hf(True))]
-            plan += [("HF assisted generation (stock kernels)", 1, lambda b: hf(False))]
-    best: dict[tuple[str, int], Row] = {}
+                plan.append(("HF assisted generation (same packed kernels)", 1, lambda b, w: hf(True, w)))
+            plan.append(("HF assisted generation (stock kernels)", 1, lambda b, w: hf(False, w)))
+    for i, (method, batch, fn) in enumerate(plan):
+        log(f"[warm-up] [{i + 1}/{len(plan)}] batch {batch}: {method}")
+        fn(batch, True)
+    runs: dict[tuple[str, int], list[Row]] = {}
     for rep in range(repeats):
         for i, (method, batch, fn) in enumerate(plan):
             log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(plan)}] batch {batch}: {method}")
-            row = fn(batch)
-            key = (method, batch)
-            if key not in best or row.seconds < best[key].seconds:
-                best[key] = row
-    rows = [best[(m, b)] for m, b, _ in plan]
+            runs.setdefault((method, batch), []).append(fn(batch, False))
+    rows = [_median(runs[(m, b)]) for m, b, _ in plan]
+    best = {(r.method, r.batch): r for r in rows}
 
     # speed-up, output identity and the overhead-free limit: the forward passes this run needed (its measured
     # acceptance) at the step costs measured in the run itself, with no time between them
@@ -174,6 +193,15 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
             "rows": [asdict(r) for r in rows]}
 
 
+def _median(rows: list[Row]) -> Row:
+    """The median run by tokens/s, with the spread of all runs."""
+    ordered = sorted(rows, key=lambda r: r.tokens_per_s)
+    mid = ordered[(len(ordered) - 1) // 2]
+    mid.tokens_per_s = round(statistics.median(r.tokens_per_s for r in rows), 1)
+    mid.tokens_per_s_min, mid.tokens_per_s_max, mid.runs = ordered[0].tokens_per_s, ordered[-1].tokens_per_s, len(rows)
+    return mid
+
+
 @torch.no_grad()
 def _hf_assisted(name, target, drafters, prompts, new_tokens, outputs) -> Row:
     results, tokens = [], 0
@@ -191,12 +219,13 @@ def _hf_assisted(name, target, drafters, prompts, new_tokens, outputs) -> Row:
 
 
 def format_table(result: dict) -> str:
-    lines = ["| method | batch | tok/s | speed-up vs target-only | mean accepted length | target passes/token "
-             "| draft / verify / other ms per round | identical output | limit | efficiency |",
+    lines = ["| method | batch | tok/s median (min-max) | speed-up vs target-only | mean accepted length "
+             "| target passes/token | draft / verify / other ms per round | identical output | limit | efficiency |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, fmt="{:.2f}": "-" if v is None else fmt.format(v)  # noqa: E731
     for r in result["rows"]:
-        lines.append(f"| {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | {f(r['speedup_vs_target'])}x "
+        spread = f" ({r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f})" if r.get("tokens_per_s_min") else ""
+        lines.append(f"| {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f}{spread} | {f(r['speedup_vs_target'])}x "
                      f"| {f(r['mean_accepted_length'])} | {f(r['target_passes_per_token'], '{:.3f}')} "
                      f"| {f(r['draft_ms_per_round'], '{:.1f}')} / {f(r['verify_ms_per_round'], '{:.1f}')} / "
                      f"{f(r['overhead_ms_per_round'], '{:.1f}')} "

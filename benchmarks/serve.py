@@ -1,15 +1,20 @@
 """`cosine bench serve`: the running application under a mixed six-domain workload, one variant at a time.
 
 All variants run against the same deployed graph, chosen per request with the `speculation` extension field, so
-they share the process layout, the models and the machine's state; they are interleaved variant by variant within
-one run. Greedy decoding with `ignore_eos` gives every variant the same output length (and, losslessness, the
-same output). Reports tokens/s, time per output token, mean accepted length and target forward passes per token.
+they share the process layout, the models and the machine's state. With `--config` (the Serve config the graph
+was deployed from) every variant also runs through the same `VerifyLoop` in this process, drafters included
+(speculation/inprocess.py): the same algorithm and models without Ray's processes and hops, and the table prints
+served / in-process. Every variant is warmed up first; then the variants (and both transports) are interleaved
+over the repeats and each row reports the median run with its min and max. Greedy decoding with `ignore_eos`
+gives every variant the same output length (and, losslessness, the same output). Reports tokens/s, time per
+output token, mean accepted length and target forward passes per token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -19,14 +24,14 @@ from model_family import DOMAINS
 
 VARIANTS = {
     "speculation off": lambda d: {"enabled": False},
-    "generic drafter only (vanilla SD)": lambda d: {"drafters": ["generic"], "fusion": False},
-    "oracle drafter (true domain)": lambda d: {"drafters": [d], "fusion": False},
+    "generic drafter only (vanilla SD)": lambda d: {"drafters": ["generic"], "lockstep": False},
+    "oracle drafter (true domain)": lambda d: {"drafters": [d], "lockstep": False},
     "random routing": lambda d: {"routing": "random"},
     # the top routed drafter alone: picking the right drafter without combining drafters
-    "routing without fusion": lambda d: {"fusion": False, "drafters_per_request": 1},
+    "routing without fusion": lambda d: {"lockstep": False, "drafters_per_request": 1},
     # two routed drafters every round, fused in lockstep / one-shot (the controller's participation overridden)
-    "routing + lockstep fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "fusion": True},
-    "routing + one-shot fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "fusion": False},
+    "routing + lockstep fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "lockstep": True},
+    "routing + one-shot fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "lockstep": False},
     "full CoSine (routing + fusion + adaptive)": lambda d: {},
 }
 
@@ -42,8 +47,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     return {"seconds": time.perf_counter() - t, "usage": out["usage"], "text": out["choices"][0]["text"]}
 
 
-async def _variant(url: str, model: str, prompts: list[tuple[str, list[int]]], variant: str, concurrency: int,
-                   new_tokens: int) -> dict:
+async def _served(url: str, model: str, prompts: list[tuple[str, list[int]]], variant: str, concurrency: int,
+                  new_tokens: int) -> dict:
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
         async def run(d, p):
@@ -53,6 +58,33 @@ async def _variant(url: str, model: str, prompts: list[tuple[str, list[int]]], v
         t = time.perf_counter()
         results = await asyncio.gather(*(run(d, p) for d, p in prompts))
         wall = time.perf_counter() - t
+    return _row(variant, concurrency, results, wall)
+
+
+async def _inprocess(loop, tokenizer, prompts: list[tuple[str, list[int]]], variant: str, concurrency: int,
+                     new_tokens: int) -> dict:
+    """The same requests through `loop` (a VerifyLoop with in-process drafters) instead of HTTP."""
+    from engines.sampling import SamplingParams
+    from speculation.messages import SpeculationOverrides
+
+    sem = asyncio.Semaphore(concurrency)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+
+    async def run(d, p):
+        async with sem:
+            t, ids, stats = time.perf_counter(), [], {}
+            async for chunk in loop.generate(p, params, overrides=SpeculationOverrides(**VARIANTS[variant](d))):
+                ids += chunk.token_ids
+                stats = chunk.usage or stats
+            return {"seconds": time.perf_counter() - t, "usage": dict(stats, completion_tokens=len(ids)),
+                    "text": tokenizer.decode(ids, skip_special_tokens=True)}
+
+    t = time.perf_counter()
+    results = await asyncio.gather(*(run(d, p) for d, p in prompts))
+    return _row(variant, concurrency, results, time.perf_counter() - t)
+
+
+def _row(variant: str, concurrency: int, results: list[dict], wall: float) -> dict:
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
     drafts = sum(r["usage"].get("num_drafts", 0) for r in results)
     accepted = sum(r["usage"].get("num_accepted_tokens", 0) for r in results)
@@ -67,48 +99,102 @@ async def _variant(url: str, model: str, prompts: list[tuple[str, list[int]]], v
 
 
 def run(url: str, model: str, per_domain: int = 2, new_tokens: int = 128, concurrencies=(1, 8),
-        prompt_len: int = 64, repeats: int = 1, log=print) -> dict:
-    """Every variant at every concurrency; with `repeats`, the variants run round-robin that many times and the
-    fastest run of each counts (a noisy neighbour then has to slow every repeat of a variant to decide a ratio)."""
+        prompt_len: int = 64, repeats: int = 3, config: Path | None = None, variants: list[str] | None = None,
+        log=print) -> dict:
+    """Every variant at every concurrency, served and (with `config`) in process: one warm-up run each, then
+    `repeats` interleaved timed runs; each row is the median run, with the min and max tokens/s."""
     from transformers import AutoTokenizer
 
-    from model_family.samples import heldout_texts
     from model_family.paths import model_path
+    from model_family.samples import heldout_texts
 
     tok = AutoTokenizer.from_pretrained(model_path("tokenizer"))
     texts = heldout_texts()
     # held-out passages the engine benchmark and the tests do not use
     prompts = [(d, tok(t, add_special_tokens=False).input_ids[:prompt_len])
                for d in DOMAINS for t in texts[d][20:20 + per_domain]]
+    transports = {"served": lambda v, c, ps: asyncio.run(_served(url, model, ps, v, c, new_tokens))}
+    if config is not None:
+        transports["in-process"] = _inprocess_transport(config, tok, new_tokens)
+    unknown = set(variants or []) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+    # speculation off is every row's baseline
+    chosen = [v for v in VARIANTS if not variants or v in variants or v == "speculation off"]
     rows = []
     for c in concurrencies:
-        best: dict[str, dict] = {}
-        unstable = set()  # variants whose output differed between repeats (reported as different output)
+        for v in chosen:
+            for name, fn in transports.items():
+                log(f"[warm-up] concurrency {c}: {v} ({name})")
+                fn(v, c, prompts[:2])
+        runs: dict[tuple[str, str], list[dict]] = {}
         for rep in range(repeats):
-            for v in VARIANTS:
-                log(f"[{rep + 1}/{repeats}] concurrency {c}: {v}")
-                row = asyncio.run(_variant(url, model, prompts, v, c, new_tokens))
-                if v in best and row["texts"] != best[v]["texts"]:
-                    unstable.add(v)
-                if v not in best or row["tokens_per_s"] > best[v]["tokens_per_s"]:
-                    best[v] = row
-        rows += [dict(best[v], repeats=repeats, texts=None if v in unstable else best[v]["texts"]) for v in VARIANTS]
+            for v in chosen:
+                for name, fn in transports.items():
+                    log(f"[{rep + 1}/{repeats}] concurrency {c}: {v} ({name})")
+                    runs.setdefault((v, name), []).append(fn(v, c, prompts))
+        for v in chosen:
+            row = _median(runs[(v, "served")])
+            if "in-process" in transports:
+                inproc = _median(runs[(v, "in-process")])
+                row["in_process_tokens_per_s"] = inproc["tokens_per_s"]
+                row["served_vs_in_process"] = round(row["tokens_per_s"] / inproc["tokens_per_s"], 3)
+                row["in_process_mean_accepted_length"] = inproc["mean_accepted_length"]
+                row["in_process_same_output"] = inproc["texts"] == row["texts"]
+            rows.append(row)
     for row in rows:
         base = next(r for r in rows if r["concurrency"] == row["concurrency"] and r["variant"] == "speculation off")
         row["speedup_vs_off"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
         row["identical_to_off"] = row["texts"] is not None and row["texts"] == base["texts"]
     for row in rows:
         row.pop("texts")
-    return {"config": {"url": url, "prompts": len(prompts), "new_tokens": new_tokens}, "rows": rows}
+    return {"config": {"url": url, "prompts": len(prompts), "new_tokens": new_tokens, "repeats": repeats,
+                       "in_process_config": str(config) if config else None}, "rows": rows}
+
+
+def _inprocess_transport(config: Path, tokenizer, new_tokens: int):
+    """A VerifyLoop built from the Serve config's application args, kept across runs (as the service's is)."""
+    import yaml
+
+    from config import AppConfig
+    from speculation.inprocess import build_loop
+
+    args = yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
+    cfg = AppConfig.model_validate(args)
+    loop = build_loop(cfg)
+    aio = asyncio.new_event_loop()  # the loop's task and queues live on one event loop for the whole benchmark
+
+    def fn(variant: str, concurrency: int, prompts) -> dict:
+        return aio.run_until_complete(_inprocess(loop, tokenizer, prompts, variant, concurrency, new_tokens))
+
+    return fn
+
+
+def _median(runs: list[dict]) -> dict:
+    """The median run by tokens/s, with the spread; output that differed between runs is reported as such."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row.update(tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in runs), 2),
+               tokens_per_s_min=ordered[0]["tokens_per_s"], tokens_per_s_max=ordered[-1]["tokens_per_s"],
+               repeats=len(runs))
+    if any(r["texts"] != runs[0]["texts"] for r in runs):
+        row["texts"] = None
+    return row
 
 
 def format_table(result: dict) -> str:
-    lines = ["| variant | concurrency | tok/s | vs off | TPOT ms | mean accepted length | target passes/token "
-             "| same output |", "|---|---|---|---|---|---|---|---|"]
+    inproc = any("in_process_tokens_per_s" in r for r in result["rows"])
+    lines = ["| variant | concurrency | tok/s median (min-max) | vs off | TPOT ms | mean accepted length "
+             "| target passes/token | same output |" + (" in-process tok/s | served / in-process |" if inproc else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if inproc else "")]
     for r in result["rows"]:
-        lines.append(f"| {r['variant']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_off']:.2f}x "
-                     f"| {r['tpot_ms']:.1f} | {r['mean_accepted_length']:.2f} | {r['target_passes_per_token']:.3f} "
-                     f"| {'yes' if r['identical_to_off'] else 'NO'} |")
+        line = (f"| {r['variant']} | {r['concurrency']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}-"
+                f"{r['tokens_per_s_max']:.1f}) | {r['speedup_vs_off']:.2f}x | {r['tpot_ms']:.1f} "
+                f"| {r['mean_accepted_length']:.2f} | {r['target_passes_per_token']:.3f} "
+                f"| {'yes' if r['identical_to_off'] else 'NO'} |")
+        if inproc:
+            line += f" {r['in_process_tokens_per_s']:.1f} | {r['served_vs_in_process']:.2f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -119,7 +205,8 @@ def main(args) -> int:
 
     with (MetricsSampler(args.metrics_url) if args.metrics_url else nullcontext()) as sampler:
         result = run(args.url, args.model, args.per_domain, args.new_tokens, tuple(args.concurrency),
-                     repeats=args.repeats)
+                     repeats=args.repeats, config=Path(args.config) if args.config else None,
+                     variants=args.variants)
     print(format_table(result))
     if sampler is not None:
         result["metrics"] = sampler.series()

@@ -18,10 +18,12 @@ class _Strict(BaseModel):
 class DeploymentOptions(_Strict):
     """What Ray Serve needs to place and scale one deployment."""
 
-    num_replicas: int | Literal["auto"] = 1
-    max_ongoing_requests: int = Field(256, ge=1)
-    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0})
-    autoscaling_config: dict[str, Any] | None = None
+    num_replicas: int | Literal["auto"] = Field(1, description="replicas (ignored when autoscaling_config is set)")
+    max_ongoing_requests: int = Field(256, ge=1, description="concurrent calls a replica takes (Serve's default of 5 "
+                                      "starves deployments that batch)")
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0}, description="Ray placement: "
+                                              "num_cpus, num_gpus, resources, accelerator_type")
+    autoscaling_config: dict[str, Any] | None = Field(None, description="Serve's per-deployment autoscaling")
 
     def serve_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"max_ongoing_requests": self.max_ongoing_requests,
@@ -35,42 +37,69 @@ class DeploymentOptions(_Strict):
 
 class DrafterSpec(_Strict):
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9_-]*$", description="domain name, e.g. code")
-    model: str
+    model: str = Field(..., description="the drafter model")
     generalist: bool = Field(False, description="trained on every domain (a fallback drafter), not one: routing's "
                              "cold start ranks it first only where no domain drafter explains the prompt")
-    max_requests: int = Field(64, ge=1)
-    max_len: int = Field(2048, ge=64)
+    max_requests: int = Field(64, ge=1, description="requests holding a KV cache in one replica")
+    max_len: int = Field(2048, ge=64, description="longest context (tokens) a replica drafts for")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs; auto: a GPU if the "
                                                   "replica sees one (ray_actor_options.num_gpus), else the CPU")
-    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+    threads: int | None = Field(1, ge=1, description="torch CPU threads of a replica (a drafter step is too small "
+                                "to gain from more, and drafters sharing cores with the verifier must not crowd it); "
+                                "null: as for the verifier")
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
 
 
 class VerifierSpec(_Strict):
-    engine: Literal["torch", "vllm"] = "torch"
-    model: str
-    max_batch: int = Field(16, ge=1)
-    max_len: int = Field(2048, ge=64)
+    engine: Literal["torch", "vllm"] = Field("torch", description="the target's engine: this project's torch "
+                                            "engine (vllm: not built yet)")
+    model: str = Field(..., description="the target model")
+    max_batch: int = Field(16, ge=1, description="requests verified together (continuous batching); more wait")
+    max_len: int = Field(2048, ge=64, description="context length (prompt + generated tokens)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the torch engine runs; auto: a GPU "
                                                   "if the replica sees one (ray_actor_options.num_gpus), else the CPU")
-    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+    threads: int | None = Field(None, ge=1, description="torch CPU threads of a replica; null: the replica's "
+                                "num_cpus if it reserves any, else every core of its machine (Ray would give a "
+                                "replica without num_cpus one thread)")
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to the vLLM engine")
 
 
+class ControllerSpec(_Strict):
+    """The goodput controller (SmartSpec): per-request draft lengths and participation from fitted step-latency
+    models and acceptance estimates (speculation/goodput.py)."""
+
+    prior_acceptance: float = Field(0.6, gt=0, lt=1, description="per-token acceptance assumed before any is seen")
+    ema: float = Field(0.3, gt=0, le=1, description="weight of the newest round in a request's acceptance estimate")
+    probe_interval: int = Field(8, ge=1, description="rounds a request may sit at k = 0 before it drafts once "
+                                "(probe_k tokens) to re-measure its acceptance")
+    probe_k: int = Field(2, ge=1, description="draft length of such a probe")
+    participation_probe: int = Field(32, ge=1, description="rounds after which a participation mode not chosen "
+                                     "is tried once")
+
+
 class SpeculationSpec(_Strict):
-    mode: Literal["cosine", "chain", "off"] = "cosine"
+    mode: Literal["cosine", "chain", "off"] = Field("cosine", description="cosine: routed drafters, fused; chain: "
+                                                    "one fixed drafter's chain; off: target-only decoding")
     k: int = Field(4, ge=0, le=32, description="draft steps per round (the maximum when adaptive)")
     gamma_max: int = Field(64, ge=1, description="total draft tokens verified per step (CoSine's Gamma_max)")
     tree_budget: int = Field(8, ge=1, description="draft nodes per request and round")
-    fusion: bool = True
-    adaptive: bool = True
+    lockstep: bool = Field(True, description="with several drafters per request, fuse them in lockstep (the fused "
+                           "token fed back to every drafter at every depth, CoSine Eq. 4) as one of the controller's "
+                           "options; false: only one-shot fusion (each drafter's own chain, fused at divergences)")
+    adaptive: bool = Field(True, description="the goodput controller picks each request's draft length 0..k every "
+                           "round; false: always k")
     adaptive_drafters: bool = Field(True, description="with adaptive speculation, the goodput controller also "
                                     "picks 1..routing.drafters_per_request drafters per request each round: fewer "
                                     "when the verifier is loaded (CoSine Alg. 2)")
     fixed_drafters: list[str] | None = Field(None, description="bypass routing: always use these drafters")
     draft_timeout_ms: float = Field(100.0, gt=0, description="decode without drafts when they are later")
+    drafter_timeout_ms: float = Field(5000.0, gt=0, description="a drafter call later than this drops that drafter "
+                                      "from the round (the others' drafts still count)")
+    controller: ControllerSpec = Field(default_factory=ControllerSpec, description="the goodput controller")
     # the speculation cluster's central node keeps per-request state (routing scores, last round, which drafters
     # hold a cache), so it runs as one replica; place it next to the verifier
-    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
 
     @model_validator(mode="after")
     def _one_central_node(self):
@@ -81,15 +110,22 @@ class SpeculationSpec(_Strict):
 
 
 class RoutingSpec(_Strict):
-    drafters_per_request: int = Field(2, ge=1, le=8)
-    tau: float = Field(2.0, ge=1.0)
-    alpha: float = Field(0.3, ge=0, le=1)
-    beta: float = Field(0.05, ge=0, le=1)
+    """CoSine's routing (Eq. 1-3): per-request drafter scores from how well each drafter's tokens aligned with
+    what the target committed, explore/exploit, and a cold start from the prompt's likelihood."""
+
+    drafters_per_request: int = Field(2, ge=1, le=8, description="routed drafters per request and round (the "
+                                      "most, when the goodput controller picks fewer); CoSine used 2-3")
+    tau: float = Field(2.0, ge=1.0, description="accepted length (bonus included) below which a request explores")
+    alpha: float = Field(0.3, ge=0, le=1, description="probability of a random pick per place while exploring")
+    beta: float = Field(0.05, ge=0, le=1, description="probability of a random pick per place while exploiting")
+    # fused drafters are scored on the same positions, so one round separates them little; 0.2 flipped close calls
+    # on noise (own domain first at release 19/24 vs 21/24 over 12 tokens, 14/24 vs 17/24 over 128, same MAL)
     ema: float = Field(0.1, gt=0, le=1, description="weight of the newest round in a request's routing scores")
-    cold_start_temperature: float = Field(0.5, gt=0)
+    cold_start_temperature: float = Field(0.5, gt=0, description="softmax temperature over the drafters' mean "
+                                          "prompt log-likelihoods (a new request's first ranking)")
     generalist_margin: float = Field(0.5, ge=0, description="nats per prompt token by which a generalist drafter "
                                      "must out-explain every domain drafter to lead a new request's ranking")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the router's random picks")
 
     @model_validator(mode="after")
     def _alpha_above_beta(self):
@@ -99,19 +135,19 @@ class RoutingSpec(_Strict):
 
 
 class IngressSpec(_Strict):
-    model_name: str = "cosine-target"
+    model_name: str = Field("cosine-target", description="the model name clients send (OpenAI `model`)")
     max_queued_requests: int = Field(256, ge=1, description="beyond this, 429 with Retry-After")
-    retry_after_s: int = Field(1, ge=1)
-    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429")
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
 
 
 class AppConfig(_Strict):
-    tokenizer: str = "tokenizer"
-    ingress: IngressSpec = Field(default_factory=IngressSpec)
-    verifier: VerifierSpec
-    drafters: list[DrafterSpec] = Field(default_factory=list)
-    speculation: SpeculationSpec = Field(default_factory=SpeculationSpec)
-    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    tokenizer: str = Field("tokenizer", description="the tokenizer shared by the target and every drafter")
+    ingress: IngressSpec = Field(default_factory=IngressSpec, description="the OpenAI-compatible HTTP front")
+    verifier: VerifierSpec = Field(..., description="the target model's deployment")
+    drafters: list[DrafterSpec] = Field(default_factory=list, description="one deployment per drafter (domain)")
+    speculation: SpeculationSpec = Field(default_factory=SpeculationSpec, description="drafting and verification")
+    routing: RoutingSpec = Field(default_factory=RoutingSpec, description="which drafters draft each request")
 
     @field_validator("drafters")
     @classmethod
@@ -133,3 +169,54 @@ class AppConfig(_Strict):
         if self.routing.drafters_per_request > max(1, len(self.drafters)):
             self.routing.drafters_per_request = max(1, len(self.drafters))
         return self
+
+
+def reference_markdown() -> str:
+    """docs/config.md: every field of the schema with its type, default and description (`cosine config docs`)."""
+    lines = ["# Configuration reference", "",
+             "Generated from `config.AppConfig` by `cosine config docs > docs/config.md` (the test suite checks it is "
+             "current). These are the `args` of the Serve application (`import_path: serve_app.graph:build_app`); "
+             "`cosine config schema` prints the same as JSON Schema.", ""]
+
+    from typing import get_origin
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        nested = []
+        lines.extend([f"## `{prefix or 'top level'}`", ""])
+        if model.__doc__ and model.__doc__.strip() and model is not AppConfig:
+            lines.extend([" ".join(model.__doc__.split()), ""])
+        lines.extend(["| field | type | default | description |", "|---|---|---|---|"])
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            sub = _model_in(ann)
+            path = f"{prefix}.{name}" if prefix else name
+            if sub is not None and sub is not DeploymentOptions:
+                nested.append((sub, path + ("[]" if "list" in str(ann) else "")))
+            default = "required" if f.is_required() else repr(f.get_default(call_default_factory=True))
+            if sub is not None:
+                default = "see below" if sub is not DeploymentOptions else "see `deployment`"
+            typ = str(ann).replace("typing.", "") if get_origin(ann) else getattr(ann, "__name__", str(ann))
+            typ = typ.replace("|", "\\|")
+            desc = (f.description or "").replace("|", "\\|")
+            shown = default if sub is not None else f"`{default}`"
+            lines.append(f"| `{name}` | `{typ}` | {shown} | {desc} |")
+        lines.append("")
+        for sub, path in nested:
+            walk(sub, path)
+
+    walk(AppConfig, "")
+    walk(DeploymentOptions, "deployment (of ingress, verifier, speculation and every drafter)")
+    return "\n".join(lines)
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    from typing import get_args
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for a in get_args(annotation):
+        m = _model_in(a)
+        if m is not None:
+            return m
+    return None
+

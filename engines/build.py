@@ -34,3 +34,14 @@ def target_input_embeddings(cfg: AppConfig):
             if "model.embed_tokens.weight" in st.keys():
                 return st.get_tensor("model.embed_tokens.weight").float()
     return None
+
+
+def cpu_threads(threads: int | None, actor_cpus: float | None) -> int:
+    """Torch threads for a replica: the configured number, else its reserved CPUs, else every core."""
+    import os
+
+    if threads:
+        return threads
+    if actor_cpus and actor_cpus >= 1:
+        return int(actor_cpus)
+    return os.cpu_count() or 1

@@ -109,16 +109,9 @@ class DrafterEngine:
     def feed(self, rid: str, tokens: list[int]) -> None:
         self.states[rid].pending.extend(tokens)
 
-    def rollback(self, rid: str, length: int) -> None:
-        self.runner.rollback(rid, length)
-        self.states[rid].pending = []
-
     def release(self, rid: str) -> None:
         self.states.pop(rid, None)
         self.runner.release(rid)
-
-    def context_length(self, rid: str) -> int:
-        return self.runner.length(rid) + len(self.states[rid].pending)
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.states

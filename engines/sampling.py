@@ -64,7 +64,3 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def F_one_hot(idx: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(idx, n).float()
-
-
-def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=gen))

@@ -114,10 +114,6 @@ class TorchVerifierEngine:
         r = self.running.get(rid) or self.waiting[rid]
         return r.prompt + r.generated
 
-    def stats(self, rid: str) -> dict:
-        r = self.running.get(rid) or self.waiting[rid]
-        return _stats(r)
-
     def admit(self) -> None:
         self._admit()
 

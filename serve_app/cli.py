@@ -95,7 +95,7 @@ def _models_latency(args) -> int:
 
 
 def _generate(args) -> int:
-    """Plain decoding with transformers, or speculative decoding with our engines when --drafter is given."""
+    """Plain decoding with transformers, or speculative decoding (the service's loop, in process) with --drafter."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,47 +103,62 @@ def _generate(args) -> int:
 
     path = model_path(args.model)
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [("given", args.prompt)] if args.prompt else domain_prompts(per_domain=1)
-    for domain, prompt in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                       add_generation_prompt=True) if args.chat else prompt
-        ids = tok(text, add_special_tokens=False).input_ids
-        t = time.time()
-        if args.drafter:
-            new, stats = _speculative(model, ids, args, domain)
-        else:
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             if args.chat else p for _, p in prompts]
+    ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    if args.drafter:
+        outs, seconds = _speculative(ids, args, [d for d, _ in prompts])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        outs, seconds = [], []
+        for p in ids:
+            t = time.time()
             with torch.no_grad():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_tokens,
+                out = model.generate(torch.tensor([p]), max_new_tokens=args.max_tokens,
                                      do_sample=args.temperature > 0, temperature=args.temperature or None,
                                      top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
-            new, stats = out[0, len(ids):].tolist(), None
-        dt = time.time() - t
+            outs.append((out[0, len(p):].tolist(), None))
+            seconds.append(time.time() - t)
+    for (domain, prompt), (new, stats), dt in zip(prompts, outs, seconds):
         print(f"--- [{domain}] prompt: ...{prompt[-120:]!r}")
         print(f"+++ {args.model}: {tok.decode(new)!r}")
         extra = ""
         if stats:
-            extra = (f", drafter {stats['drafter']}, mean accepted length {stats['mean_acceptance_length']:.2f}, "
-                     f"acceptance rate {stats['draft_acceptance_rate']:.2f}")
+            extra = (f", drafter {', '.join(stats['drafters_used'])}, mean accepted length "
+                     f"{stats['mean_acceptance_length']:.2f}, acceptance rate {stats['draft_acceptance_rate']:.2f}")
         print(f"    ({len(new)} tokens in {dt:.2f} s, {len(new) / dt:.0f} tok/s{extra})", flush=True)
     return 0
 
 
-def _speculative(model, ids: list[int], args, domain: str):
-    from engines.drafter import DrafterEngine
-    from engines.sampling import SamplingParams
-    from engines.speculative import SpeculativeGenerator
-    from engines.verifier import TorchVerifierEngine
-    from model_family import DOMAINS
+def _speculative(prompts: list[list[int]], args, domains: list[str]):
+    """Each prompt alone through the service's draft/verify loop, in this process."""
+    import asyncio
 
-    name = args.drafter
-    if name == "auto":  # the prompt's own domain when it is a held-out sample, else the generic drafter
-        name = domain if domain in DOMAINS else "generic"
-    verifier = TorchVerifierEngine(model, max_batch=1)
-    drafter = DrafterEngine(model_path(f"drafter-{name}"), name=name, max_requests=1)
+    from config import AppConfig
+    from engines.sampling import SamplingParams
+    from model_family import DOMAINS
+    from speculation.inprocess import build_loop, generate_all
+    from speculation.messages import SpeculationOverrides
+
+    # --drafter auto: the prompt's own domain when it is a held-out sample, else the generic drafter
+    names = [(d if d in DOMAINS else "generic") if args.drafter == "auto" else args.drafter for d in domains]
+    cfg = AppConfig(verifier={"model": args.model, "max_batch": 1},
+                    drafters=[{"name": n, "model": f"drafter-{n}"} for n in dict.fromkeys(names)],
+                    speculation={"k": args.k, "adaptive": False, "draft_timeout_ms": 60_000})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    res = SpeculativeGenerator(verifier, [drafter], k=args.k).generate([ids], params)[0]
-    return res.token_ids, {**res.stats, "drafter": name}
+
+    async def run():
+        loop = build_loop(cfg)
+        outs, seconds = [], []
+        for p, name in zip(prompts, names):
+            t = time.time()
+            [g] = await generate_all(loop, [p], [params], [SpeculationOverrides(drafters=[name])])
+            seconds.append(time.time() - t)
+            outs.append((g.token_ids, g.stats))
+        return outs, seconds
+
+    return asyncio.run(run())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the first answer")
     s.set_defaults(func=_serve)
 
+    c = sub.add_parser("config", help="the configuration schema (every tunable, with descriptions)")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    csub.add_parser("schema", help="JSON Schema of the Serve application's args").set_defaults(func=_config_schema)
+    csub.add_parser("docs", help="the Markdown reference (docs/config.md)").set_defaults(func=_config_docs)
+    cv = csub.add_parser("validate", help="validate a Serve config file's application args")
+    cv.add_argument("file")
+    cv.set_defaults(func=_config_validate)
+
     bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     e = bsub.add_parser("engine", help="speculative engines vs target-only and HF assisted generation")
@@ -207,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     e.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
-    e.add_argument("--repeats", type=int, default=1, help="run every method this many times, keep the fastest")
+    e.add_argument("--repeats", type=int, default=3, help="timed runs of every method, interleaved; the median "
+                                                         "counts (after one warm-up run each)")
     e.add_argument("--device", default="cpu", help="where the models run: cpu, or cuda on a GPU machine")
     e.add_argument("--json", default="bench_results/engine.json")
     e.set_defaults(func=_bench_engine)
@@ -217,14 +241,48 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--per-domain", type=int, default=2)
     sv.add_argument("--new-tokens", type=int, default=128)
     sv.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    sv.add_argument("--repeats", type=int, default=1, help="run the variants round-robin this many times, keep "
-                                                           "each one's fastest run")
+    sv.add_argument("--repeats", type=int, default=3, help="timed runs of every variant, interleaved; the median "
+                                                           "counts (after one warm-up run each)")
+    sv.add_argument("--variants", nargs="+", help="run only these variants (names as printed; default: all)")
+    sv.add_argument("--config", help="the Serve config the graph runs (e.g. examples/bench.yaml): also run every "
+                                     "variant through the same loop in this process and print served / in-process")
     sv.add_argument("--json", default="bench_results/serve.json")
     sv.add_argument("--metrics-url", help="Ray's metrics agent, e.g. http://127.0.0.1:8080/metrics: sample the "
                                           "Prometheus metrics during the run into the JSON")
     sv.add_argument("--plot-dir", help="render the sampled metrics as PNG here (needs the docs extra)")
     sv.set_defaults(func=_bench_serve)
     return p
+
+
+def _config_schema(args) -> int:
+    from config import AppConfig
+
+    print(json.dumps(AppConfig.model_json_schema(), indent=2))
+    return 0
+
+
+def _config_docs(args) -> int:
+    from config import reference_markdown
+
+    print(reference_markdown())
+    return 0
+
+
+def _config_validate(args) -> int:
+    import yaml
+    from pydantic import ValidationError
+
+    from config import AppConfig
+
+    failed = 0
+    for app in (yaml.safe_load(Path(args.file).read_text()) or {}).get("applications", []):
+        try:
+            AppConfig.model_validate(app.get("args") or {})
+            print(f"{app.get('name')}: ok")
+        except ValidationError as e:
+            failed += 1
+            print(f"{app.get('name')}: {e}")
+    return 1 if failed else 0
 
 
 def _serve(args) -> int:

@@ -16,11 +16,10 @@ from config import AppConfig
 
 def build_app(args: dict) -> Application:
     cfg = AppConfig.model_validate(args or {})  # a bad config fails here, at deploy time, with pydantic's message
-    config = cfg.model_dump()
     speculation = None
     if cfg.speculation.mode != "off":
         drafters = {d.name: DrafterDeployment.options(name=f"Drafter-{d.name}", **d.deployment.serve_options())
-                    .bind(d.name, d.model, d.max_requests, d.max_len, d.device) for d in cfg.drafters}
-        speculation = SpeculationDeployment.options(**cfg.speculation.deployment.serve_options()).bind(config, drafters)
-    verifier = VerifierDeployment.options(**cfg.verifier.deployment.serve_options()).bind(config, speculation)
-    return IngressDeployment.options(**cfg.ingress.deployment.serve_options()).bind(config, verifier)
+                    .bind(d) for d in cfg.drafters}
+        speculation = SpeculationDeployment.options(**cfg.speculation.deployment.serve_options()).bind(cfg, drafters)
+    verifier = VerifierDeployment.options(**cfg.verifier.deployment.serve_options()).bind(cfg, speculation)
+    return IngressDeployment.options(**cfg.ingress.deployment.serve_options()).bind(cfg, verifier)

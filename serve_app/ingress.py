@@ -15,7 +15,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from config import AppConfig
+from engines.build import load_tokenizer
+from engines.sampling import SamplingParams
 from serve_app import protocol as P
+from speculation.messages import SpeculationOverrides
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="CoSine Serve", description="OpenAI-compatible collaborative speculative inference")
@@ -48,11 +52,8 @@ class _Detokenizer:
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class IngressDeployment:
-    def __init__(self, config: dict, verifier):
-        from config import AppConfig
-        from engines.build import load_tokenizer
-
-        self.cfg = AppConfig.model_validate(config)
+    def __init__(self, config: AppConfig, verifier):
+        self.cfg = config
         self.tokenizer = load_tokenizer(self.cfg)
         self.verifier_calls = verifier
         self.verifier = verifier.options(stream=True)
@@ -72,7 +73,7 @@ class IngressDeployment:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise P.APIError(400, "request body is not valid JSON") from None
 
-    def _prepare(self, req, prompt_ids: list[int]) -> dict:
+    def _prepare(self, req, prompt_ids: list[int]) -> SamplingParams:
         if req.model != self.model_name:
             raise P.APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
@@ -95,8 +96,8 @@ class IngressDeployment:
             if unknown:
                 raise P.APIError(400, f"unknown drafters {unknown}; known: {sorted(self.drafter_names)}",
                                  param="speculation.drafters")
-        return {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-                "seed": req.seed, "stop": req.stops(), "ignore_eos": req.ignore_eos}
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                              seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos)
 
     def _admit(self) -> None:
         if self.in_flight >= self.cfg.ingress.max_queued_requests:
@@ -147,13 +148,13 @@ class IngressDeployment:
         return await self._respond(req, prompt_ids, params, chat=False)
 
     # ------------------------------------------------------------------ generation
-    async def _respond(self, req, prompt_ids: list[int], params: dict, chat: bool):
+    async def _respond(self, req, prompt_ids: list[int], params: SamplingParams, chat: bool):
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         created = P.now()
         self.in_flight += 1
-        spec = req.speculation.model_dump() if req.speculation else None
-        gen = self.verifier.generate.remote(prompt_ids, params, rid, spec)
-        detok = _Detokenizer(self.tokenizer, params["stop"])
+        overrides = SpeculationOverrides(**req.speculation.model_dump()) if req.speculation else None
+        gen = self.verifier.generate.remote(prompt_ids, params, rid, overrides)
+        detok = _Detokenizer(self.tokenizer, params.stop)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events():
@@ -162,16 +163,16 @@ class IngressDeployment:
                     yield P.sse(P.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None))
                 n = 0
                 async for chunk in gen:
-                    n += len(chunk["token_ids"])
-                    text = detok.push(chunk["token_ids"], chunk["finished"])
-                    reason = chunk["finish_reason"] if chunk["finished"] else None
+                    n += len(chunk.token_ids)
+                    text = detok.push(chunk.token_ids, chunk.finished)
+                    reason = chunk.finish_reason if chunk.finished else None
                     if text or reason:
                         body = (P.chat_chunk(rid, self.model_name, created, {"content": text} if text else {}, reason)
                                 if chat else P.completion_chunk(rid, self.model_name, created, text, reason))
                         yield P.sse(body)
-                    if chunk["finished"]:
+                    if chunk.finished:
                         if include_usage:
-                            u = P.usage(len(prompt_ids), n, P.spec_usage(chunk))
+                            u = P.usage(len(prompt_ids), n, P.spec_usage(chunk.usage))
                             obj = "chat.completion.chunk" if chat else "text_completion"
                             yield P.sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                         "choices": [], "usage": u})
@@ -187,11 +188,11 @@ class IngressDeployment:
         if req.stream:
             return StreamingResponse(events(), media_type="text/event-stream")
         try:
-            ids, reason, last = [], None, {}
+            ids, reason, stats = [], None, None
             async for chunk in gen:
-                ids.extend(chunk["token_ids"])
-                if chunk["finished"]:
-                    reason, last = chunk["finish_reason"], chunk
+                ids.extend(chunk.token_ids)
+                if chunk.finished:
+                    reason, stats = chunk.finish_reason, chunk.usage
                     break
             text = detok.push(ids, True)
         except Exception as e:  # noqa: BLE001
@@ -199,7 +200,7 @@ class IngressDeployment:
             return self._error(P.APIError(500, f"generation failed: {e}", type_="server_error"))
         finally:
             self.in_flight -= 1
-        u = P.usage(len(prompt_ids), len(ids), P.spec_usage(last))
+        u = P.usage(len(prompt_ids), len(ids), P.spec_usage(stats))
         if chat:
             return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},

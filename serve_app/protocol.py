@@ -44,8 +44,8 @@ class SpeculationOverride(BaseModel):
     max_draft_tokens: int | None = Field(None, ge=0, le=32)
     drafters: list[str] | None = None  # fixed drafters: bypass routing
     routing: Literal["router", "random"] = "router"
-    fusion: bool | None = Field(None, description="with several drafters: true fuses them in lockstep, false "
-                                "one-shot (each drafts its own chain in one call); default: the controller's choice")
+    lockstep: bool | None = Field(None, description="with several drafters: true fuses them in lockstep, false "
+                                  "one-shot (each drafts its own chain in one call); default: the controller's choice")
     drafters_per_request: int | None = Field(None, ge=1, le=8, description="routed drafters every round "
                                              "(overrides the controller's adaptive participation)")
 
@@ -124,8 +124,9 @@ def now() -> int:
     return int(time.time())
 
 
-def spec_usage(chunk: dict) -> dict:
-    s = chunk.get("usage") or {}
+def spec_usage(stats: dict | None) -> dict:
+    """The request's speculation statistics under vLLM's names (from the verifier's last chunk)."""
+    s = stats or {}
     return {"mean_acceptance_length": round(s.get("mean_acceptance_length", 1.0), 4),
             "draft_acceptance_rate": round(s.get("draft_acceptance_rate", 0.0), 4),
             "num_draft_tokens": s.get("num_draft_tokens", 0),

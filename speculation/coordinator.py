@@ -1,8 +1,9 @@
 """The speculation cluster's central node, without Ray: routing, lockstep drafting, fusion, feedback.
 
-`SpeculationCoordinator.draft` takes the verifier's batch (per request: full committed context and the draft
-length it may use) and an async `step_fn(drafter_name, items) -> {rid: proposal}` that reaches one drafter
-(a Serve handle in the deployment, a local engine in tests). Per round:
+`SpeculationCoordinator.draft` takes the verifier's batch of `DraftRequest`s (per request: the committed context,
+the draft depth and tree budget it may use, how many drafters and whether in lockstep) and an async
+`step_fn(drafter_name, [DrafterCall]) -> {request id: [Proposal]}` that reaches one drafter (a Serve handle in the
+deployment, a local `DrafterServer` in process). Per round:
 
 1. feedback: compare each drafter's proposals of the previous round with what the target committed since
    (Eq. 1-2) and update the router (accepted length and per-drafter scores);
@@ -26,39 +27,121 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.draft import Draft
-from engines.drafter import Proposal
+from config import AppConfig, RoutingSpec
+from engines.build import target_input_embeddings
 from speculation.fusion import FusionTree, fuse_chains
-from speculation.routing import Router, RoutingConfig, alignment
+from speculation.messages import Draft, DrafterCall, DraftRequest, Proposal
+from speculation.routing import Router, alignment
 
-StepFn = Callable[[str, list[dict]], Awaitable[dict[str, dict]]]
+StepFn = Callable[[str, list[DrafterCall]], Awaitable[dict[str, list[Proposal]]]]
 
 
 @dataclass
 class _Round:
+    """What a request's last round proposed, for the next round's routing feedback."""
+
     start: int  # committed context length when the round was drafted
     proposals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # drafter -> [(token, conf)]
     fused: bool = True  # were the drafters fed the fused token (Eq. 4) or their own?
 
 
-def _proposal(d: dict) -> Proposal:
-    return Proposal(d["token"], d["prob"], d["top_tokens"], d["top_probs"], None, d.get("context_loglik"))
+@dataclass
+class _Drafting:
+    """One request's round in progress.
+
+    Every call asks a drafter for its whole remaining chain. A chain stays valid while the drafter's own tokens
+    are what it would have been fed: always one-shot, and in lockstep while its token is the fused one. A drafter
+    whose token lost is called again at the next depth with the fused prefix. So the drafts are lockstep fusion's
+    at one round trip plus one per depth where a drafter disagreed, instead of one per depth."""
+
+    req: DraftRequest
+    chosen: list[str]
+    scoring: bool  # first round: every drafter scores the prompt, most are dropped after
+    fuser: FusionTree
+    chains: dict[str, list[Proposal]] = field(default_factory=dict)  # every drafter's proposals, in order
+    ahead: dict[str, dict[int, Proposal]] = field(default_factory=dict)  # drafter -> depth -> proposal received
+    path: dict[str, list[int]] = field(default_factory=dict)  # drafter -> tokens fed after the context
+    alive: set[str] = field(default_factory=set)  # drafters still in the round
+
+    def __post_init__(self):
+        for n in self.chosen:
+            self.chains[n], self.ahead[n], self.path[n] = [], {}, []
+        self.alive = set(self.chosen)
+
+    @property
+    def lockstep(self) -> bool:
+        return self.req.participation.lockstep
+
+    def calls(self, depth: int) -> dict[str, DrafterCall]:
+        """The drafters that must be called at `depth` (their chain does not reach it)."""
+        if depth >= self.req.k:
+            return {}
+        first = depth == 0 and self.scoring
+        return {n: DrafterCall(self.req.request_id, self.req.context + self.path[n],
+                               steps=1 if first else self.req.k - depth, score_context=first)
+                for n in self.alive if depth not in self.ahead[n]}
+
+    def receive(self, depth: int, name: str, chain: list[Proposal]) -> None:
+        self.ahead[name] = {depth + i: p for i, p in enumerate(chain)}
+
+    def advance(self, depth: int, router: Router) -> None:
+        """Fuse `depth`: after cold-start scoring keep the routed drafters, feed every drafter its next token."""
+        if depth >= self.req.k:
+            return
+        rid = self.req.request_id
+        props = {n: self.ahead[n][depth] for n in self.alive if depth in self.ahead[n]}
+        if depth == 0 and self.scoring:
+            ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
+            if ll:
+                router.add_request(rid, ll)
+                keep = router.route(rid, self.req.participation.drafters_per_request)
+                props = {n: p for n, p in props.items() if n in keep}
+                self.chosen = [n for n in self.chosen if n in keep]
+        self.alive = set(props)  # a drafter that failed or ran out of room sits the rest of the round out
+        if not props:
+            return
+        for n, p in props.items():
+            self.chains[n].append(p)
+        tok = self.fuser.step(props) if self.lockstep else None
+        for n, p in props.items():
+            self.path[n].append(p.token if tok is None else tok)
+            if tok is not None and p.token != tok:
+                self.ahead[n] = {}  # its chain went on from its own token: call it again
+
+    def draft(self) -> Draft | None:
+        if self.lockstep:
+            d = self.fuser.build() if self.fuser.chain else None
+        else:  # each drafter followed its own tokens: fuse the chains one-shot
+            d = fuse_chains({n: [(p.token, p.prob) for p in ch] for n, ch in self.chains.items()},
+                            self.fuser.budget)
+        return d if d is not None and len(d) else None
+
+    def record(self) -> _Round:
+        return _Round(len(self.req.context), {n: [(p.token, p.prob) for p in ch]
+                                              for n, ch in self.chains.items() if ch}, self.lockstep)
 
 
 class SpeculationCoordinator:
-    def __init__(self, drafters: list[str], routing: RoutingConfig | None = None, embeddings: torch.Tensor | None = None,
-                 fusion: bool = True, fixed_drafters: list[str] | None = None, step_timeout_s: float = 5.0,
-                 generalists: set[str] | frozenset[str] = frozenset()):
+    def __init__(self, drafters: list[str], routing: RoutingSpec | None = None,
+                 embeddings: torch.Tensor | None = None, fixed_drafters: list[str] | None = None,
+                 step_timeout_s: float = 5.0, generalists: set[str] | frozenset[str] = frozenset()):
         self.drafters = list(drafters)
-        self.router = Router(self.drafters, routing or RoutingConfig(), frozenset(generalists))
+        self.router = Router(self.drafters, routing or RoutingSpec(), frozenset(generalists))
         self.embeddings = embeddings
-        self.fusion = fusion
         self.fixed = fixed_drafters
         self.step_timeout_s = step_timeout_s
         self.rounds: dict[str, _Round] = {}
         self.where: dict[str, set[str]] = {}  # drafters holding a cache for the request
         self.stats = {"rounds": 0, "drafter_failures": 0, "step_seconds": 0.0}
         self.routing_history: deque = deque(maxlen=1024)  # (rid, drafters ranked first..last) at release
+
+    @classmethod
+    def from_config(cls, cfg: AppConfig) -> SpeculationCoordinator:
+        spec = cfg.speculation
+        fixed = spec.fixed_drafters or ([cfg.drafters[0].name] if spec.mode == "chain" else None)
+        return cls([d.name for d in cfg.drafters], cfg.routing, target_input_embeddings(cfg), fixed_drafters=fixed,
+                   step_timeout_s=spec.drafter_timeout_ms / 1000,
+                   generalists={d.name for d in cfg.drafters if d.generalist})
 
     def release(self, rid: str) -> set[str]:
         """Forget the request; returns the drafters that must free its cache."""
@@ -83,113 +166,61 @@ class SpeculationCoordinator:
                 if self.embeddings is not None else _exact_alignment(committed, toks)
         self.router.update(rid, float(len(committed)), scores)
 
-    async def _call(self, step_fn: StepFn, name: str, items: list[dict]) -> dict[str, list[Proposal]]:
-        """{rid: [proposal, ...]}: one proposal, or the whole chain when the item asked for several steps."""
+    def _start(self, req: DraftRequest) -> _Drafting:
+        """Routing feedback from the last round, then this round's drafters: fixed, random, everyone (a new
+        request's prompt scoring) or routed (Eq. 3)."""
+        rid, n = req.request_id, req.participation.drafters_per_request
+        new = rid not in self.router.requests
+        if new:
+            self.router.add_request(rid)
+        else:
+            self._feedback(rid, req.context)
+        fixed = req.drafters or self.fixed
+        if fixed:
+            chosen = [d for d in fixed if d in self.drafters]
+        elif req.routing == "random":
+            chosen = self.router.rng.sample(self.drafters, min(len(self.drafters), n))
+        elif new:
+            chosen = list(self.drafters)
+        else:
+            chosen = self.router.route(rid, n)
+        return _Drafting(req, chosen, scoring=new and not fixed and req.routing != "random",
+                         fuser=FusionTree(budget=req.budget))
+
+    async def _call(self, step_fn: StepFn, name: str, calls: list[DrafterCall]) -> dict[str, list[Proposal]]:
         try:
-            raw = await asyncio.wait_for(step_fn(name, items), self.step_timeout_s)
+            return await asyncio.wait_for(step_fn(name, calls), self.step_timeout_s)
         except Exception:  # noqa: BLE001 - a failed drafter only loses its proposals for this round
             self.stats["drafter_failures"] += 1
             return {}
-        return {r: [_proposal(d)] + [_proposal(m) for m in d.get("more", [])] for r, d in raw.items()}
 
-    async def draft(self, batch: list[dict], step_fn: StepFn, budget: int = 8) -> dict[str, Draft]:
-        """batch items: {"rid", "context": [...], "k": int} and optionally "budget" (tree nodes), "participants"
-        (how many routed drafters, else routing.drafters_per_request), and the per-request overrides "drafters"
-        (fixed list, no routing), "routing" ("router" | "random"), "fusion"."""
+    async def draft(self, batch: list[DraftRequest], step_fn: StepFn) -> dict[str, Draft]:
         t0 = time.perf_counter()
-        ks, contexts, chosen, first, fuse = {}, {}, {}, set(), {}
-        for it in batch:
-            rid, ctx, k = it["rid"], it["context"], it.get("k", 4)
-            if k <= 0:
-                continue
-            ks[rid], contexts[rid] = k, ctx
-            if rid not in self.router.requests:
-                self.router.add_request(rid)
-                first.add(rid)
-            else:
-                self._feedback(rid, ctx)
-            fuse[rid] = it.get("fusion", self.fusion)
-            fixed = it.get("drafters") or self.fixed
-            if fixed:
-                chosen[rid] = [n for n in fixed if n in self.drafters]
-                first.discard(rid)  # no cold start scoring when the drafters are fixed
-            elif it.get("routing") == "random":
-                chosen[rid] = self.router.rng.sample(self.drafters, min(len(self.drafters), it.get(
-                    "participants") or self.router.config.drafters_per_request))
-                first.discard(rid)
-            elif rid in first:
-                chosen[rid] = list(self.drafters)  # cold start: everyone scores the prompt
-            else:
-                chosen[rid] = self.router.route(rid, it.get("participants"))
-        if not ks:
+        rounds = {req.request_id: self._start(req) for req in batch if req.k > 0}
+        if not rounds:
             return {}
-        items = {it["rid"]: it for it in batch}
-        fusers = {r: FusionTree(budget=items[r].get("budget", budget)) for r in ks}
-        chains: dict[str, dict[str, list[Proposal]]] = {r: {n: [] for n in chosen[r]} for r in ks}
-        # Every call asks a drafter for its whole remaining chain. A chain stays valid while the drafter's own
-        # tokens are what it would have been fed: always without fusion, and with fusion while its token is the
-        # fused one. A drafter whose token lost is called again at the next depth with the fused prefix. The
-        # drafts are lockstep fusion's, at one round trip plus one per depth where a drafter disagreed, instead
-        # of one per depth.
-        ahead: dict[str, dict[str, dict[int, Proposal]]] = {r: {n: {} for n in chosen[r]} for r in ks}
-        path: dict[str, dict[str, list[int]]] = {r: {n: [] for n in chosen[r]} for r in ks}  # fed after context
-        alive = {r: set(chosen[r]) for r in ks}  # drafters still in the request's round
-        for depth in range(max(ks.values())):
-            if not any(alive[r] for r in ks if depth < ks[r]):
+        for depth in range(max(r.req.k for r in rounds.values())):
+            if not any(r.alive for r in rounds.values() if depth < r.req.k):
                 break
-            per_drafter: dict[str, list[dict]] = {}
-            for r in ks:
-                if depth >= ks[r]:
-                    continue
-                for n in alive[r]:
-                    if depth in ahead[r][n]:
-                        continue
-                    item = {"rid": r, "context": contexts[r] + path[r][n]}
-                    if depth == 0 and r in first:  # cold start: everyone scores the prompt, most are dropped
-                        item["score_context"] = True
-                    elif ks[r] - depth > 1:
-                        item["steps"] = ks[r] - depth
-                    per_drafter.setdefault(n, []).append(item)
+            per_drafter: dict[str, list[DrafterCall]] = {}
+            for r in rounds.values():
+                for name, call in r.calls(depth).items():
+                    per_drafter.setdefault(name, []).append(call)
             names = list(per_drafter)
             answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n]) for n in names))
-            for n, got in zip(names, answers):
-                for it in per_drafter[n]:
-                    r = it["rid"]
-                    if r in got:
-                        ahead[r][n] = {depth + i: p for i, p in enumerate(got[r])}
-                        self.where.setdefault(r, set()).add(n)
-            for r in ks:
-                if depth >= ks[r]:
-                    continue
-                props = {n: ahead[r][n][depth] for n in alive[r] if depth in ahead[r][n]}
-                if depth == 0 and r in first:
-                    ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
-                    if ll:
-                        self.router.add_request(r, ll)
-                        keep = self.router.route(r, items[r].get("participants"))
-                        props = {n: p for n, p in props.items() if n in keep}
-                        chosen[r] = [n for n in chosen[r] if n in keep]
-                alive[r] = set(props)  # a drafter that failed or ran out of room sits the rest of the round out
-                if not props:
-                    continue
-                for n, p in props.items():
-                    chains[r][n].append(p)
-                tok = fusers[r].step(props) if fuse[r] else None
-                for n, p in props.items():
-                    path[r][n].append(p.token if tok is None else tok)
-                    if tok is not None and p.token != tok:
-                        ahead[r][n] = {}  # its chain went on from its own token: call it again
+            for name, got in zip(names, answers):
+                for call in per_drafter[name]:
+                    if call.request_id in got:
+                        rounds[call.request_id].receive(depth, name, got[call.request_id])
+                        self.where.setdefault(call.request_id, set()).add(name)
+            for r in rounds.values():
+                r.advance(depth, self.router)
         drafts = {}
-        for r in ks:
-            if fuse[r]:
-                d = fusers[r].build() if fusers[r].chain else None
-            else:  # each drafter followed its own tokens: fuse the chains one-shot
-                d = fuse_chains({n: [(p.token, p.prob) for p in ch] for n, ch in chains[r].items()},
-                                fusers[r].budget)
-            if d is not None and len(d):
-                drafts[r] = d
-            self.rounds[r] = _Round(len(contexts[r]), {n: [(p.token, p.prob) for p in ch]
-                                                       for n, ch in chains[r].items() if ch}, fuse[r])
+        for rid, r in rounds.items():
+            d = r.draft()
+            if d is not None:
+                drafts[rid] = d
+            self.rounds[rid] = r.record()
         self.stats["rounds"] += 1
         self.stats["step_seconds"] += time.perf_counter() - t0
         return drafts

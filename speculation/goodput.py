@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from speculation.messages import Participation
+
 
 @dataclass
 class LinearLatency:
@@ -41,7 +43,6 @@ class LinearLatency:
 
     a: float = 0.0
     b: float = 0.0
-    window: int = 256
     samples: deque = field(default_factory=lambda: deque(maxlen=256))
 
     def observe(self, n: float, seconds: float) -> None:
@@ -65,17 +66,6 @@ class LinearLatency:
 def expected_tokens(acceptance: float, k: int) -> float:
     a = min(max(acceptance, 0.0), 0.999)
     return (1 - a ** (k + 1)) / (1 - a)
-
-
-@dataclass(frozen=True)
-class Participation:
-    """How a request drafts a round: with how many drafters, fused in lockstep or one-shot."""
-
-    drafters: int = 1
-    lockstep: bool = False  # fused token fed back at every depth; else each drafter's own chain, fused after
-
-    def __str__(self) -> str:
-        return "1" if self.drafters == 1 else f"{self.drafters} {'lockstep' if self.lockstep else 'one-shot'}"
 
 
 @dataclass
@@ -150,7 +140,7 @@ class SpeculationController:
               overlap: float = 0.0) -> float:
         """Seconds per round. `overlap`: verify work of other requests that the drafting runs alongside (the
         serving graph's pipeline), so only drafting beyond it costs time."""
-        n = mode.drafters if mode else self.drafters_per_request
+        n = mode.drafters_per_request if mode else self.drafters_per_request
         verify = self.verify(sum(1 + k * n for k in ks))
         if mode is not None:  # measured per mode, the hops included
             depth = max(ks, default=0)

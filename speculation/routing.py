@@ -31,19 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass
-class RoutingConfig:
-    drafters_per_request: int = 2  # CoSine used 2-3
-    tau: float = 2.0  # accepted length (bonus included) below which a request explores
-    alpha: float = 0.3  # probability of a random pick per place while exploring
-    beta: float = 0.05  # ... while exploiting
-    ema: float = 0.1  # weight of the newest round in a request's routing score: fused drafters are scored on the same
-    # positions, so one round separates them little; 0.2 flipped close calls on noise (own domain first at release
-    # 19/24 vs 21/24 over 12 tokens, 14/24 vs 17/24 over 128, same mean accepted length)
-    cold_start_temperature: float = 0.5  # softmax temperature over mean prompt log-likelihoods
-    generalist_margin: float = 0.5  # nats per prompt token a generalist drafter must explain better to lead
-    seed: int = 0
+from config import RoutingSpec
 
 
 def alignment(committed: list[int], drafted: list[int], confidences: list[float], embeddings: torch.Tensor,
@@ -89,7 +77,7 @@ class _RequestState:
 @dataclass
 class Router:
     drafters: list[str]
-    config: RoutingConfig = field(default_factory=RoutingConfig)
+    config: RoutingSpec = field(default_factory=RoutingSpec)
     generalists: frozenset[str] = frozenset()  # drafters trained on every domain rather than one
 
     def __post_init__(self):

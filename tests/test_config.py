@@ -46,3 +46,13 @@ def test_shipped_serve_configs_validate_against_both_schemas():
         for app in doc["applications"]:
             assert app["import_path"] == "serve_app.graph:build_app"
             AppConfig.model_validate(app["args"])
+
+
+def test_the_config_reference_in_docs_is_current():
+    from config import reference_markdown
+    from model_family.paths import REPO_ROOT
+
+    doc = (REPO_ROOT / "docs" / "config.md").read_text()
+    assert doc.strip() == reference_markdown().strip(), "regenerate: cosine config docs > docs/config.md"
+    for tunable in ("speculation.controller", "probe_interval", "drafter_timeout_ms", "generalist_margin"):
+        assert tunable in doc

@@ -7,14 +7,15 @@ import asyncio
 import pytest
 import torch
 
-from speculation.coordinator import SpeculationCoordinator, _proposal
-from deployments.drafter import DrafterServer
+from config import RoutingSpec
 from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
-from speculation.fusion import FusionTree
-from speculation.routing import RoutingConfig
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
+from speculation.coordinator import SpeculationCoordinator
+from speculation.fusion import FusionTree
+from speculation.inprocess import DrafterServer
+from speculation.messages import DrafterCall, DraftRequest, Participation
 
 NAMES = list(DOMAINS) + ["generic"]
 
@@ -24,22 +25,23 @@ def servers(models):
     return {n: DrafterServer(n, str(models / f"drafter-{n}"), max_len=512) for n in NAMES}
 
 
-async def _run(target, servers, prompts, fusion, fixed=None, fail=(), new_tokens=24, seed=0):
+async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_tokens=24, seed=0):
     emb = target.get_input_embeddings().weight.detach()
-    coord = SpeculationCoordinator(NAMES, RoutingConfig(seed=seed), emb, fusion=fusion, fixed_drafters=fixed)
+    coord = SpeculationCoordinator(NAMES, RoutingSpec(seed=seed), emb, fixed_drafters=fixed)
 
-    async def step_fn(name, items):
+    async def step_fn(name, calls):
         if name in fail:
             raise RuntimeError(f"drafter {name} is down")
-        return servers[name].step(items)
+        return servers[name].step(calls).chains
 
     verifier = TorchVerifierEngine(target, max_batch=8, max_len=512)
     rids = [verifier.add_request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
     out = {r: [] for r in rids}
     while verifier.has_unfinished():
         verifier.admit()
-        batch = [{"rid": r, "context": verifier.context(r), "k": 4} for r in verifier.running]
-        drafts = await coord.draft(batch, step_fn, budget=8)
+        batch = [DraftRequest(r, verifier.context(r), 4, budget=8, participation=Participation(2, lockstep))
+                 for r in verifier.running]
+        drafts = await coord.draft(batch, step_fn)
         for o in verifier.step(drafts):
             out[o.request_id] += o.new_token_ids
             if o.finished:
@@ -53,9 +55,9 @@ def prompts(tokenizer, heldout):
     return [tokenizer(heldout[d][9], add_special_tokens=False).input_ids[:40] for d in DOMAINS]
 
 
-@pytest.mark.parametrize("fusion", [True, False])
-def test_routed_fused_speculation_is_lossless(target, servers, prompts, fusion):
-    got, coord, _ = asyncio.run(_run(target, servers, prompts, fusion))
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_routed_fused_speculation_is_lossless(target, servers, prompts, lockstep):
+    got, coord, _ = asyncio.run(_run(target, servers, prompts, lockstep))
     want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts]
     assert got == want
     assert coord.stats["rounds"] > 0
@@ -71,47 +73,49 @@ def test_cold_start_ranks_the_prompts_domain_drafter_first(target, servers, toke
     """Prompt likelihoods (per-token floor) as a Bayes classifier over the domain drafters, the generic drafter
     held back by the generalist margin."""
 
-    async def step_fn(name, items):
-        return servers[name].step(items)
+    async def step_fn(name, calls):
+        return servers[name].step(calls).chains
 
     def cold_rank(coord, rid, text):
         ids = tokenizer(text, add_special_tokens=False).input_ids[:64]
-        asyncio.run(coord.draft([{"rid": rid, "context": ids, "k": 1}], step_fn))
+        asyncio.run(coord.draft([DraftRequest(rid, ids, 1, budget=8)], step_fn))
         first = coord.router.ranking(rid)[0]
         for n in coord.release(rid):
             servers[n].release([rid])
         return first
 
-    coord = SpeculationCoordinator(NAMES, RoutingConfig(), None, generalists={"generic"})
+    coord = SpeculationCoordinator(NAMES, RoutingSpec(), None, generalists={"generic"})
     own = sum(cold_rank(coord, f"cold-{d}-{i}", heldout[d][i]) == d for d in DOMAINS for i in range(30, 40))
     # measured 51/60; 46/60 without the log-likelihood floor, 30/60 with neither floor nor generalist margin
     assert own >= 48, f"{own}/60"
 
 
-def test_participants_set_how_many_routed_drafters_draft(servers, prompts):
+def test_participation_sets_how_many_routed_drafters_draft(servers, prompts):
     """The verifier's goodput controller lowers participation when verification is the bottleneck."""
-    coord = SpeculationCoordinator(NAMES, RoutingConfig(drafters_per_request=3), None, generalists={"generic"})
+    coord = SpeculationCoordinator(NAMES, RoutingSpec(drafters_per_request=3), None, generalists={"generic"})
     calls = []
 
-    async def step_fn(name, items):
+    async def step_fn(name, batch):
         calls.append(name)
-        return servers[name].step(items)
+        return servers[name].step(batch).chains
+
+    def request(context, k, n, lockstep=True):
+        return DraftRequest("x", context, k, budget=8, participation=Participation(n, lockstep))
 
     ctx = prompts[0]
-    drafts = asyncio.run(coord.draft([{"rid": "x", "context": ctx, "k": 2, "participants": 1}], step_fn))
+    drafts = asyncio.run(coord.draft([request(ctx, 2, 1)], step_fn))
     assert len(set(calls)) == len(NAMES) and len(set(calls[len(NAMES):])) == 1  # all score the prompt, one drafts on
     assert len(drafts["x"]) >= 2
     for n, extra in ((1, [5]), (3, [5, 6])):
         calls.clear()
-        drafts = asyncio.run(coord.draft([{"rid": "x", "context": ctx + extra, "k": 2, "participants": n}], step_fn))
+        drafts = asyncio.run(coord.draft([request(ctx + extra, 2, n)], step_fn))
         assert len(set(calls)) == n and len(drafts["x"]) >= 2
         # a lone drafter is only ever fed its own tokens: its whole chain comes from one call (one hop); fused
         # drafters answer with chains too, and are called again only where fusion chose another drafter's token
         assert len(calls) == 1 if n == 1 else n <= len(calls) <= 2 * n
     # one-shot fusion: every drafter drafts its chain in one call, the chains are fused afterwards
     calls.clear()
-    item = {"rid": "x", "context": ctx + [5, 6, 7], "k": 3, "participants": 2, "fusion": False}
-    drafts = asyncio.run(coord.draft([item], step_fn))
+    drafts = asyncio.run(coord.draft([request(ctx + [5, 6, 7], 3, 2, lockstep=False)], step_fn))
     assert len(calls) == 2 and len(set(calls)) == 2 and len(drafts["x"]) >= 3
     for n in coord.release("x"):
         servers[n].release(["x"])
@@ -121,22 +125,23 @@ def test_lockstep_fusion_calls_a_drafter_again_only_where_its_token_lost(servers
     """Lockstep fusion's draft, but a drafter answers with its whole chain and is only called again after the
     depths where fusion chose another drafter's token: the same tree as feeding everyone every depth."""
     names, k = ["code", "literature"], 6
-    coord = SpeculationCoordinator(NAMES, RoutingConfig(drafters_per_request=2), None, fixed_drafters=names)
+    coord = SpeculationCoordinator(NAMES, RoutingSpec(drafters_per_request=2), None, fixed_drafters=names)
     calls = []
 
-    async def step_fn(name, items):
+    async def step_fn(name, batch):
         calls.append(name)
-        return servers[name].step(items)
+        return servers[name].step(batch).chains
 
     lazy_calls = eager_calls = 0
     for i, ctx in enumerate(prompts[:6]):
         calls.clear()
         rid, ref_id = f"lazy-{i}", f"eager-{i}"
-        draft = asyncio.run(coord.draft([{"rid": rid, "context": ctx, "k": k, "budget": 3 * k}], step_fn))[rid]
+        req = DraftRequest(rid, ctx, k, budget=3 * k, participation=Participation(2, lockstep=True))
+        draft = asyncio.run(coord.draft([req], step_fn))[rid]
         # the reference: every drafter fed the fused token at every depth, one call per drafter and depth
         ref, losers, fused = FusionTree(budget=3 * k), 0, []
         for depth in range(k):
-            props = {n: _proposal(servers[n].step([{"rid": ref_id, "context": ctx + fused}])[ref_id]) for n in names}
+            props = {n: servers[n].step([DrafterCall(ref_id, ctx + fused)]).chains[ref_id][0] for n in names}
             fused.append(ref.step(props))
             if depth < k - 1:
                 losers += sum(p.token != fused[-1] for p in props.values())

@@ -1,4 +1,7 @@
-"""The engines keep the promise: speculative output is exactly the target's, whatever the batch or draft."""
+"""The engines keep the promise: speculative output is exactly the target's, whatever the batch or draft.
+
+Speculative runs go through `VerifyLoop`, the loop the service runs, with the drafters in this process.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,14 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from engines.drafter import DrafterEngine
+import asyncio
+
+from config import AppConfig
 from engines.runner import LlamaRunner
 from engines.sampling import SamplingParams, target_probs
-from engines.speculative import SpeculativeGenerator
 from engines.verifier import TorchVerifierEngine
+from speculation.inprocess import build_loop, generate_all
+from speculation.messages import SpeculationOverrides
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
 
@@ -42,11 +48,23 @@ def reference(target, mixed_prompts) -> list[list[int]]:
     return [greedy_continue(target, torch.tensor([p]), NEW_TOKENS)[0, len(p):].tolist() for p in mixed_prompts]
 
 
-def _run(target, drafters, prompts, k, batch, tree_budget=None):
-    verifier = TorchVerifierEngine(target, max_batch=batch, max_len=512)
-    engines = [DrafterEngine(m, name=f"d{i}", max_len=512) for i, m in enumerate(drafters)]
-    gen = SpeculativeGenerator(verifier, engines, k=k, tree_budget=tree_budget)
-    return gen.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)), verifier
+def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max_len=512):
+    """Every prompt through the loop, each drafted by all `drafters` (one-shot fusion of their chains when several).
+    `params`: one SamplingParams for all, or one per prompt."""
+    names = [f"d{i}" for i in range(len(drafters))]
+    cfg = AppConfig(verifier={"model": "target", "max_batch": batch, "max_len": max_len},
+                    drafters=[{"name": n, "model": n, "max_len": max_len} for n in names],
+                    speculation={"k": k, "adaptive": False, "tree_budget": tree_budget or k * len(drafters),
+                                 "draft_timeout_ms": 600_000},
+                    routing={"drafters_per_request": len(drafters)})
+    verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len)
+    loop = build_loop(cfg, verifier, dict(zip(names, drafters)))
+    params = params or SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    overrides = [SpeculationOverrides(drafters=names, lockstep=False)] * len(prompts)
+    out = asyncio.run(generate_all(loop, prompts, plist, overrides))
+    assert not any(s.engine.states for s in loop.drafting.servers.values())  # every drafter cache released
+    return out, verifier
 
 
 @pytest.mark.parametrize("k", range(1, 9))
@@ -121,10 +139,8 @@ def test_sampling_through_the_engines_matches_the_target(target, drafter_models,
     prompt = tokenizer(heldout["literature"][5], add_special_tokens=False).input_ids[:40]
     params = dict(max_tokens=2, temperature=1.0, top_k=4, ignore_eos=True)
     n = 1200
-    verifier = TorchVerifierEngine(target, max_batch=16, max_len=256)
-    drafters = [DrafterEngine(drafter_models["literature"], "lit"), DrafterEngine(drafter_models["code"], "code")]
-    gen = SpeculativeGenerator(verifier, drafters, k=2)
-    out = gen.generate([prompt] * n, [SamplingParams(seed=i, **params) for i in range(n)])
+    out, _ = _run(target, [drafter_models["literature"], drafter_models["code"]], [prompt] * n, k=2, batch=16,
+                  params=[SamplingParams(seed=i, **params) for i in range(n)], max_len=256)
     pairs = [tuple(o.token_ids) for o in out]
     sp = SamplingParams(**params)
     with torch.no_grad():
@@ -197,19 +213,6 @@ def test_stacked_drafters_match_each_model_alone(drafter_models, mixed_prompts):
     got = stacked.forward(list(new), [new[r] for r in new])
     for (r, n, _), logits in zip(reqs, got):
         assert torch.allclose(logits, alone[n].forward([r], [new[r]])[0], atol=1e-4), r
-
-
-@pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_greedy_with_stacked_drafters_equals_target(target, drafter_models, mixed_prompts, reference, shape):
-    names = ["code", "literature", "generic"]
-    pool = DrafterEngine({n: drafter_models[n] for n in names}, max_requests=16, max_len=512)
-    verifier = TorchVerifierEngine(target, max_batch=8, max_len=512)
-    gen = SpeculativeGenerator(verifier, [pool], k=4, tree_budget=8)
-    per_request = [[names[i % 2]] + (["generic"] if shape == "tree" else []) for i in range(len(mixed_prompts))]
-    out = gen.generate(mixed_prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), per_request)
-    assert [o.token_ids for o in out] == reference
-    assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
-    assert not pool.states  # every (request, drafter) pair released
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,5 @@
-from speculation.goodput import LinearLatency, Participation, SpeculationController, expected_tokens
+from speculation.goodput import LinearLatency, SpeculationController, expected_tokens
+from speculation.messages import Participation
 
 ONE, FUSED = Participation(1), Participation(2, lockstep=True)
 

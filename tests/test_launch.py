@@ -4,13 +4,13 @@ no process behind."""
 from __future__ import annotations
 
 import os
-import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,14 +40,23 @@ def _small_config(path: Path) -> Path:
     return path
 
 
-def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> str:
-    out, deadline = "", time.time() + timeout_s
-    while marker not in out:
-        assert proc.poll() is None, f"cosine serve exited early:\n{out[-3000:]}"
-        assert time.time() < deadline, f"no {marker!r} after {timeout_s} s:\n{out[-3000:]}"
-        if select.select([proc.stdout], [], [], 1.0)[0]:
-            out += proc.stdout.readline()
-    return out
+class _Output:
+    """The process's output, read by a thread (select() on a buffered pipe misses lines already buffered)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, marker: str, timeout_s: float) -> str:
+        deadline = time.time() + timeout_s
+        while marker not in self.text():
+            assert self.proc.poll() is None or marker in self.text(), f"exited early:\n{self.text()[-3000:]}"
+            assert time.time() < deadline, f"no {marker!r} after {timeout_s} s:\n{self.text()[-3000:]}"
+            time.sleep(0.5)
+        return self.text()
 
 
 def test_cosine_serve_comes_up_answers_and_stops_clean(tmp_path):
@@ -60,7 +69,8 @@ def test_cosine_serve_comes_up_answers_and_stops_clean(tmp_path):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     descendants: list[psutil.Process] = []
     try:
-        out = _read_until(proc, "Ctrl-C stops it.", 420)
+        output = _Output(proc)
+        out = output.wait_for("Ctrl-C stops it.", 420)
         base = f"http://127.0.0.1:{port}"
         assert f"{base}/v1" in out and "curl " in out and "OpenAI(base_url=" in out
         assert "Ray dashboard:      http://127.0.0.1:" in out
@@ -72,9 +82,9 @@ def test_cosine_serve_comes_up_answers_and_stops_clean(tmp_path):
         assert reply.usage.completion_tokens > 0
 
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, rest[-3000:]
-        assert "stopped" in rest
+        proc.wait(timeout=120)
+        assert proc.returncode == 0, output.text()[-3000:]
+        assert "stopped" in output.wait_for("stopped", 10)
         _, alive = psutil.wait_procs(descendants, timeout=30)
         assert not alive, f"left behind: {[p.pid for p in alive]}"
         leftover = [p.pid for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or [])]

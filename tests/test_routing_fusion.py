@@ -6,7 +6,8 @@ import torch
 
 from engines.drafter import Proposal
 from speculation.fusion import FusionTree, fuse_chains
-from speculation.routing import Router, RoutingConfig, alignment
+from config import RoutingSpec
+from speculation.routing import Router, alignment
 
 
 def _emb():
@@ -31,7 +32,7 @@ def test_alignment_scores_exact_matches_high_and_misses_zero():
 
 
 def test_router_learns_the_drafter_that_agrees():
-    r = Router(["code", "legal", "bio"], RoutingConfig(drafters_per_request=1, beta=0.0, alpha=0.0))
+    r = Router(["code", "legal", "bio"], RoutingSpec(drafters_per_request=1, beta=0.0, alpha=0.0))
     r.add_request("x")
     for _ in range(5):
         r.update("x", 3.0, {"code": 0.2, "legal": 0.9, "bio": 0.1})
@@ -40,7 +41,7 @@ def test_router_learns_the_drafter_that_agrees():
 
 
 def test_router_cold_start_follows_prompt_likelihood_and_explores_when_acceptance_is_low():
-    r = Router(["code", "legal", "bio"], RoutingConfig(drafters_per_request=1, alpha=1.0, beta=0.0, tau=2.0))
+    r = Router(["code", "legal", "bio"], RoutingSpec(drafters_per_request=1, alpha=1.0, beta=0.0, tau=2.0))
     r.add_request("x", {"code": -2.0, "legal": -5.0, "bio": -6.0})
     assert r.ranking("x")[0] == "code" and r.route("x") == ["code"]
     r.update("x", 1.0, {"code": 0.1})  # poor acceptance: every place is now random
@@ -85,7 +86,7 @@ def test_one_shot_fusion_follows_the_more_confident_chain_where_they_disagree():
 
 
 def test_cold_start_ranks_a_generalist_first_only_when_no_domain_drafter_explains_the_prompt():
-    cfg = RoutingConfig(drafters_per_request=1, beta=0.0, generalist_margin=0.5)
+    cfg = RoutingSpec(drafters_per_request=1, beta=0.0, generalist_margin=0.5)
     r = Router(["code", "legal", "generic"], cfg, frozenset({"generic"}))
     # in-domain prompt: the generalist explains it a little better than the code drafter, as it usually does
     r.add_request("x", {"code": -4.2, "legal": -5.1, "generic": -3.9})

@@ -36,7 +36,7 @@ def test_a_killed_drafter_does_not_break_the_request(server, tokenizer, target, 
 
     ids = tokenizer(heldout["code"][40], add_special_tokens=False).input_ids[:48]
     body = {"model": MODEL, "prompt": ids, "max_tokens": 96, "temperature": 0, "ignore_eos": True,
-            "speculation": {"drafters": ["code"], "fusion": False}}
+            "speculation": {"drafters": ["code"], "lockstep": False}}
     result = {}
     t = threading.Thread(target=lambda: result.update(
         r=httpx.post(f"{server}/v1/completions", json=body, timeout=300)))

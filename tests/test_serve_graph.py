@@ -84,9 +84,9 @@ def test_greedy_through_the_graph_equals_target_only(server, tokenizer, target, 
         assert out.usage.model_extra["mean_acceptance_length"] >= 1.0
 
 
-@pytest.mark.parametrize("override", [{"drafters_per_request": 3}, {"fusion": False}, {"drafters": ["legal"]},
-                                      {"drafters_per_request": 2, "fusion": True},
-                                      {"drafters_per_request": 2, "fusion": False}])
+@pytest.mark.parametrize("override", [{"drafters_per_request": 3}, {"lockstep": False}, {"drafters": ["legal"]},
+                                      {"drafters_per_request": 2, "lockstep": True},
+                                      {"drafters_per_request": 2, "lockstep": False}])
 def test_speculation_overrides_stay_lossless(server, tokenizer, target, heldout, override):
     ids = tokenizer(heldout["legal"][11][:300], add_special_tokens=False).input_ids
     r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 20, "temperature": 0,

@@ -1,0 +1,129 @@
+"""The drafting tier in one process: drafter engines behind `DrafterServer`, driven by a local coordinator.
+
+`DrafterServer` is what a drafter replica runs (deployments/drafter.py wraps it); `InProcessDraftingTier` is the
+`DraftingTier` of `VerifyLoop` without Ray, for `cosine generate`, the engine benchmark and tests: the same
+coordinator, the same messages, direct calls instead of deployment handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from dataclasses import dataclass
+
+from config import AppConfig
+from engines.build import build_verifier_engine
+from engines.drafter import DrafterEngine
+from engines.runner import CacheFull
+from engines.sampling import SamplingParams
+from model_family.paths import model_path
+from speculation.coordinator import SpeculationCoordinator
+from speculation.loop import VerifyLoop
+from speculation.messages import Draft, DrafterCall, DrafterReply, DraftRequest, Proposal, SpeculationOverrides
+
+
+class DrafterServer:
+    """One drafter model serving `DrafterCall`s. A call's context is the committed context, plus the fused prefix
+    where fusion overrode the drafter's own token: the engine keeps the agreeing cached prefix, so a replica that
+    never saw the request, or restarted, simply rebuilds it."""
+
+    def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048, device: str | None = None):
+        self.name = name
+        self.engine = DrafterEngine(model, name=name, max_requests=max_requests, max_len=max_len, device=device)
+
+    def step(self, calls: list[DrafterCall]) -> DrafterReply:
+        """Each request's chain: the next proposal and, for `steps` > 1, the drafter's own continuation of it.
+        A request whose context no longer fits is dropped from the reply (and its cache freed)."""
+        t = time.perf_counter()
+        rids = []
+        for c in calls:
+            try:
+                self.engine.sync(c.request_id, c.context)
+            except CacheFull:
+                self.engine.release(c.request_id)
+                continue
+            rids.append(c.request_id)
+        if not rids:
+            return DrafterReply({}, (time.perf_counter() - t) * 1000)
+        first = self.engine.step(rids, want_loglik=any(c.score_context for c in calls))
+        chains: dict[str, list[Proposal]] = {r: [p] for r, p in first.items()}
+        more = {c.request_id: c.steps - 1 for c in calls if c.steps > 1 and c.request_id in first}
+        if more:
+            for r in more:
+                self.engine.feed(r, [first[r].token])
+            for r, chain in self.engine.draft(list(more), more).items():
+                chains[r].extend(chain)
+        return DrafterReply(chains, (time.perf_counter() - t) * 1000)
+
+    def release(self, rids: list[str]) -> None:
+        for r in rids:
+            if r in self.engine:
+                self.engine.release(r)
+
+
+class InProcessDraftingTier:
+    """Drafter servers in this process; a drafter's step runs in a worker thread (torch releases the GIL), so
+    several drafters and the verifier's step can overlap where there are cores for them. An engine is not
+    re-entrant: calls to one drafter queue on its lock, as they do on a replica."""
+
+    def __init__(self, coordinator: SpeculationCoordinator, servers: dict[str, DrafterServer]):
+        self.coordinator = coordinator
+        self.servers = servers
+        self.locks = {name: asyncio.Lock() for name in servers}
+
+    @classmethod
+    def from_config(cls, cfg: AppConfig, models: dict | None = None) -> InProcessDraftingTier:
+        """The configured drafters; `models` (name -> loaded model) replaces loading them from their paths."""
+        models = models or {}
+        servers = {d.name: DrafterServer(d.name, models.get(d.name) or str(model_path(d.model)), d.max_requests,
+                                         d.max_len, None if d.name in models else d.device) for d in cfg.drafters}
+        return cls(SpeculationCoordinator.from_config(cfg), servers)
+
+    async def _step(self, name: str, calls: list[DrafterCall]) -> dict[str, list[Proposal]]:
+        async with self.locks[name]:
+            return (await asyncio.to_thread(self.servers[name].step, calls)).chains
+
+    async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]:
+        return await self.coordinator.draft(batch, self._step)
+
+    def release(self, request_ids: list[str]) -> None:
+        per: dict[str, list[str]] = {}
+        for r in request_ids:
+            for name in self.coordinator.release(r):
+                per.setdefault(name, []).append(r)
+        for name, rids in per.items():
+            asyncio.get_running_loop().create_task(self._release(name, rids))
+
+    async def _release(self, name: str, rids: list[str]) -> None:
+        async with self.locks[name]:
+            self.servers[name].release(rids)
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: dict  # the request's speculation statistics (vLLM's names)
+
+
+def build_loop(cfg: AppConfig, engine=None, drafter_models: dict | None = None) -> VerifyLoop:
+    """The service's loop in this process: the configured verifier engine (or `engine`) and drafters (or the
+    already loaded `drafter_models`, name -> model)."""
+    tier = InProcessDraftingTier.from_config(cfg, drafter_models) if cfg.speculation.mode != "off" else None
+    return VerifyLoop(engine if engine is not None else build_verifier_engine(cfg), cfg, tier)
+
+
+async def generate_all(loop: VerifyLoop, prompts: list[list[int]], params: list[SamplingParams],
+                       overrides: list[SpeculationOverrides | None] | None = None) -> list[Generation]:
+    """Every prompt through the loop at once (continuous batching up to the engine's max_batch)."""
+    async def one(prompt, sp, o) -> Generation:
+        out = Generation([], None, {})
+        async for chunk in loop.generate(prompt, sp, overrides=o):
+            out.token_ids += chunk.token_ids
+            if chunk.finished:
+                out.finish_reason, out.stats = chunk.finish_reason, chunk.usage or {}
+        return out
+
+    overrides = overrides or [None] * len(prompts)
+    return list(await asyncio.gather(*(one(p, sp, o) for p, sp, o in zip(prompts, params, overrides))))

@@ -1,0 +1,331 @@
+"""The one draft/verify loop: the service, `cosine generate` and the engine benchmark all run this class.
+
+`VerifyLoop` owns a verifier engine's running batch (CoSine's request pool). `generate` registers a request and
+yields a `TokenChunk` per verify step that committed tokens for it. One task repeats: admit, ask the drafting tier
+for drafts for half of the pool (bounded by `draft_timeout_ms`; late or failed drafting means plain decoding
+this step), verify that half in a worker thread, hand the results to the requests' queues, and start drafting
+that half's next round while the other half is verified (CoSine's pipeline).
+
+The drafting tier is the only thing that differs between deployments: `DraftingTier.draft` is a call to the
+Speculation deployment through a Serve handle in the service, and a local coordinator over in-process drafter
+engines otherwise (speculation/inprocess.py). No Ray here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from config import AppConfig
+from engines.sampling import SamplingParams
+from speculation.goodput import SpeculationController
+from speculation.messages import Draft, DraftRequest, Participation, SpeculationOverrides, TokenChunk
+
+logger = logging.getLogger(__name__)
+
+
+class DraftingTier(Protocol):
+    async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]: ...
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget finished or aborted requests (drafters free their caches); must not block."""
+
+
+@dataclass
+class _Request:
+    """One request's state in the loop."""
+
+    queue: asyncio.Queue
+    overrides: SpeculationOverrides
+    half: int  # the pipeline half it is verified in
+    participation: Participation | None = None  # how its pending draft was made
+    drafted: bool = False  # past its first round (which scores the prompt, so is not priced)
+
+
+class LoopStats:
+    """Recent timings of the loop (what `speculation_stats` reports); the service's exporter adds Prometheus."""
+
+    def __init__(self):
+        self.draft_failures = 0
+        self.draft_seconds: deque = deque(maxlen=512)
+        self.verify_seconds: deque = deque(maxlen=512)
+        self.draft_lengths: deque = deque(maxlen=512)  # the controller's recent choices (speculating requests)
+        self.recent_accepted: dict[str, deque] = {}  # drafter -> accepted length (bonus included) per draft
+
+    def draft_round(self, seconds: float | None) -> None:
+        if seconds is None:
+            self.draft_failures += 1
+        else:
+            self.draft_seconds.append(seconds)
+
+    def verify_step(self, seconds: float, drafts: dict[str, Draft], outs: list, in_flight: int) -> None:
+        self.verify_seconds.append(seconds)
+        for o in outs:
+            d = drafts.get(o.request_id)
+            if d is None or not d.drafters:
+                continue
+            for name, n in Counter(x for x in d.drafters if x).items():
+                acc = sum(1 for a in o.accepted_drafters if a == name)
+                self.drafter_round(name, n, acc)
+
+    def drafter_round(self, name: str, drafted: int, accepted: int) -> None:
+        self.recent_accepted.setdefault(name, deque(maxlen=200)).append(1 + accepted)
+
+    def summary(self) -> dict:
+        def mean_ms(q: deque) -> float:
+            return 1000 * sum(q) / max(1, len(q))
+
+        return {"verify_steps": len(self.verify_seconds), "draft_fallbacks": self.draft_failures,
+                "verify_ms_recent": mean_ms(self.verify_seconds), "draft_round_ms_recent": mean_ms(self.draft_seconds)}
+
+
+class VerifyLoop:
+    def __init__(self, engine, cfg: AppConfig, drafting: DraftingTier | None, stats: LoopStats | None = None):
+        self.engine = engine
+        self.cfg = cfg
+        self.drafting = drafting if cfg.speculation.mode != "off" else None
+        self.stats = stats or LoopStats()
+        self.controller = _controller(cfg)
+        self.drafting_overlaps_verification = True  # False where drafters share this CPU (set by the deployment)
+        self.half_verify_s = [0.0, 0.0]  # last verify step time of each pipeline half
+        self.requests: dict[str, _Request] = {}
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.ids = itertools.count()
+        self.arrivals = itertools.count()
+        self.task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       overrides: SpeculationOverrides | None = None) -> AsyncIterator[TokenChunk]:
+        self._ensure_running()
+        rid = request_id or f"v-{next(self.ids)}"
+        req = _Request(asyncio.Queue(), overrides or SpeculationOverrides(), next(self.arrivals) % 2)
+        self.requests[rid] = req
+        await self.inbox.put(("add", rid, prompt_ids, params))
+        try:
+            while True:
+                chunk = await req.queue.get()
+                if isinstance(chunk, Exception):
+                    raise chunk
+                yield chunk
+                if chunk.finished:
+                    break
+        finally:
+            if rid in self.requests:  # cancelled or failed before finishing: abort everywhere
+                self.requests.pop(rid, None)
+                await self.inbox.put(("abort", rid, None, None))
+
+    def failed(self) -> BaseException | None:
+        if self.task is not None and self.task.done() and not self.task.cancelled():
+            return self.task.exception()
+        return None
+
+    def _ensure_running(self) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _drain_inbox(self, block: bool) -> None:
+        released = []
+        while block or not self.inbox.empty():
+            kind, rid, prompt, params = await self.inbox.get()
+            block = False
+            if kind == "add":
+                try:
+                    self.engine.add_request(prompt, params, request_id=rid)
+                except ValueError as e:
+                    req = self.requests.pop(rid, None)
+                    if req:
+                        req.queue.put_nowait(e)
+            else:
+                self.engine.abort(rid)
+                released.append(rid)
+        self._release(released)
+
+    def _release(self, rids: list[str]) -> None:
+        if not rids:
+            return
+        if self.controller:
+            for r in rids:
+                self.controller.release(r)
+        if self.drafting is not None:
+            self.drafting.release(rids)
+
+    # ------------------------------------------------------------------ drafting
+    def plan(self, rids: list[str]) -> list[DraftRequest]:
+        """This round's draft requests: per-request depth from the goodput controller (within each request's own
+        bounds), Gamma_max over the batch, and how each request drafts (participation)."""
+        spec = self.cfg.speculation
+        overrides = {r: self.requests[r].overrides if r in self.requests else SpeculationOverrides() for r in rids}
+        caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
+                for r, o in overrides.items()}
+        ks = self.controller.choose(rids, caps, overlap_s=self._overlap(rids)) if self.controller else caps
+        self.stats.draft_lengths.extend(ks[r] for r in rids if caps[r] > 0)
+        while sum(ks.values()) > spec.gamma_max:  # Gamma_max: shorten the longest drafts (CoSine Alg. 2)
+            ks[max(ks, key=ks.get)] -= 1
+        batch = []
+        for r in rids:
+            if ks[r] <= 0:
+                continue
+            o, mode = overrides[r], self._participation(overrides[r])
+            batch.append(DraftRequest(r, self.engine.context(r), ks[r],
+                                      # up to n nodes per depth: the fused path and its branches
+                                      budget=min(spec.tree_budget, mode.drafters_per_request * ks[r]),
+                                      participation=mode, drafters=o.drafters, routing=o.routing))
+        return batch
+
+    def _participation(self, o: SpeculationOverrides) -> Participation:
+        """How a request drafts this round: the controller's choice unless the request fixes its drafters, their
+        number or lockstep (then lockstep is the configured one, or the controller's where the number matches)."""
+        spec, mode = self.cfg.speculation, self.controller.mode if self.controller else None
+        if o.drafters:
+            n = len(o.drafters)
+        elif spec.mode != "cosine":
+            n = 1
+        else:
+            n = o.drafters_per_request or (mode.drafters_per_request if mode else
+                                           self.cfg.routing.drafters_per_request)
+        if n <= 1:
+            return Participation(1)
+        if o.lockstep is not None:
+            lockstep = o.lockstep
+        elif mode is not None and mode.drafters_per_request == n:
+            lockstep = mode.lockstep
+        else:
+            lockstep = spec.lockstep
+        return Participation(n, lockstep and spec.mode == "cosine")
+
+    def _overlap(self, rids: list[str]) -> float:
+        """How long the other pipeline half's verification runs alongside these requests' drafting (0 when the
+        other half is empty, or drafting shares the verifier's hardware: then they take turns)."""
+        if not self.drafting_overlaps_verification or not rids:
+            return 0.0
+        half = self._half(rids[0])
+        if not any(self._half(r) != half for r in self.engine.running):
+            return 0.0
+        return self.half_verify_s[1 - half]
+
+    def _half(self, rid: str) -> int:
+        req = self.requests.get(rid)
+        return req.half if req else 0
+
+    async def _drafts(self, rids: list[str]) -> dict[str, Draft]:
+        """Drafts for `rids`; {} (plain decoding) when late, failed or off."""
+        if self.drafting is None or not rids:
+            return {}
+        batch = self.plan(rids)
+        if not batch:
+            return {}
+        modes = set()
+        for d in batch:
+            req = self.requests.get(d.request_id)
+            if req is not None:
+                modes.add(d.participation if req.drafted else None)
+                req.participation, req.drafted = d.participation, True
+        t = time.perf_counter()
+        try:
+            drafts = await asyncio.wait_for(self.drafting.draft(batch), self.cfg.speculation.draft_timeout_ms / 1000)
+        except Exception as e:  # noqa: BLE001 - late or failed drafts: decode without them
+            self.stats.draft_round(None)
+            logger.warning("drafts unavailable this step (%r); decoding without them", e)
+            return {}
+        seconds = time.perf_counter() - t
+        self.stats.draft_round(seconds)
+        depth = max(d.k for d in batch)
+        if self.controller and not self.controller.modes:  # per lockstep depth, by the number of requests drafting
+            self.controller.draft.observe(len(batch), seconds / depth)
+        elif self.controller and len(modes) == 1 and None not in modes:  # one mode, no prompt scoring: price it
+            self.controller.draft_model(modes.pop()).observe(depth, seconds)
+        return drafts
+
+    # ------------------------------------------------------------------ the loop
+    async def _run(self) -> None:
+        """Two halves of the pool take turns: while one half is verified (in a worker thread), the other half's
+        drafts are being produced by the drafting tier."""
+        pending: dict[int, asyncio.Task] = {}
+        turn = 0
+        while True:
+            await self._drain_inbox(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                pending.clear()
+                continue
+            self.engine.admit()
+            members = [r for r in self.engine.running if self._half(r) == turn]
+            if not members:
+                turn = 1 - turn
+                members = [r for r in self.engine.running if self._half(r) == turn]
+            task = pending.pop(turn, None)
+            drafts = await task if task is not None else await self._drafts(members)
+            drafts = {r: d for r, d in drafts.items() if r in self.engine.running}
+            t = time.perf_counter()
+            try:
+                outs = await asyncio.to_thread(self.engine.step, drafts, set(members))
+            except Exception as e:  # noqa: BLE001 - an engine failure fails the requests in it, not the loop
+                logger.exception("verify step failed")
+                for rid in members:
+                    self.engine.abort(rid)
+                    req = self.requests.pop(rid, None)
+                    if req:
+                        req.queue.put_nowait(RuntimeError(f"verification failed: {e}"))
+                self._release(members)
+                continue
+            self.half_verify_s[turn] = time.perf_counter() - t
+            self.stats.verify_step(self.half_verify_s[turn], drafts, outs, len(self.requests))
+            self._dispatch(outs)
+            nxt = [r for r in self.engine.running if self._half(r) == turn]
+            if nxt:  # this half's next drafts are produced while the other half is verified
+                pending[turn] = asyncio.get_running_loop().create_task(self._drafts(nxt))
+            turn = 1 - turn
+
+    def _dispatch(self, outs) -> None:
+        if self.controller:
+            self.controller.verify.observe(self.engine.last_step_tokens, self.engine.last_verify_seconds)
+        finished = []
+        for o in outs:
+            req = self.requests.get(o.request_id)
+            if self.controller:
+                mode = req.participation if req and o.draft_depth and self.controller.modes else None
+                self.controller.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens, mode)
+            chunk = TokenChunk(o.new_token_ids, o.finished, o.finish_reason, o.num_draft_tokens,
+                               o.num_accepted_tokens, o.accepted_drafters)
+            if o.finished:
+                finished.append(o.request_id)
+                chunk.usage = self.engine.finished_stats(o.request_id) or {}
+            if req is not None:
+                req.queue.put_nowait(chunk)
+                if o.finished:
+                    self.requests.pop(o.request_id, None)
+        self._release(finished)
+
+    def controller_state(self) -> dict | None:
+        c = self.controller
+        if c is None:
+            return None
+        ks = list(self.stats.draft_lengths)
+        return {"mean_k_recent": sum(ks) / max(1, len(ks)), "zero_k_share": ks.count(0) / max(1, len(ks)),
+                "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
+                "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b] for p, m in c.mode_draft.items()},
+                "pool_acceptance": c.pool_acceptance,
+                "drafting_overlaps_verification": self.drafting_overlaps_verification,
+                "participation": str(c.mode) if c.mode else None,
+                "acceptance_by_participation": {str(p): c.mode_acceptance(p) for p in c.mode_counts}}
+
+
+def _controller(cfg: AppConfig) -> SpeculationController | None:
+    spec = cfg.speculation
+    if not spec.adaptive or spec.mode == "off":
+        return None
+    # a multi-drafter round verifies up to drafters_per_request nodes per depth (the chain and its branches)
+    per_depth = cfg.routing.drafters_per_request if spec.mode == "cosine" else 1
+    modes: tuple[Participation, ...] = ()
+    if spec.adaptive_drafters and per_depth > 1:  # one drafter, or n fused in lockstep (if on) or one-shot
+        modes = (Participation(1),) + tuple(Participation(n, lockstep)
+                                            for lockstep in ((True, False) if spec.lockstep else (False,))
+                                            for n in range(2, per_depth + 1))
+    return SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True, modes=modes,
+                                 **spec.controller.model_dump())

@@ -1,0 +1,94 @@
+"""The typed messages of one speculation round, the same in-process and across Ray Serve handles.
+
+    Verifier --[DraftRequest]--> speculation cluster --[DrafterCall]--> Drafter
+    Verifier <--{request id: Draft}-- speculation cluster <--DrafterReply--
+    Verifier --[TokenChunk]--> ingress (one per request and verify step)
+
+Plain dataclasses: Serve pickles them as they are, and there is no codec. Tokens proposed by drafters are
+`engines.drafter.Proposal`; drafts (chains or token trees) are `engines.draft.Draft`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engines.draft import Draft
+from engines.drafter import Proposal
+
+__all__ = ["Draft", "DraftRequest", "DrafterCall", "DrafterReply", "Participation", "Proposal",
+           "SpeculationOverrides", "TokenChunk"]
+
+
+@dataclass(frozen=True)
+class Participation:
+    """How a request drafts a round: how many routed drafters, and whether they are fused in lockstep (the fused
+    token fed back to every drafter at every depth) or one-shot (each drafter's own chain, fused after)."""
+
+    drafters_per_request: int = 1
+    lockstep: bool = False
+
+    def __str__(self) -> str:
+        if self.drafters_per_request == 1:
+            return "1"
+        return f"{self.drafters_per_request} {'lockstep' if self.lockstep else 'one-shot'}"
+
+
+@dataclass
+class SpeculationOverrides:
+    """A request's own bounds on speculation (the API's `speculation` field); None leaves the server's choice."""
+
+    enabled: bool = True
+    max_draft_tokens: int | None = None
+    drafters: list[str] | None = None  # fixed drafters: no routing
+    routing: Literal["router", "random"] = "router"
+    lockstep: bool | None = None
+    drafters_per_request: int | None = None
+
+
+@dataclass
+class DraftRequest:
+    """Verifier -> speculation cluster: draft up to `k` tokens deep for this request, at most `budget` tree nodes,
+    continuing `context` (the committed tokens)."""
+
+    request_id: str
+    context: list[int]
+    k: int
+    budget: int
+    participation: Participation = Participation()
+    drafters: list[str] | None = None  # the request's fixed drafters (SpeculationOverrides.drafters)
+    routing: Literal["router", "random"] = "router"
+
+
+@dataclass
+class DrafterCall:
+    """Speculation cluster -> one drafter: continue `context` for `steps` tokens, each fed back as the next input
+    (the drafter's whole chain from one call). `score_context` asks for the context's mean log-likelihood too
+    (routing's cold start)."""
+
+    request_id: str
+    context: list[int]
+    steps: int = 1
+    score_context: bool = False
+
+
+@dataclass
+class DrafterReply:
+    """One drafter's answer: each request's chain of proposals (requests it could not hold are missing), and the
+    time its engine spent (the rest of the call is hops and queueing)."""
+
+    chains: dict[str, list[Proposal]]
+    compute_ms: float = 0.0
+
+
+@dataclass
+class TokenChunk:
+    """Verifier -> ingress: what one verify step committed for a request."""
+
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_drafters: list[str] = field(default_factory=list)
+    usage: dict | None = None  # with the last chunk: the request's speculation statistics
