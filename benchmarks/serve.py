@@ -114,8 +114,9 @@ def run(url: str, model: str, per_domain: int = 2, new_tokens: int = 128, concur
     prompts = [(d, tok(t, add_special_tokens=False).input_ids[:prompt_len])
                for d in DOMAINS for t in texts[d][20:20 + per_domain]]
     transports = {"served": lambda v, c, ps: asyncio.run(_served(url, model, ps, v, c, new_tokens))}
-    if config is not None:
-        transports["in-process"] = _inprocess_transport(config, tok, new_tokens)
+    inprocess = _InProcess(config, tok, new_tokens) if config is not None else None
+    if inprocess is not None:
+        transports["in-process"] = inprocess.run
     unknown = set(variants or []) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
@@ -148,26 +149,37 @@ def run(url: str, model: str, per_domain: int = 2, new_tokens: int = 128, concur
         row["identical_to_off"] = row["texts"] is not None and row["texts"] == base["texts"]
     for row in rows:
         row.pop("texts")
-    return {"config": {"url": url, "prompts": len(prompts), "new_tokens": new_tokens, "repeats": repeats,
-                       "in_process_config": str(config) if config else None}, "rows": rows}
+    result = {"config": {"url": url, "prompts": len(prompts), "new_tokens": new_tokens, "repeats": repeats,
+                         "in_process_config": str(config) if config else None}, "rows": rows}
+    if inprocess is not None:
+        result["in_process_stats"] = inprocess.close()
+    return result
 
 
-def _inprocess_transport(config: Path, tokenizer, new_tokens: int):
+class _InProcess:
     """A VerifyLoop built from the Serve config's application args, kept across runs (as the service's is)."""
-    import yaml
 
-    from config import AppConfig
-    from speculation.inprocess import build_loop
+    def __init__(self, config: Path, tokenizer, new_tokens: int):
+        import yaml
 
-    args = yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
-    cfg = AppConfig.model_validate(args)
-    loop = build_loop(cfg)
-    aio = asyncio.new_event_loop()  # the loop's task and queues live on one event loop for the whole benchmark
+        from config import AppConfig
+        from speculation.inprocess import build_loop
 
-    def fn(variant: str, concurrency: int, prompts) -> dict:
-        return aio.run_until_complete(_inprocess(loop, tokenizer, prompts, variant, concurrency, new_tokens))
+        args = yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
+        self.loop = build_loop(AppConfig.model_validate(args))
+        self.tokenizer, self.new_tokens = tokenizer, new_tokens
+        self.aio = asyncio.new_event_loop()  # the loop's task and queues live on one event loop throughout
 
-    return fn
+    def run(self, variant: str, concurrency: int, prompts) -> dict:
+        return self.aio.run_until_complete(_inprocess(self.loop, self.tokenizer, prompts, variant, concurrency,
+                                                      self.new_tokens))
+
+    def close(self) -> dict:
+        """Stops the loop; returns its timing summary (the same fields as the service's speculation_stats)."""
+        stats = dict(self.loop.stats.summary(), controller=self.loop.controller_state())
+        self.aio.run_until_complete(self.loop.stop())
+        self.aio.close()
+        return stats
 
 
 def _median(runs: list[dict]) -> dict:
@@ -198,6 +210,12 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _loop_line(s: dict) -> str:
+    return (f"verify {s['verify_ms_recent']:.1f} ms, draft round {s['draft_round_ms_recent']:.1f} ms, waited for "
+            f"drafts {s['draft_wait_ms_recent']:.1f} ms, verify end to next start {s['between_steps_ms_recent']:.1f} "
+            f"ms per step")
+
+
 def main(args) -> int:
     from contextlib import nullcontext
 
@@ -216,8 +234,11 @@ def main(args) -> int:
 
             for path in render(result["metrics"], Path(args.plot_dir)):
                 print(f"wrote {path}")
+    if result.get("in_process_stats"):
+        print(f"in-process loop (recent steps): {_loop_line(result['in_process_stats'])}")
     try:
         stats = httpx.get(f"{args.url}/v1/internal/speculation_stats", timeout=30).json()
+        print(f"served loop (recent steps):     {_loop_line(stats)}")
         result["speculation_stats"] = stats
         if stats.get("rounds"):
             print(f"\nper speculation round: {stats['round_ms'] / stats['rounds']:.1f} ms, of which drafter compute "

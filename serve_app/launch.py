@@ -7,6 +7,7 @@ prints where everything is, and on Ctrl-C / SIGTERM shuts Serve and the Ray proc
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -72,6 +73,14 @@ def banner(base: str, model: str, dashboard: str | None, metrics_port: int | Non
     return "\n".join(lines)
 
 
+def serve_env() -> dict[str, str]:
+    """Environment of the Serve actors (controller, proxy, replicas), not of this driver: Ray Serve's
+    throughput-optimized mode (user code and the handle router on each replica's own event loop, gRPC between
+    replicas) took full CoSine at concurrency 1 on the bench graph from 0.79 to 0.88 of the in-process loop
+    (docs/benchmarks.md). RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment opts out."""
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")}
+
+
 def serve_forever(config_path: Path, http_port: int | None = None, dashboard_port: int = 8265,
                   ready_timeout_s: float = 900.0) -> int:
     import ray
@@ -83,7 +92,7 @@ def serve_forever(config_path: Path, http_port: int | None = None, dashboard_por
     base = f"http://{http['host']}:{http['port']}"
     t0 = time.time()
     ctx = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
-                   log_to_driver=False)
+                   log_to_driver=False, runtime_env={"env_vars": serve_env()})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs a SIGTERM handler of its own
         signal.signal(sig, lambda *_: stop.set())

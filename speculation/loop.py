@@ -53,9 +53,11 @@ class LoopStats:
 
     def __init__(self):
         self.draft_failures = 0
-        self.draft_seconds: deque = deque(maxlen=512)
-        self.verify_seconds: deque = deque(maxlen=512)
-        self.draft_lengths: deque = deque(maxlen=512)  # the controller's recent choices (speculating requests)
+        self.draft_seconds: deque = deque(maxlen=128)
+        self.verify_seconds: deque = deque(maxlen=128)
+        self.draft_lengths: deque = deque(maxlen=128)  # the controller's recent choices (speculating requests)
+        self.wait_seconds: deque = deque(maxlen=128)  # per step: how long the verifier waited for its drafts
+        self.step_intervals: deque = deque(maxlen=128)  # per step: from one verify's end to the next one's start
         self.recent_accepted: dict[str, deque] = {}  # drafter -> accepted length (bonus included) per draft
 
     def draft_round(self, seconds: float | None) -> None:
@@ -82,7 +84,9 @@ class LoopStats:
             return 1000 * sum(q) / max(1, len(q))
 
         return {"verify_steps": len(self.verify_seconds), "draft_fallbacks": self.draft_failures,
-                "verify_ms_recent": mean_ms(self.verify_seconds), "draft_round_ms_recent": mean_ms(self.draft_seconds)}
+                "verify_ms_recent": mean_ms(self.verify_seconds), "draft_round_ms_recent": mean_ms(self.draft_seconds),
+                "draft_wait_ms_recent": mean_ms(self.wait_seconds),
+                "between_steps_ms_recent": mean_ms(self.step_intervals)}
 
 
 class VerifyLoop:
@@ -120,6 +124,15 @@ class VerifyLoop:
             if rid in self.requests:  # cancelled or failed before finishing: abort everywhere
                 self.requests.pop(rid, None)
                 await self.inbox.put(("abort", rid, None, None))
+
+    async def stop(self) -> None:
+        """Stop the loop's task (requests still running are abandoned)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
 
     def failed(self) -> BaseException | None:
         if self.task is not None and self.task.done() and not self.task.cancelled():
@@ -249,10 +262,12 @@ class VerifyLoop:
         drafts are being produced by the drafting tier."""
         pending: dict[int, asyncio.Task] = {}
         turn = 0
+        last_end = None
         while True:
             await self._drain_inbox(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
                 pending.clear()
+                last_end = None  # idle time is not loop overhead
                 continue
             self.engine.admit()
             members = [r for r in self.engine.running if self._half(r) == turn]
@@ -260,9 +275,13 @@ class VerifyLoop:
                 turn = 1 - turn
                 members = [r for r in self.engine.running if self._half(r) == turn]
             task = pending.pop(turn, None)
+            t = time.perf_counter()
             drafts = await task if task is not None else await self._drafts(members)
             drafts = {r: d for r, d in drafts.items() if r in self.engine.running}
+            self.stats.wait_seconds.append(time.perf_counter() - t)
             t = time.perf_counter()
+            if last_end is not None:
+                self.stats.step_intervals.append(t - last_end)
             try:
                 outs = await asyncio.to_thread(self.engine.step, drafts, set(members))
             except Exception as e:  # noqa: BLE001 - an engine failure fails the requests in it, not the loop
@@ -274,7 +293,8 @@ class VerifyLoop:
                         req.queue.put_nowait(RuntimeError(f"verification failed: {e}"))
                 self._release(members)
                 continue
-            self.half_verify_s[turn] = time.perf_counter() - t
+            last_end = time.perf_counter()
+            self.half_verify_s[turn] = last_end - t
             self.stats.verify_step(self.half_verify_s[turn], drafts, outs, len(self.requests))
             self._dispatch(outs)
             nxt = [r for r in self.engine.running if self._half(r) == turn]

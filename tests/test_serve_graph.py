@@ -47,7 +47,11 @@ def server():
     port = _free_port()
     from tests.conftest import RAY_TMP
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP)
+    from serve_app.launch import serve_env
+
+    # the Serve actors run as under `cosine serve` (make run)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP,
+             runtime_env={"env_vars": serve_env()})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(app_config()), name="cosine", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
