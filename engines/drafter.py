@@ -10,7 +10,6 @@ drafter that never saw a request, or lost it, rebuilds it from the full context,
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -33,71 +32,37 @@ class Proposal:
     prob: float  # the drafter's probability of `token` (its confidence)
     top_tokens: list[int]
     top_probs: list[float]
-    q: torch.Tensor | None = None  # the full distribution `token` was sampled from (sampling mode only)
     context_loglik: float | None = None  # mean log-probability of the fed tokens (when more than one was fed)
 
 
 @dataclass
 class _State:
-    request_id: str
-    model: str
     pending: list[int] = field(default_factory=list)
-    temperature: float = 0.0
-    gen: torch.Generator | None = None
 
 
 class DrafterEngine:
-    """One drafter model, or several same-shaped ones stacked (`model` a dict name -> model or path): a stacked
-    engine drafts for (request, drafter) pairs, keyed by `key(rid, name)`, all in one forward per step."""
+    """One drafter model, drafting greedily for many requests (its tokens are verified as deterministic
+    proposals, which is lossless for sampling too)."""
 
     def __init__(self, model, name: str = "drafter", max_requests: int = 64, max_len: int | None = 2048,
                  top_alternatives: int = 4, device: str | None = None):
-        """`device`: where to load the model(s) ("auto": a GPU if this process has one); None leaves a model
-        object where it is."""
-        if isinstance(model, dict):
-            models = {n: load_causal_lm(m, device) for n, m in model.items()}
-            self.model_names = list(models)
-            self.model = next(iter(models.values()))
-            self.runner = LlamaRunner(models, max_slots=max_requests, max_len=max_len)
-            name = "+".join(self.model_names) if name == "drafter" else name
-        else:
-            self.model = load_causal_lm(model, device)
-            self.model_names = [name]
-            self.runner = LlamaRunner(self.model, max_slots=max_requests, max_len=max_len)
-        self.stacked = isinstance(model, dict)
+        """`device`: where to load the model ("auto": a GPU if this process has one); None leaves a model object
+        where it is."""
+        self.model = load_causal_lm(model, device)
+        self.runner = LlamaRunner(self.model, max_slots=max_requests, max_len=max_len)
         self.name = name
         self.top_alternatives = top_alternatives
         self.states: dict[str, _State] = {}
         self.forward_passes = 0
-        self.last_draft_steps = 0  # lockstep steps of the last `draft` call
 
     # ------------------------------------------------------------------ request state
-    def key(self, rid: str, model: str) -> str:
-        """The engine's key for request `rid` drafted by `model`."""
-        return f"{rid}/{model}" if self.stacked else rid
-
-    def keys_of(self, rid: str) -> list[str]:
-        return [k for k, st in self.states.items() if st.request_id == rid]
-
-    def model_of(self, key: str) -> str:
-        return self.states[key].model
-
-    def sync(self, rid: str, context: list[int], temperature: float = 0.0, seed: int | None = None,
-             model: str | None = None) -> None:
-        """Make `context` the request's context: keep the agreeing cached prefix, queue the rest. A stacked
-        engine's `rid` is a key from `key(request, model)` and `model` names the drafter."""
+    def sync(self, rid: str, context: list[int]) -> None:
+        """Make `context` the request's context: keep the agreeing cached prefix, queue the rest."""
         if len(context) + 1 > self.runner.max_len:
             raise CacheFull(f"context of {len(context)} tokens exceeds {self.runner.max_len}")
         if rid not in self.states:
-            model = model or self.model_names[0]
-            self.runner.add(rid, model if self.stacked else None)
-            gen = None
-            if temperature > 0:
-                gen = torch.Generator()
-                # the drafter's randomness is its own: seeded from the request seed and the drafter's name
-                gen.manual_seed((seed if seed is not None else torch.seed()) ^ zlib.crc32(model.encode()))
-            base = rid.rsplit("/", 1)[0] if self.stacked else rid
-            self.states[rid] = _State(base, model, temperature=temperature, gen=gen)
+            self.runner.add(rid)
+            self.states[rid] = _State()
         cached = self.runner.tokens(rid)
         common = 0
         limit = min(len(cached), len(context) - 1)  # at least one token must be pending to step
@@ -118,7 +83,7 @@ class DrafterEngine:
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
-    def step(self, rids: list[str], want_q: bool = False, want_loglik: bool = False) -> dict[str, Proposal]:
+    def step(self, rids: list[str], want_loglik: bool = False) -> dict[str, Proposal]:
         """One batched forward over the pending tokens of `rids`; a proposal for each."""
         out: dict[str, Proposal] = {}
         long = [r for r in rids if len(self.states[r].pending) > LONG_PENDING]
@@ -131,37 +96,30 @@ class DrafterEngine:
             for r, x, lg in zip(group, inputs, logits):
                 self.runner.commit_all(r, x)
                 self.states[r].pending = []
-                out[r] = self._propose(self.states[r], lg[-1], want_q)
+                out[r] = self._propose(lg[-1])
                 if full and len(x) > 1:  # how well this drafter knows the context: CoSine's cold start
                     logp = torch.log_softmax(lg[:-1].float(), dim=-1)
                     lp = logp.gather(-1, torch.tensor(x[1:])[:, None])
                     out[r].context_loglik = float(lp.clamp(min=LOGLIK_FLOOR).mean())
         return out
 
-    def _propose(self, st: _State, logits: torch.Tensor, want_q: bool) -> Proposal:
-        if st.temperature > 0:
-            q = torch.softmax(logits.float() / st.temperature, dim=-1)
-            token = int(torch.multinomial(q, 1, generator=st.gen))
-        else:
-            q = torch.softmax(logits.float(), dim=-1)
-            token = int(logits.argmax())
+    def _propose(self, logits: torch.Tensor) -> Proposal:
+        q = torch.softmax(logits.float(), dim=-1)
+        token = int(logits.argmax())
         top_p, top_i = q.topk(self.top_alternatives)
-        return Proposal(token, float(q[token]), top_i.tolist(), top_p.tolist(),
-                        q if (want_q and st.temperature > 0) else None)
+        return Proposal(token, float(q[token]), top_i.tolist(), top_p.tolist())
 
-    def draft(self, rids: list[str], k: int | dict[str, int], want_q: bool = False) -> dict[str, list[Proposal]]:
+    def draft(self, rids: list[str], k: int | dict[str, int]) -> dict[str, list[Proposal]]:
         """Chains of up to k proposals per request, each fed back as the next input."""
         ks = k if isinstance(k, dict) else {r: k for r in rids}
         chains: dict[str, list[Proposal]] = {r: [] for r in rids}
         active = [r for r in rids if ks.get(r, 0) > 0]
-        self.last_draft_steps = 0
         for i in range(max(ks.values(), default=0)):
             active = [r for r in active if len(chains[r]) < ks[r]
                       and self.runner.length(r) + len(self.states[r].pending) + 1 < self.runner.max_len]
             if not active:
                 break
-            props = self.step(active, want_q)
-            self.last_draft_steps += 1
+            props = self.step(active)
             for r, p in props.items():
                 chains[r].append(p)
                 if len(chains[r]) < ks[r]:

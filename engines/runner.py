@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from engines.weights import LlamaWeights, StackedLlamaWeights
+from engines.weights import LlamaWeights
 
 
 @dataclass
@@ -33,7 +33,6 @@ class _Slot:
     length: int = 0  # tokens whose keys/values are in the cache
     pending: int = 0  # tokens written by the last forward, not yet committed
     tokens: list[int] = field(default_factory=list)  # the cached tokens, for callers that need them
-    model: int = 0  # which of a stacked runner's models serves the request
 
 
 class CacheFull(RuntimeError):
@@ -53,17 +52,9 @@ def chain_parents(n: int) -> list[int]:
 
 class LlamaRunner:
     def __init__(self, model, max_slots: int = 16, max_len: int | None = None, prepack: bool = True):
-        """`model`: a Llama causal LM, or a dict name -> model of same-shaped models run stacked (each request
-        then names its model in `add`)."""
-        if isinstance(model, dict):
-            self.model_names = list(model)
-            models = [m.eval() for m in model.values()]
-            self.w = StackedLlamaWeights(models) if len(models) > 1 else LlamaWeights(models[0], prepack)
-            model = models[0]
-        else:
-            self.model_names = []
-            model = model.eval()
-            self.w = LlamaWeights(model, prepack)
+        """`model`: a Llama causal LM."""
+        model = model.eval()
+        self.w = LlamaWeights(model, prepack)
         self.model = model
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
@@ -82,15 +73,12 @@ class LlamaRunner:
         self.forward_seconds = 0.0  # time spent in forward passes (benchmarks split it from orchestration)
 
     # ------------------------------------------------------------------ request bookkeeping
-    def add(self, rid: str, model: str | None = None) -> None:
+    def add(self, rid: str) -> None:
         if rid in self.requests:
             raise KeyError(f"request {rid!r} already present")
         if len(self.requests) >= self.max_slots:
             raise CacheFull(f"all {self.max_slots} slots in use")
-        if self.model_names and model not in self.model_names:
-            raise KeyError(f"unknown model {model!r}: this runner holds {self.model_names}")
-        index = self.model_names.index(model) if self.model_names else 0
-        self.requests[rid] = _Slot(slot=len(self.requests), model=index)
+        self.requests[rid] = _Slot(slot=len(self.requests))
 
     def release(self, rid: str) -> None:
         """Free the request's slot; the highest slot moves into the hole so active slots stay contiguous."""
@@ -169,15 +157,13 @@ class LlamaRunner:
         b_idx, t_idx = valid.nonzero(as_tuple=True)
         write_slot = slot_idx[b_idx]
         write_pos = lens[b_idx] + t_idx
-        model_idx = torch.tensor([s.model for s in slots])
         last = n_new - 1
         if self.device.type != "cpu":
-            ids, pos, mask, slot_idx, b_idx, t_idx, write_slot, write_pos, model_idx, last = (
+            ids, pos, mask, slot_idx, b_idx, t_idx, write_slot, write_pos, last = (
                 t.to(self.device, non_blocking=True) for t in
-                (ids, pos, mask, slot_idx, b_idx, t_idx, write_slot, write_pos, model_idx, last))
+                (ids, pos, mask, slot_idx, b_idx, t_idx, write_slot, write_pos, last))
 
         w = self.w
-        w.bind(model_idx)
         h = w.embed(ids)
         cos, sin = w.rotary(h, pos)
         for li in range(self.n_layers):

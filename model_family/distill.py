@@ -8,7 +8,6 @@ contexts the drafter meets at serving time, so agreement there is what raises th
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from tqdm import tqdm
 from transformers import DynamicCache, LlamaForCausalLM
 
 from model_family.data import sample_windows
-from model_family.train import _optimizer, lr_at, set_seed
+from model_family.train import fit, set_seed
 
 TOP_K = 16
 
@@ -82,13 +81,8 @@ def distill_drafter(config, sets: list[DistillSet], steps: int, batch: int, lr: 
     model = LlamaForCausalLM(config)
     if init is not None:
         model.load_state_dict(init.state_dict())
-    opt = _optimizer(model, lr)
-    rng = np.random.default_rng(seed)
-    start = time.time()
-    bar = tqdm(range(steps), desc=desc, unit="step")
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
+
+    def batch_loss(rng: np.random.Generator) -> torch.Tensor:
         which = rng.integers(0, len(sets), size=batch)
         rows = [rng.integers(0, len(sets[s].tokens)) for s in which]
         x = torch.from_numpy(np.stack([sets[s].tokens[r] for s, r in zip(which, rows)]).astype(np.int64))
@@ -96,11 +90,8 @@ def distill_drafter(config, sets: list[DistillSet], steps: int, batch: int, lr: 
         p = torch.from_numpy(np.stack([sets[s].topk_p[r] for s, r in zip(which, rows)]).astype(np.float32))
         p = p / p.sum(-1, keepdim=True)
         logp = F.log_softmax(model(input_ids=x[:, :-1]).logits, dim=-1)
-        loss = -(p * logp.gather(-1, ids)).sum(-1).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        return -(p * logp.gather(-1, ids)).sum(-1).mean()
+
+    seconds = fit(model, steps, lr, seed, desc, batch_loss)
     tokens = steps * batch * (sets[0].tokens.shape[1] - 1)
-    return model, {"steps": steps, "tokens": tokens, "seconds": round(time.time() - start, 1)}
+    return model, {"steps": steps, "tokens": tokens, "seconds": seconds}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer

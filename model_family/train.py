@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 import math
 import time
@@ -13,7 +15,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
-from model_family import DOMAINS
 from model_family.data import sample_windows
 
 
@@ -41,25 +42,37 @@ def train_target(config, streams: dict[str, np.ndarray], steps: int, batch: int,
     """Next-token training on an equal mixture of every domain's stream."""
     set_seed(seed)
     model = LlamaForCausalLM(config)
+    domains = sorted(streams)
+
+    def batch_loss(rng: np.random.Generator) -> torch.Tensor:
+        picks = rng.integers(0, len(domains), size=batch)
+        x = torch.from_numpy(np.concatenate(
+            [sample_windows(streams[domains[d]], 1, seq_len + 1, rng) for d in picks]))
+        logits = model(input_ids=x[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+
+    seconds = fit(model, steps, lr, seed, desc, batch_loss)
+    return model, {"steps": steps, "tokens": steps * batch * seq_len, "seconds": seconds}
+
+
+def fit(model, steps: int, lr: float, seed: int, desc: str,
+        batch_loss: Callable[[np.random.Generator], torch.Tensor]) -> float:
+    """The training loop every model of the family shares: AdamW with warm-up and schedule (`lr_at`), gradient
+    clipping at 1, a progress bar; `batch_loss(rng)` draws a batch and returns its loss. Returns the seconds."""
     opt = _optimizer(model, lr)
     rng = np.random.default_rng(seed)
-    domains = sorted(streams)
     start = time.time()
     bar = tqdm(range(steps), desc=desc, unit="step")
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
-        picks = rng.integers(0, len(domains), size=batch)
-        x = torch.from_numpy(np.concatenate(
-            [sample_windows(streams[domains[d]], 1, seq_len + 1, rng) for d in picks]))
-        logits = model(input_ids=x[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+        loss = batch_loss(rng)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
-    return model, {"steps": steps, "tokens": steps * batch * seq_len, "seconds": round(time.time() - start, 1)}
+    return round(time.time() - start, 1)
 
 
 @torch.no_grad()

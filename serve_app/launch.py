@@ -77,8 +77,12 @@ def serve_env() -> dict[str, str]:
     """Environment of the Serve actors (controller, proxy, replicas), not of this driver: Ray Serve's
     throughput-optimized mode (user code and the handle router on each replica's own event loop, gRPC between
     replicas) took full CoSine at concurrency 1 on the bench graph from 0.79 to 0.88 of the in-process loop
-    (docs/benchmarks.md). RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment opts out."""
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")}
+    (docs/benchmarks.md). RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment opts out. Its ingress drains for
+    30 s on shutdown so that external load balancers can deregister it; on one machine only Serve's own proxy
+    routes to it, which learns of a stopping replica at once, so a short drain keeps Ctrl-C quick."""
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S":
+                os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")}
 
 
 def serve_forever(config_path: Path, http_port: int | None = None, dashboard_port: int = 8265,

@@ -19,13 +19,13 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from config import AppConfig
 from engines.sampling import SamplingParams
-from speculation.goodput import SpeculationController
 from speculation.messages import Draft, DraftRequest, Participation, SpeculationOverrides, TokenChunk
+from speculation.planner import DraftPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,10 @@ class LoopStats:
         self.draft_failures = 0
         self.draft_seconds: deque = deque(maxlen=128)
         self.verify_seconds: deque = deque(maxlen=128)
-        self.draft_lengths: deque = deque(maxlen=128)  # the controller's recent choices (speculating requests)
         self.wait_seconds: deque = deque(maxlen=128)  # per step: how long the verifier waited for its drafts
         self.step_intervals: deque = deque(maxlen=128)  # per step: from one verify's end to the next one's start
         self.recent_accepted: dict[str, deque] = {}  # drafter -> accepted length (bonus included) per draft
+        self.totals = {"steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0}  # since start, for benchmarks
 
     def draft_round(self, seconds: float | None) -> None:
         if seconds is None:
@@ -68,6 +68,8 @@ class LoopStats:
 
     def verify_step(self, seconds: float, drafts: dict[str, Draft], outs: list, in_flight: int) -> None:
         self.verify_seconds.append(seconds)
+        self.totals["steps"] += 1
+        self.totals["verify_s"] += seconds
         for o in outs:
             d = drafts.get(o.request_id)
             if d is None or not d.drafters:
@@ -75,6 +77,10 @@ class LoopStats:
             for name, n in Counter(x for x in d.drafters if x).items():
                 acc = sum(1 for a in o.accepted_drafters if a == name)
                 self.drafter_round(name, n, acc)
+
+    def draft_wait(self, seconds: float) -> None:
+        self.wait_seconds.append(seconds)
+        self.totals["draft_wait_s"] += seconds
 
     def drafter_round(self, name: str, drafted: int, accepted: int) -> None:
         self.recent_accepted.setdefault(name, deque(maxlen=200)).append(1 + accepted)
@@ -95,7 +101,8 @@ class VerifyLoop:
         self.cfg = cfg
         self.drafting = drafting if cfg.speculation.mode != "off" else None
         self.stats = stats or LoopStats()
-        self.controller = _controller(cfg)
+        self.planner = DraftPlanner(cfg)
+        self.controller = self.planner.controller
         self.drafting_overlaps_verification = True  # False where drafters share this CPU (set by the deployment)
         self.half_verify_s = [0.0, 0.0]  # last verify step time of each pipeline half
         self.requests: dict[str, _Request] = {}
@@ -134,6 +141,9 @@ class VerifyLoop:
             except asyncio.CancelledError:
                 pass
 
+    def controller_state(self) -> dict | None:
+        return self.planner.state(self.drafting_overlaps_verification)
+
     def failed(self) -> BaseException | None:
         if self.task is not None and self.task.done() and not self.task.cancelled():
             return self.task.exception()
@@ -170,49 +180,6 @@ class VerifyLoop:
             self.drafting.release(rids)
 
     # ------------------------------------------------------------------ drafting
-    def plan(self, rids: list[str]) -> list[DraftRequest]:
-        """This round's draft requests: per-request depth from the goodput controller (within each request's own
-        bounds), Gamma_max over the batch, and how each request drafts (participation)."""
-        spec = self.cfg.speculation
-        overrides = {r: self.requests[r].overrides if r in self.requests else SpeculationOverrides() for r in rids}
-        caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
-                for r, o in overrides.items()}
-        ks = self.controller.choose(rids, caps, overlap_s=self._overlap(rids)) if self.controller else caps
-        self.stats.draft_lengths.extend(ks[r] for r in rids if caps[r] > 0)
-        while sum(ks.values()) > spec.gamma_max:  # Gamma_max: shorten the longest drafts (CoSine Alg. 2)
-            ks[max(ks, key=ks.get)] -= 1
-        batch = []
-        for r in rids:
-            if ks[r] <= 0:
-                continue
-            o, mode = overrides[r], self._participation(overrides[r])
-            batch.append(DraftRequest(r, self.engine.context(r), ks[r],
-                                      # up to n nodes per depth: the fused path and its branches
-                                      budget=min(spec.tree_budget, mode.drafters_per_request * ks[r]),
-                                      participation=mode, drafters=o.drafters, routing=o.routing))
-        return batch
-
-    def _participation(self, o: SpeculationOverrides) -> Participation:
-        """How a request drafts this round: the controller's choice unless the request fixes its drafters, their
-        number or lockstep (then lockstep is the configured one, or the controller's where the number matches)."""
-        spec, mode = self.cfg.speculation, self.controller.mode if self.controller else None
-        if o.drafters:
-            n = len(o.drafters)
-        elif spec.mode != "cosine":
-            n = 1
-        else:
-            n = o.drafters_per_request or (mode.drafters_per_request if mode else
-                                           self.cfg.routing.drafters_per_request)
-        if n <= 1:
-            return Participation(1)
-        if o.lockstep is not None:
-            lockstep = o.lockstep
-        elif mode is not None and mode.drafters_per_request == n:
-            lockstep = mode.lockstep
-        else:
-            lockstep = spec.lockstep
-        return Participation(n, lockstep and spec.mode == "cosine")
-
     def _overlap(self, rids: list[str]) -> float:
         """How long the other pipeline half's verification runs alongside these requests' drafting (0 when the
         other half is empty, or drafting shares the verifier's hardware: then they take turns)."""
@@ -223,6 +190,11 @@ class VerifyLoop:
             return 0.0
         return self.half_verify_s[1 - half]
 
+    def _pipelined(self) -> bool:
+        """Two halves only pay where there is drafting to hide behind the other half's verification."""
+        return self.drafting is not None and any(r not in self.requests or self.requests[r].overrides.enabled
+                                                 for r in self.engine.running)
+
     def _half(self, rid: str) -> int:
         req = self.requests.get(rid)
         return req.half if req else 0
@@ -231,7 +203,8 @@ class VerifyLoop:
         """Drafts for `rids`; {} (plain decoding) when late, failed or off."""
         if self.drafting is None or not rids:
             return {}
-        batch = self.plan(rids)
+        overrides = {r: self.requests[r].overrides if r in self.requests else SpeculationOverrides() for r in rids}
+        batch = self.planner.plan({r: self.engine.context(r) for r in rids}, overrides, self._overlap(rids))
         if not batch:
             return {}
         modes = set()
@@ -270,15 +243,18 @@ class VerifyLoop:
                 last_end = None  # idle time is not loop overhead
                 continue
             self.engine.admit()
-            members = [r for r in self.engine.running if self._half(r) == turn]
-            if not members:
-                turn = 1 - turn
+            if self._pipelined():
                 members = [r for r in self.engine.running if self._half(r) == turn]
+                if not members:
+                    turn = 1 - turn
+                    members = [r for r in self.engine.running if self._half(r) == turn]
+            else:  # nothing to draft: the whole pool in one verify step
+                members = list(self.engine.running)
             task = pending.pop(turn, None)
             t = time.perf_counter()
             drafts = await task if task is not None else await self._drafts(members)
             drafts = {r: d for r, d in drafts.items() if r in self.engine.running}
-            self.stats.wait_seconds.append(time.perf_counter() - t)
+            self.stats.draft_wait(time.perf_counter() - t)
             t = time.perf_counter()
             if last_end is not None:
                 self.stats.step_intervals.append(t - last_end)
@@ -321,31 +297,3 @@ class VerifyLoop:
                 if o.finished:
                     self.requests.pop(o.request_id, None)
         self._release(finished)
-
-    def controller_state(self) -> dict | None:
-        c = self.controller
-        if c is None:
-            return None
-        ks = list(self.stats.draft_lengths)
-        return {"mean_k_recent": sum(ks) / max(1, len(ks)), "zero_k_share": ks.count(0) / max(1, len(ks)),
-                "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
-                "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b] for p, m in c.mode_draft.items()},
-                "pool_acceptance": c.pool_acceptance,
-                "drafting_overlaps_verification": self.drafting_overlaps_verification,
-                "participation": str(c.mode) if c.mode else None,
-                "acceptance_by_participation": {str(p): c.mode_acceptance(p) for p in c.mode_counts}}
-
-
-def _controller(cfg: AppConfig) -> SpeculationController | None:
-    spec = cfg.speculation
-    if not spec.adaptive or spec.mode == "off":
-        return None
-    # a multi-drafter round verifies up to drafters_per_request nodes per depth (the chain and its branches)
-    per_depth = cfg.routing.drafters_per_request if spec.mode == "cosine" else 1
-    modes: tuple[Participation, ...] = ()
-    if spec.adaptive_drafters and per_depth > 1:  # one drafter, or n fused in lockstep (if on) or one-shot
-        modes = (Participation(1),) + tuple(Participation(n, lockstep)
-                                            for lockstep in ((True, False) if spec.lockstep else (False,))
-                                            for n in range(2, per_depth + 1))
-    return SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True, modes=modes,
-                                 **spec.controller.model_dump())

@@ -196,25 +196,6 @@ def test_prepacked_cpu_linears_match_plain_matmuls(target):
     assert torch.allclose(plain.forward(["a"], [ids])[0], fast.forward(["a"], [ids])[0], atol=1e-4)
 
 
-def test_stacked_drafters_match_each_model_alone(drafter_models, mixed_prompts):
-    """Several drafters in one forward: every request's logits equal its own model's."""
-    names = ["code", "literature", "generic"]
-    stacked = LlamaRunner({n: drafter_models[n] for n in names}, max_slots=6, max_len=256)
-    alone = {n: LlamaRunner(drafter_models[n], max_slots=6, max_len=256) for n in names}
-    reqs = [("a", "code", mixed_prompts[0]), ("b", "generic", mixed_prompts[4]), ("c", "code", mixed_prompts[7]),
-            ("d", "literature", mixed_prompts[10])]
-    for r, n, p in reqs:
-        stacked.add(r, n)
-        alone[n].add(r)
-        for runner in (stacked, alone[n]):
-            runner.forward([r], [p])
-            runner.commit_all(r, p)
-    new = {"a": [3, 4], "b": [5], "c": [6, 7, 8], "d": [9]}
-    got = stacked.forward(list(new), [new[r] for r in new])
-    for (r, n, _), logits in zip(reqs, got):
-        assert torch.allclose(logits, alone[n].forward([r], [new[r]])[0], atol=1e-4), r
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_greedy_on_cuda_equals_target(target, drafter_models, mixed_prompts, shape):

@@ -1,0 +1,92 @@
+"""Draft planning: what each running request drafts this round, from the goodput controller, the request's own
+bounds and Gamma_max."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from config import AppConfig
+from speculation.goodput import SpeculationController
+from speculation.messages import DraftRequest, Participation, SpeculationOverrides
+
+
+class DraftPlanner:
+    def __init__(self, cfg: AppConfig):
+        self.cfg = cfg
+        self.controller = goodput_controller(cfg)
+        self.recent_k: deque = deque(maxlen=128)  # the chosen depths of requests that may speculate
+
+    def plan(self, contexts: dict[str, list[int]], overrides: dict[str, SpeculationOverrides],
+             overlap_s: float = 0.0) -> list[DraftRequest]:
+        """This round's draft requests: per-request depth from the goodput controller (within each request's own
+        bounds; `overlap_s` of verification runs beside this drafting), Gamma_max over the batch, and how each
+        request drafts (participation)."""
+        spec, rids = self.cfg.speculation, list(contexts)
+        caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
+                for r, o in overrides.items()}
+        ks = self.controller.choose(rids, caps, overlap_s=overlap_s) if self.controller else caps
+        self.recent_k.extend(ks[r] for r in rids if caps[r] > 0)
+        while sum(ks.values()) > spec.gamma_max:  # Gamma_max: shorten the longest drafts (CoSine Alg. 2)
+            ks[max(ks, key=ks.get)] -= 1
+        batch = []
+        for r in rids:
+            if ks[r] <= 0:
+                continue
+            o, mode = overrides[r], self.participation(overrides[r])
+            batch.append(DraftRequest(r, contexts[r], ks[r],
+                                      # up to n nodes per depth: the fused path and its branches
+                                      budget=min(spec.tree_budget, mode.drafters_per_request * ks[r]),
+                                      participation=mode, drafters=o.drafters, routing=o.routing))
+        return batch
+
+    def participation(self, o: SpeculationOverrides) -> Participation:
+        """How a request drafts this round: the controller's choice unless the request fixes its drafters, their
+        number or lockstep (then lockstep is the configured one, or the controller's where the number matches)."""
+        spec, mode = self.cfg.speculation, self.controller.mode if self.controller else None
+        if o.drafters:
+            n = len(o.drafters)
+        elif spec.mode != "cosine":
+            n = 1
+        else:
+            n = o.drafters_per_request or (mode.drafters_per_request if mode else
+                                           self.cfg.routing.drafters_per_request)
+        if n <= 1:
+            return Participation(1)
+        if o.lockstep is not None:
+            lockstep = o.lockstep
+        elif mode is not None and mode.drafters_per_request == n:
+            lockstep = mode.lockstep
+        else:
+            lockstep = spec.lockstep
+        return Participation(n, lockstep and spec.mode == "cosine")
+
+    def state(self, drafting_overlaps_verification: bool) -> dict | None:
+        """The controller's state for operators (`speculation_stats`)."""
+        c = self.controller
+        if c is None:
+            return None
+        ks = list(self.recent_k)
+        return {"mean_k_recent": sum(ks) / max(1, len(ks)), "zero_k_share": ks.count(0) / max(1, len(ks)),
+                "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
+                "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b] for p, m in c.mode_draft.items()},
+                "pool_acceptance": c.pool_acceptance,
+                "drafting_overlaps_verification": drafting_overlaps_verification,
+                "participation": str(c.mode) if c.mode else None,
+                "acceptance_by_participation": {str(p): c.mode_acceptance(p) for p in c.mode_counts}}
+
+
+def goodput_controller(cfg: AppConfig) -> SpeculationController | None:
+    """The controller the configuration asks for: none without adaptive speculation; with several drafters per
+    request, it also picks the participation: one drafter, or n fused in lockstep (if on) or one-shot."""
+    spec = cfg.speculation
+    if not spec.adaptive or spec.mode == "off":
+        return None
+    # a multi-drafter round verifies up to drafters_per_request nodes per depth (the chain and its branches)
+    per_depth = cfg.routing.drafters_per_request if spec.mode == "cosine" else 1
+    modes: tuple[Participation, ...] = ()
+    if spec.adaptive_drafters and per_depth > 1:
+        modes = (Participation(1),) + tuple(Participation(n, lockstep)
+                                            for lockstep in ((True, False) if spec.lockstep else (False,))
+                                            for n in range(2, per_depth + 1))
+    return SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True, modes=modes,
+                                 **spec.controller.model_dump())

@@ -1,0 +1,42 @@
+"""Draft planning without Ray or models: each request's bounds, Gamma_max, participation."""
+
+from config import AppConfig
+from speculation.messages import Participation, SpeculationOverrides
+from speculation.planner import DraftPlanner
+
+
+def _cfg(**speculation) -> AppConfig:
+    return AppConfig(verifier={"model": "target"}, drafters=[{"name": n, "model": n} for n in ("a", "b", "c")],
+                     speculation={"k": 4, "adaptive": False, **speculation}, routing={"drafters_per_request": 2})
+
+
+def test_requests_bound_their_own_drafts_and_gamma_max_bounds_the_batch():
+    planner = DraftPlanner(_cfg(gamma_max=7))
+    contexts = {"r1": [1, 2], "r2": [3], "r3": [4, 5, 6], "r4": [7]}
+    overrides = {"r1": SpeculationOverrides(), "r2": SpeculationOverrides(enabled=False),
+                 "r3": SpeculationOverrides(max_draft_tokens=1), "r4": SpeculationOverrides()}
+    batch = {d.request_id: d for d in planner.plan(contexts, overrides)}
+    assert "r2" not in batch  # speculation off for this request: plain decoding
+    assert batch["r3"].k == 1
+    assert sum(d.k for d in batch.values()) <= 7  # the longest drafts were shortened first
+    assert batch["r1"].k + batch["r4"].k == 6 and abs(batch["r1"].k - batch["r4"].k) <= 1
+    assert batch["r1"].context == [1, 2]
+
+
+def test_participation_follows_the_request_then_the_configuration():
+    planner = DraftPlanner(_cfg(lockstep=False))
+    assert planner.participation(SpeculationOverrides()) == Participation(2, lockstep=False)
+    assert planner.participation(SpeculationOverrides(drafters=["a"])) == Participation(1)
+    assert planner.participation(SpeculationOverrides(drafters_per_request=3, lockstep=True)) == Participation(3, True)
+    chain = DraftPlanner(_cfg(mode="chain"))
+    assert chain.participation(SpeculationOverrides(lockstep=True)) == Participation(1)
+    # the tree budget: up to n nodes per depth
+    [d] = planner.plan({"r": [1]}, {"r": SpeculationOverrides(drafters_per_request=3)})
+    assert d.budget == min(8, 3 * 4) and d.participation.drafters_per_request == 3
+
+
+def test_the_adaptive_controller_offers_every_participation_mode():
+    planner = DraftPlanner(_cfg(adaptive=True))
+    assert set(planner.controller.modes) == {Participation(1), Participation(2, True), Participation(2, False)}
+    assert DraftPlanner(_cfg(adaptive=True, adaptive_drafters=False)).controller.modes == ()
+    assert DraftPlanner(_cfg(mode="off", adaptive=True)).controller is None
