@@ -111,7 +111,9 @@ def build_loop(cfg: AppConfig, engine=None, drafter_models: dict | None = None) 
     """The service's loop in this process: the configured verifier engine (or `engine`) and drafters (or the
     already loaded `drafter_models`, name -> model)."""
     tier = InProcessDraftingTier.from_config(cfg, drafter_models) if cfg.speculation.mode != "off" else None
-    return VerifyLoop(engine if engine is not None else build_verifier_engine(cfg), cfg, tier)
+    loop = VerifyLoop(engine if engine is not None else build_verifier_engine(cfg), cfg, tier)
+    loop.drafting_overlaps_verification = False  # drafters and verifier share this process's hardware
+    return loop
 
 
 async def generate_all(loop: VerifyLoop, prompts: list[list[int]], params: list[SamplingParams],

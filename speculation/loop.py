@@ -191,9 +191,11 @@ class VerifyLoop:
         return self.half_verify_s[1 - half]
 
     def _pipelined(self) -> bool:
-        """Two halves only pay where there is drafting to hide behind the other half's verification."""
-        return self.drafting is not None and any(r not in self.requests or self.requests[r].overrides.enabled
-                                                 for r in self.engine.running)
+        """Two halves only pay where there is drafting to hide behind the other half's verification, on hardware
+        of its own: where drafters share the verifier's cores, verifying each half apart only loses batching
+        (measured: 8 requests on two cores, target-only 78 tok/s in halves vs 151 in one step)."""
+        return self.drafting is not None and self.drafting_overlaps_verification and any(
+            r not in self.requests or self.requests[r].overrides.enabled for r in self.engine.running)
 
     def _half(self, rid: str) -> int:
         req = self.requests.get(rid)
@@ -243,16 +245,20 @@ class VerifyLoop:
                 last_end = None  # idle time is not loop overhead
                 continue
             self.engine.admit()
+            t = time.perf_counter()
             if self._pipelined():
                 members = [r for r in self.engine.running if self._half(r) == turn]
                 if not members:
                     turn = 1 - turn
                     members = [r for r in self.engine.running if self._half(r) == turn]
-            else:  # nothing to draft: the whole pool in one verify step
-                members = list(self.engine.running)
-            task = pending.pop(turn, None)
-            t = time.perf_counter()
-            drafts = await task if task is not None else await self._drafts(members)
+                task = pending.pop(turn, None)
+                drafts = await task if task is not None else await self._drafts(members)
+            else:  # the whole pool in one verify step, drafted first (drafts started while pipelining still count)
+                members, drafts = list(self.engine.running), {}
+                for task in pending.values():
+                    drafts.update(await task)
+                pending.clear()
+                drafts.update(await self._drafts([r for r in members if r not in drafts]))
             drafts = {r: d for r, d in drafts.items() if r in self.engine.running}
             self.stats.draft_wait(time.perf_counter() - t)
             t = time.perf_counter()
@@ -273,7 +279,7 @@ class VerifyLoop:
             self.half_verify_s[turn] = last_end - t
             self.stats.verify_step(self.half_verify_s[turn], drafts, outs, len(self.requests))
             self._dispatch(outs)
-            nxt = [r for r in self.engine.running if self._half(r) == turn]
+            nxt = [r for r in self.engine.running if self._half(r) == turn] if self._pipelined() else []
             if nxt:  # this half's next drafts are produced while the other half is verified
                 pending[turn] = asyncio.get_running_loop().create_task(self._drafts(nxt))
             turn = 1 - turn
