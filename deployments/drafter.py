@@ -10,7 +10,6 @@ from ray.serve import metrics
 
 from config import DrafterSpec
 from engines.build import cpu_threads
-from model_family.paths import model_path
 from speculation.inprocess import DrafterServer
 from speculation.messages import DrafterCall, DrafterReply
 
@@ -19,12 +18,11 @@ from speculation.messages import DrafterCall, DrafterReply
 class DrafterDeployment:
     def __init__(self, spec: DrafterSpec):
         torch.set_num_threads(cpu_threads(spec.threads, spec.deployment.ray_actor_options.get("num_cpus")))
-        name = spec.name
-        self.server = DrafterServer(name, str(model_path(spec.model)), spec.max_requests, spec.max_len, spec.device)
+        self.server = DrafterServer.from_spec(spec)
         self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
         self.requests_gauge = metrics.Gauge("cosine_drafter_requests", "requests holding a KV cache in this "
                                             "drafter replica, by drafter", tag_keys=("drafter",))
-        self.requests_gauge.set_default_tags({"drafter": name})
+        self.requests_gauge.set_default_tags({"drafter": spec.name})
 
     async def step(self, calls: list[DrafterCall]) -> DrafterReply:
         async with self.lock:

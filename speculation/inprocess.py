@@ -12,7 +12,7 @@ import time
 
 from dataclasses import dataclass
 
-from config import AppConfig
+from config import AppConfig, DrafterSpec
 from engines.build import build_verifier_engine
 from engines.drafter import DrafterEngine
 from engines.runner import CacheFull
@@ -31,6 +31,13 @@ class DrafterServer:
     def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048, device: str | None = None):
         self.name = name
         self.engine = DrafterEngine(model, name=name, max_requests=max_requests, max_len=max_len, device=device)
+
+    @classmethod
+    def from_spec(cls, spec: DrafterSpec, model=None) -> DrafterServer:
+        """The configured drafter; a loaded `model` replaces loading it from its path (and stays where it is)."""
+        if model is None:
+            return cls(spec.name, str(model_path(spec.model)), spec.max_requests, spec.max_len, spec.device)
+        return cls(spec.name, model, spec.max_requests, spec.max_len, None)
 
     def step(self, calls: list[DrafterCall]) -> DrafterReply:
         """Each request's chain: the next proposal and, for `steps` > 1, the drafter's own continuation of it.
@@ -76,8 +83,7 @@ class InProcessDraftingTier:
     def from_config(cls, cfg: AppConfig, models: dict | None = None) -> InProcessDraftingTier:
         """The configured drafters; `models` (name -> loaded model) replaces loading them from their paths."""
         models = models or {}
-        servers = {d.name: DrafterServer(d.name, models.get(d.name) or str(model_path(d.model)), d.max_requests,
-                                         d.max_len, None if d.name in models else d.device) for d in cfg.drafters}
+        servers = {d.name: DrafterServer.from_spec(d, models.get(d.name)) for d in cfg.drafters}
         return cls(SpeculationCoordinator.from_config(cfg), servers)
 
     async def _step(self, name: str, calls: list[DrafterCall]) -> dict[str, list[Proposal]]:
