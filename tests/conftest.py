@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -24,6 +26,24 @@ RAY_TMP = str(_CACHE / "ray")  # Ray's default temp dir under RAY_TMPDIR
 
 from model_family import DOMAINS  # noqa: E402
 from model_family.paths import models_dir  # noqa: E402
+
+
+def free_port() -> int:
+    """A free loopback port outside the kernel's ephemeral range.
+
+    A port the kernel hands out for bind(0) is free only until the next ephemeral bind: a Ray cluster started
+    after picking it opens dozens of sockets and may take it first. Ports below the ephemeral range (and above
+    Ray's worker ports, 10002-19999) are only ever taken on purpose.
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(20000, low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def pytest_sessionfinish(session, exitstatus):

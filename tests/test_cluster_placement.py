@@ -8,7 +8,6 @@ application must answer.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -21,11 +20,6 @@ import yaml
 pytestmark = pytest.mark.slow
 DRAFTERS = ("code", "legal", "generic")
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(http_port: int) -> dict:
@@ -54,8 +48,9 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path):
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    dash, http_port = _port(), _port()
-    from tests.conftest import RAY_TMP
+    from tests.conftest import RAY_TMP, free_port
+
+    dash, http_port = free_port(), free_port()
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"verifier_node": 1}, "include_dashboard": True, "dashboard_port": dash,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,13 +18,10 @@ import pytest
 import yaml
 from openai import OpenAI
 
+from tests.conftest import free_port
+
 pytestmark = pytest.mark.slow
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _small_config(path: Path) -> Path:
@@ -60,12 +56,12 @@ class _Output:
 
 
 def test_cosine_serve_comes_up_answers_and_stops_clean(tmp_path):
-    port = _port()
+    port = free_port()
     ray_tmp = tempfile.mkdtemp(prefix="cs-")  # short: Ray's socket paths live under it
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
     cosine = str(Path(sys.executable).with_name("cosine"))
     proc = subprocess.Popen([cosine, "serve", str(_small_config(tmp_path / "local.yaml")), "--port", str(port),
-                             "--dashboard-port", str(_port())], env=env, stdout=subprocess.PIPE,
+                             "--dashboard-port", str(free_port())], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     descendants: list[psutil.Process] = []
     try:

@@ -7,7 +7,6 @@ the whole graph must equal target-only greedy decoding token for token.
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
@@ -20,11 +19,6 @@ pytestmark = pytest.mark.slow
 
 MODEL = "cosine-target"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def app_config() -> dict:
@@ -44,8 +38,9 @@ def server():
 
     from serve_app.graph import build_app
 
-    port = _free_port()
-    from tests.conftest import RAY_TMP
+    from tests.conftest import RAY_TMP, free_port
+
+    port = free_port()
 
     from serve_app.launch import serve_env
 
