@@ -51,8 +51,11 @@ class DrafterSpec(_Strict):
 
 
 class VerifierSpec(_Strict):
-    engine: Literal["torch", "vllm"] = Field("torch", description="the target's engine: this project's torch "
-                                            "engine (vllm: not built yet)")
+    engine: Literal["torch", "vllm"] = Field("torch", description="the target's engine. vllm: the drafts are "
+                                            "verified inside a vLLM engine (its paged KV cache, continuous batching, "
+                                            "tensor parallelism, rejection sampler; chains only: a fused tree is "
+                                            "sent as its most confident chain); torch: this project's engine "
+                                            "(verifies whole token trees)")
     model: str = Field(..., description="the target model")
     max_batch: int = Field(16, ge=1, description="requests verified together (continuous batching); more wait")
     max_len: int = Field(2048, ge=64, description="context length (prompt + generated tokens)")
@@ -61,8 +64,15 @@ class VerifierSpec(_Strict):
     threads: int | None = Field(None, ge=1, description="torch CPU threads of a replica; null: the replica's "
                                 "num_cpus if it reserves any, else every core of its machine (Ray would give a "
                                 "replica without num_cpus one thread)")
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs the target is split over (give the "
+                                      "replica as many in deployment.ray_actor_options.num_gpus)")
+    kv_cache_gib: int | None = Field(None, ge=1, description="vllm on CPU: GiB of KV cache "
+                                       "(VLLM_CPU_KVCACHE_SPACE); null: vLLM's default. On GPUs vLLM sizes it from "
+                                       "gpu_memory_utilization (engine_kwargs)")
+    seed: int = Field(0, description="vllm: the engine's seed (requests with their own seed use it instead)")
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to the vLLM engine")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vllm: more vLLM engine arguments "
+                                          "(e.g. gpu_memory_utilization, enable_prefix_caching)")
 
 
 class ControllerSpec(_Strict):

@@ -88,7 +88,12 @@ class VerifierDeployment:
         v = config.verifier
         torch.set_num_threads(cpu_threads(v.threads, v.deployment.ray_actor_options.get("num_cpus")))
         self.speculation = speculation  # handle to the Speculation deployment, or None
-        self.engine = build_verifier_engine(config)
+        loggers = None
+        if v.engine == "vllm":  # vLLM's own metrics (its spec-decode counters among them) go out with ours
+            from engines.vllm_hooks import ray_metrics_logger
+
+            loggers = [ray_metrics_logger()]
+        self.engine = build_verifier_engine(config, loggers)
         self.loop = VerifyLoop(self.engine, config, HandleDraftingTier(speculation) if speculation else None,
                                PrometheusStats())
         self.placement_checked = speculation is None
@@ -131,6 +136,6 @@ class VerifierDeployment:
         except Exception:  # noqa: BLE001 - unknown placement: assume separate hardware, as in a cluster
             logger.warning("drafter placement unknown; assuming drafting overlaps verification")
             return
-        node, device = ray.get_runtime_context().get_node_id(), self.engine.runner.device.type
+        node, device = ray.get_runtime_context().get_node_id(), self.engine.device
         shared = [n for n, p in drafters.items() if p["node_id"] == node and p["device"] == device == "cpu"]
         self.loop.drafting_overlaps_verification = not shared

@@ -12,14 +12,23 @@ def load_tokenizer(cfg: AppConfig):
     return AutoTokenizer.from_pretrained(str(model_path(cfg.tokenizer)))
 
 
-def build_verifier_engine(cfg: AppConfig):
+def build_verifier_engine(cfg: AppConfig, stat_loggers: list | None = None):
+    """The configured verifier engine; `stat_loggers`: more vLLM stat logger factories (vLLM engine only)."""
     v = cfg.verifier
+    tokenizer = load_tokenizer(cfg)
     if v.engine == "torch":
         from engines.verifier import TorchVerifierEngine
 
         return TorchVerifierEngine(str(model_path(v.model)), max_batch=v.max_batch, max_len=v.max_len,
-                                   tokenizer=load_tokenizer(cfg), device=v.device)
-    raise NotImplementedError("the vLLM verifier engine is not built yet; use verifier.engine: torch")
+                                   tokenizer=tokenizer, device=v.device)
+    from engines.vllm_engine import VllmVerifierEngine
+
+    k = cfg.speculation.k if cfg.speculation.mode != "off" else 0
+    eos = tokenizer.eos_token_id
+    return VllmVerifierEngine(str(model_path(v.model)), max_batch=v.max_batch, max_len=v.max_len, k=k,
+                              tokenizer=tokenizer, eos_token_ids=() if eos is None else (eos,),
+                              tensor_parallel_size=v.tensor_parallel_size, kv_cache_gib=v.kv_cache_gib,
+                              seed=v.seed, stat_loggers=stat_loggers, **v.engine_kwargs)
 
 
 def target_input_embeddings(cfg: AppConfig):
@@ -45,3 +54,4 @@ def cpu_threads(threads: int | None, actor_cpus: float | None) -> int:
     if actor_cpus and actor_cpus >= 1:
         return int(actor_cpus)
     return os.cpu_count() or 1
+

@@ -48,6 +48,23 @@ class Draft:
             kids.setdefault(j, [])
         return kids
 
+    def best_chain(self) -> "Draft":
+        """The tree's most confident root-to-leaf path as a chain (for engines that verify chains only): at each
+        node the child the drafters were surest of (the first child where confidences are unknown)."""
+        kids = self.children()
+        path, cur = [], -1
+        while kids.get(cur):
+            cur = max(kids[cur], key=lambda c: self.probs[c] if self.probs and self.probs[c] is not None else 0.0)
+            path.append(cur)
+        if len(path) == len(self.tokens):
+            return self
+
+        def pick(xs):
+            return None if xs is None else [xs[j] for j in path]
+
+        return Draft([self.tokens[j] for j in path], list(range(-1, len(path) - 1)), pick(self.q), pick(self.drafters),
+                     pick(self.probs))
+
     def truncated(self, n: int) -> "Draft":
         """The first n nodes (still a valid tree since parents precede children)."""
         sl = slice(0, n)

@@ -71,10 +71,14 @@ def load_causal_lm(model_or_path, device: str | None = None):
 
 
 class TorchVerifierEngine:
+    partial_steps = True  # a step may advance part of the pool (the loop's pipeline halves)
+    verifies_trees = True
+
     def __init__(self, model, max_batch: int = 16, max_len: int | None = 2048, tokenizer=None,
                  eos_token_ids: tuple[int, ...] | None = None, max_draft_tokens: int = 64, device: str | None = None):
         self.model = load_causal_lm(model, device)
         self.runner = LlamaRunner(self.model, max_slots=max_batch, max_len=max_len)
+        self.device = self.runner.device.type
         self.tokenizer = tokenizer
         eos = eos_token_ids if eos_token_ids is not None else self.model.generation_config.eos_token_id
         self.eos_token_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
@@ -202,7 +206,7 @@ class TorchVerifierEngine:
                 req.stop.finish_reason = reason
                 self.running.pop(rid)
                 self.runner.release(rid)
-                self._finished_stats[rid] = _stats(req)
+                self._finished_stats[rid] = request_stats(req)
         return outputs
 
     def finished_stats(self, rid: str) -> dict | None:
@@ -210,7 +214,8 @@ class TorchVerifierEngine:
         return self._finished_stats.pop(rid, None)
 
 
-def _stats(r: _Request) -> dict:
+def request_stats(r) -> dict:
+    """A finished request's speculation statistics (the OpenAI usage block's extras), from its counters."""
     return {
         "completion_tokens": len(r.generated),
         "verify_steps": r.verify_steps,

@@ -1,0 +1,133 @@
+"""The vLLM verifier engine: our drafts verified inside an unmodified vLLM engine.
+
+Same interface as the torch engine (engines/verifier.py), so the verify loop drives either. vLLM keeps the
+requests' KV cache across steps (paged, no prefix recomputation), batches them continuously and verifies each
+step's drafts with its own forward pass and rejection sampler; engines/vllm_hooks.py writes the drafts in. vLLM
+verifies chains: a fused tree is sent as its most confident chain. Stops (EOS, stop ids, stop strings) stay ours,
+so both engines end requests the same way; a request we stop is aborted in vLLM, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engines import vllm_hooks
+from engines.draft import Draft
+from engines.sampling import SamplingParams
+from engines.stopping import StopChecker
+from engines.verifier import StepOutput, request_stats
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    stop: StopChecker
+    generated: list[int] = field(default_factory=list)
+    verify_steps: int = 0
+    draft_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafters_used: set = field(default_factory=set)
+
+
+class VllmVerifierEngine:
+    partial_steps = False  # vLLM steps its whole batch at once: the loop does not verify halves of the pool
+    verifies_trees = False
+
+    def __init__(self, model: str, *, max_batch: int = 16, max_len: int = 2048, k: int = 4, tokenizer=None,
+                 eos_token_ids: tuple[int, ...] = (), **engine_kwargs):
+        self.engine, self.scheduler, self.vllm_counters = vllm_hooks.build_engine(model, max_batch=max_batch, max_len=max_len, k=k,
+                                                              **engine_kwargs)
+        self.device = vllm_hooks.platform_device()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.max_draft_tokens = k
+        self.requests: dict[str, _Request] = {}
+        self.forward_passes = 0
+        self.last_step_tokens = 0
+        self.last_verify_seconds = 0.0
+        self._finished_stats: dict[str, dict] = {}
+
+    @property
+    def running(self) -> dict[str, _Request]:
+        """Every request in the engine: vLLM admits and prefills them itself, within a step."""
+        return self.requests
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> str:
+        from vllm.inputs import TokensPrompt
+
+        if request_id in self.requests:
+            raise KeyError(f"request {request_id!r} already exists")
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.max_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_len}")
+        stop = StopChecker(params, self.eos_token_ids, self.tokenizer)
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                                vllm_hooks.sampling_params(params, request_id))
+        self.requests[request_id] = _Request(list(prompt_ids), stop)
+        return request_id
+
+    def abort(self, rid: str) -> None:
+        if self.requests.pop(rid, None) is not None:
+            self.engine.abort_request([rid])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def context(self, rid: str) -> list[int]:
+        r = self.requests[rid]
+        return r.prompt + r.generated
+
+    def admit(self) -> None:
+        """vLLM admits waiting requests inside its own step."""
+
+    def step(self, drafts: dict[str, Draft | None] | None = None, only: set[str] | None = None) -> list[StepOutput]:
+        """One vLLM engine step over the whole batch (`only` is ignored: see `partial_steps`)."""
+        chains: dict[str, Draft] = {}
+        for rid, d in (drafts or {}).items():
+            if d is not None and len(d) and rid in self.requests:
+                chains[rid] = d.best_chain().truncated(self.max_draft_tokens)
+        self.scheduler.external_drafts = {
+            rid: vllm_hooks.ExternalDraft(len(self.requests[rid].prompt) + len(self.requests[rid].generated), c.tokens)
+            for rid, c in chains.items()}
+        t = time.perf_counter()
+        outs = self.engine.step()
+        self.last_verify_seconds = time.perf_counter() - t
+        self.last_step_tokens = self.scheduler.last_scheduled_tokens
+        self.forward_passes += 1
+        verified = self.scheduler.take_verified()
+        results = []
+        for o in outs:
+            req = self.requests.get(o.request_id)
+            if req is None:
+                continue
+            completion = o.outputs[0]
+            emitted = req.stop.feed(list(completion.token_ids))
+            req.generated.extend(emitted)
+            req.verify_steps += 1
+            drafted, accepted = verified.get(o.request_id, (0, 0))
+            chain = chains.get(o.request_id)
+            if drafted:
+                req.draft_steps += 1
+                req.drafted += drafted
+                req.accepted += accepted
+                req.drafters_used.update(n for n in (chain.drafters or [])[:accepted] if n)
+            finished = req.stop.finished or o.finished
+            reason = req.stop.finish_reason or completion.finish_reason
+            results.append(StepOutput(
+                o.request_id, emitted, drafted, accepted,
+                list((chain.drafters or [None] * len(chain))[:accepted]) if drafted else [],
+                finished, reason, req.stop.text if req.stop.params.stop else None, drafted))
+            if finished:
+                self.requests.pop(o.request_id)
+                if not o.finished:  # stopped by us (EOS, a stop id or string): vLLM would go on
+                    self.engine.abort_request([o.request_id])
+                self._finished_stats[o.request_id] = request_stats(req)
+        return results
+
+    def finished_stats(self, rid: str) -> dict | None:
+        return self._finished_stats.pop(rid, None)

