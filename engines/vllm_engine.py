@@ -10,6 +10,7 @@ so both engines end requests the same way; a request we stop is aborted in vLLM,
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from engines import vllm_hooks
@@ -37,8 +38,12 @@ class VllmVerifierEngine:
 
     def __init__(self, model: str, *, max_batch: int = 16, max_len: int = 2048, k: int = 4, tokenizer=None,
                  eos_token_ids: tuple[int, ...] = (), **engine_kwargs):
-        self.engine, self.scheduler, self.vllm_counters = vllm_hooks.build_engine(model, max_batch=max_batch, max_len=max_len, k=k,
-                                                              **engine_kwargs)
+        # vLLM's CPU worker sizes its attention metadata by the OpenMP threads of the thread that built it, and its
+        # kernels check that the thread running them has as many (a step on another thread fails): the engine is
+        # built, stepped and shut down on one thread of its own.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
+        self.engine, self.scheduler, self.vllm_counters = self._thread.submit(
+            vllm_hooks.build_engine, model, max_batch=max_batch, max_len=max_len, k=k, **engine_kwargs).result()
         self.device = vllm_hooks.platform_device()
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -87,8 +92,15 @@ class VllmVerifierEngine:
 
     def step(self, drafts: dict[str, Draft | None] | None = None, only: set[str] | None = None) -> list[StepOutput]:
         """One vLLM engine step over the whole batch (`only` is ignored: see `partial_steps`)."""
+        return self._thread.submit(self._step, drafts or {}).result()
+
+    def shutdown(self) -> None:
+        self._thread.submit(self.engine.engine_core.shutdown).result()
+        self._thread.shutdown()
+
+    def _step(self, drafts: dict[str, Draft | None]) -> list[StepOutput]:
         chains: dict[str, Draft] = {}
-        for rid, d in (drafts or {}).items():
+        for rid, d in drafts.items():
             if d is not None and len(d) and rid in self.requests:
                 chains[rid] = d.best_chain().truncated(self.max_draft_tokens)
         self.scheduler.external_drafts = {

@@ -251,6 +251,19 @@ def build_parser() -> argparse.ArgumentParser:
                                           "Prometheus metrics during the run into the JSON")
     sv.add_argument("--plot-dir", help="render the sampled metrics as PNG here (needs the docs extra)")
     sv.set_defaults(func=_bench_serve)
+    an = bsub.add_parser("anchors", help="ours with the vLLM verifier vs vLLM target-only, vLLM draft_model and "
+                                         "ngram speculation and HF assisted generation, side by side")
+    an.add_argument("--config", default="examples/bench.yaml", help="our configuration (served and in process)")
+    an.add_argument("--per-domain", type=int, default=2, help="held-out prompts per domain")
+    an.add_argument("--new-tokens", type=int, default=128)
+    an.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    an.add_argument("--repeats", type=int, default=3, help="timed runs of every system, interleaved; the median "
+                                                           "counts (after one warm-up run each)")
+    an.add_argument("--no-served", action="store_true", help="skip ours through Ray Serve")
+    an.add_argument("--port", type=int, default=8011, help="loopback port of the served graph (and port + 1 for "
+                                                           "its dashboard)")
+    an.add_argument("--json", default="bench_results/anchors.json")
+    an.set_defaults(func=_bench_anchors)
     return p
 
 
@@ -289,6 +302,12 @@ def _serve(args) -> int:
     from serve_app.launch import serve_forever
 
     return serve_forever(Path(args.config), args.port, args.dashboard_port, args.ready_timeout)
+
+
+def _bench_anchors(args) -> int:
+    from benchmarks.anchors import main as bench_main
+
+    return bench_main(args)
 
 
 def _bench_serve(args) -> int:

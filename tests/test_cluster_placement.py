@@ -1,9 +1,9 @@
 """`serve deploy` of the production graph shape onto a local multi-node Ray cluster.
 
-Three Ray nodes on this machine stand in for the cluster of cluster.yaml: a head "A100" node advertising the
-`verifier_node` resource and two "RTX 3090" nodes advertising `drafter_node`. The graph uses the shipped small
-models (nothing can be downloaded here). Every replica must land on the right kind of node, and the deployed
-application must answer.
+Three Ray nodes on this machine stand in for the cluster of cluster.yaml, started with the custom resources it
+asks for: a head "A100" node advertising `verifier_node` and two "RTX 3090" nodes advertising `drafter_node`. The
+deployed config is cluster.yaml itself with the shipped small models (nothing can be downloaded here) and sizes for
+this machine. Every replica must land on the right kind of node, and the application must answer.
 """
 
 from __future__ import annotations
@@ -18,28 +18,28 @@ import pytest
 import yaml
 
 pytestmark = pytest.mark.slow
-DRAFTERS = ("code", "legal", "generic")
-
+CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
 
 
 def _config(http_port: int) -> dict:
-    on_verifier = {"num_cpus": 0, "resources": {"verifier_node": 0.01}}
-    on_drafter = {"num_cpus": 0, "resources": {"drafter_node": 0.01}}
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": http_port},
-        "applications": [{
-            "name": "cosine", "route_prefix": "/", "import_path": "serve_app.graph:build_app",
-            "args": {
-                "ingress": {"model_name": "cosine-target", "deployment": {"ray_actor_options": on_verifier}},
-                "verifier": {"model": "target", "max_batch": 4, "max_len": 256,
-                             "deployment": {"ray_actor_options": on_verifier}},
-                "speculation": {"mode": "cosine", "k": 3, "draft_timeout_ms": 5000,
-                                "deployment": {"ray_actor_options": on_verifier}},
-                "drafters": [{"name": d, "model": f"drafter-{d}", "max_len": 256,
-                              "deployment": {"ray_actor_options": on_drafter}} for d in DRAFTERS],
-            }}],
-    }
+    """cluster.yaml with this project's small models and sizes for this machine: the shipped target in vLLM on
+    CPU, the shipped drafters, no GPU or CPU counts (placement by the custom resources), one loopback proxy (every node of this
+    cluster is this machine, so a proxy per node would bind one port three times)."""
+    cfg = yaml.safe_load(CLUSTER_YAML.read_text())
+    cfg["proxy_location"] = "HeadOnly"
+    cfg["http_options"] = {"host": "127.0.0.1", "port": http_port}
+    args = cfg["applications"][0]["args"]
+    args["tokenizer"] = "tokenizer"
+    args["verifier"].update(model="target", max_batch=4, max_len=256, tensor_parallel_size=1, kv_cache_gib=1,
+                            engine_kwargs={})
+    args["speculation"]["draft_timeout_ms"] = 5000  # this machine's CPU drafts far slower than a 3090
+    for spec in [args["ingress"], args["speculation"], args["verifier"], *args["drafters"]]:
+        options = spec["deployment"]["ray_actor_options"]
+        options.pop("accelerator_type", None)
+        options.update(num_gpus=0, num_cpus=0)  # 2 CPUs per node here: placement by the custom resources only
+    for d in args["drafters"]:
+        d.update(model=f"drafter-{d['name']}", max_len=256)
+    return cfg
 
 
 def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path):
@@ -79,13 +79,15 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path):
         for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
             if a.class_name and a.class_name.startswith("ServeReplica:cosine:"):
                 placed.setdefault(a.class_name.split(":")[-1], []).append(a.node_id)
-        for d in DRAFTERS:
+        drafters = [d["name"] for d in _config(http_port)["applications"][0]["args"]["drafters"]]
+        assert len(drafters) == 7
+        for d in drafters:
             assert placed[f"Drafter-{d}"] and set(placed[f"Drafter-{d}"]) <= drafter_ids, d
-        for name in ("Verifier", "Speculation", "Ingress"):
+        for name in ("Verifier", "Speculation"):  # the ingress replicas go wherever Serve puts them
             assert set(placed[name]) == {head_id}, name
 
         r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=120,
-                       json={"model": "cosine-target", "prompt": "def main():", "max_tokens": 8, "temperature": 0})
+                       json={"model": "deepseek-r1-distill-qwen-32b", "prompt": "def main():", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
     finally:
         try:

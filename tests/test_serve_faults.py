@@ -51,7 +51,7 @@ def test_a_killed_drafter_does_not_break_the_request(server, tokenizer, target, 
     assert t.is_alive(), "the request finished before the drafter was killed"
     t.join(300)
     r = result["r"]
-    assert r.status_code == 200
+    assert r.status_code == 200, r.text
     want = greedy_continue(target, torch.tensor([ids]), 96)[0, len(ids):].tolist()
     assert r.json()["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
     # Serve brings the drafter back and speculation resumes

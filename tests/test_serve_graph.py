@@ -1,7 +1,8 @@
 """End to end over HTTP against the real Ray Serve application (local Ray, the shipped models).
 
-The graph runs with the small target (the bench target would only make the suite slower); greedy output through
-the whole graph must equal target-only greedy decoding token for token.
+The graph runs with the small target (the bench target would only make the suite slower) verified in vLLM, as
+examples/local.yaml does; greedy output through the whole graph must equal target-only greedy decoding token for
+token (which tests/test_vllm_verifier.py checks is also vLLM's own target-only output).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ MODEL = "cosine-target"
 def app_config() -> dict:
     return {
         "ingress": {"model_name": MODEL, "max_queued_requests": 6},
-        "verifier": {"model": "target", "max_batch": 8, "max_len": 512},
+        "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 512, "kv_cache_gib": 1},
         "speculation": {"mode": "cosine", "k": 4, "tree_budget": 8, "draft_timeout_ms": 2000},
         "drafters": [{"name": d, "model": f"drafter-{d}"} for d in DOMAINS]
         + [{"name": "generic", "model": "drafter-generic", "generalist": True}],

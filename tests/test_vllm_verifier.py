@@ -42,7 +42,7 @@ def engine():
     """One vLLM engine for the module (k = 4); each test drives it with its own loop."""
     e = build_verifier_engine(_cfg())
     yield e
-    e.engine.engine_core.shutdown()
+    e.shutdown()
 
 
 @pytest.fixture(scope="module")
