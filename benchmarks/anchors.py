@@ -3,13 +3,14 @@
 The same held-out mixed-domain prompts (2 per domain, 64 tokens), the bench target, greedy, 128 new tokens
 (`ignore_eos`), at each concurrency (a closed loop: that many requests in flight). Systems:
 - vLLM target-only; vLLM `draft_model` speculation with the generic drafter, and with the prompt's own domain
-  drafter (one engine per domain: vLLM takes one draft model, so each domain's prompts run on their engine, at
-  the concurrency or as many prompts as the domain has); vLLM `ngram`. All in-process vLLM engines (faster on few
+  drafter (vLLM takes one draft model per engine: each domain's prompts run on their domain's engine, at the
+  concurrency or as many prompts as the domain has; these engines run first, one at a time, since nine vLLM
+  engines do not fit in a small machine's memory); vLLM `ngram`. All in-process vLLM engines (faster on few
   cores than its multiprocess default, measured), k = 4.
 - HF assisted generation with the domain drafter (batch 1 only: transformers' assisted generation is batch 1).
 - ours: the vLLM verifier with the in-process drafting tier (`VerifyLoop`, the full CoSine configuration of
   examples/bench.yaml), and the same configuration served through Ray Serve (`cosine serve`, HTTP).
-Every system lives in its own process (one vLLM engine per process), is warmed up, and the systems are
+Every system lives in its own process (one vLLM engine per process), is warmed up, and the other systems are
 interleaved over the repeats; each row is the median run with min and max. Reported: tokens/s, time per output
 token, mean accepted length (vLLM's definition: 1 + accepted / drafts), target passes per token where the engine
 counts them, speed-up over vLLM target-only, and whether the output equals vLLM target-only's.
@@ -281,47 +282,40 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     prompts = _prompts(tok, per_domain, prompt_len)
     max_batch = max(concurrencies)
     systems = _systems(served)
-    runners: dict[str, object] = {}
     logs = Path(tempfile.mkdtemp(prefix="cosine-anchors-"))
     log(f"worker logs: {logs}")
+    plan = [(name, c) for c in concurrencies for name in systems if not (name == HF and c > 1)]
+    # The domain-drafter rows need one vLLM engine per domain, and this machine's memory does not hold nine vLLM
+    # engines at once: they run first, one domain's engine at a time (warm-up, then the repeats).
+    runs: dict[tuple[str, int], list[dict]] = _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch,
+                                                            logs, log)
+    runners: dict[str, object] = {}
     try:
         for i, (name, spec) in enumerate(systems.items()):
+            if name == ORACLE:
+                continue
             log(f"[start {i + 1}/{len(systems)}] {name}")
             if spec["kind"] == "served":
                 runners[name] = _Served(config, port, port + 1)
-            elif spec.get("draft") == "oracle":
-                runners[name] = {d: _Worker(dict(spec, draft=d, max_batch=max_batch), logs / f"{i}-{d}.log")
-                                 for d in DOMAINS}
             else:
                 runners[name] = _Worker(dict(spec, config=config, max_batch=max_batch), logs / f"{i}.log")
 
         def measure(name: str, concurrency: int, subset, max_tokens: int) -> dict:
-            r = runners[name]
-            if isinstance(r, dict):  # one engine per domain: each domain's prompts on its own drafter's engine
-                parts = [r[d].run([p for dd, p in subset if dd == d], concurrency, max_tokens, [d] * per_domain)
-                         for d in DOMAINS if any(dd == d for dd, _ in subset)]
-                order = {d: iter(part["outputs"]) for d, part in zip(DOMAINS, parts)}
-                return {"outputs": [next(order[d]) for d, _ in subset],
-                        "seconds": [s for part in parts for s in part["seconds"]],
-                        "wall": sum(part["wall"] for part in parts), "drafts": sum(p["drafts"] for p in parts),
-                        "accepted": sum(p["accepted"] for p in parts), "steps": None}
-            return r.run([p for _, p in subset], concurrency, max_tokens, [d for d, _ in subset])
+            return runners[name].run([p for _, p in subset], concurrency, max_tokens, [d for d, _ in subset])
 
-        plan = [(name, c) for c in concurrencies for name in systems if not (name == HF and c > 1)]
-        for i, (name, c) in enumerate(plan):
-            log(f"[warm-up {i + 1}/{len(plan)}] concurrency {c}: {name}")
+        interleaved = [(name, c) for name, c in plan if name != ORACLE]
+        for i, (name, c) in enumerate(interleaved):
+            log(f"[warm-up {i + 1}/{len(interleaved)}] concurrency {c}: {name}")
             measure(name, c, prompts[::per_domain][:max(2, c)], 16)
-        runs: dict[tuple[str, int], list[dict]] = {}
         for rep in range(repeats):
-            for i, (name, c) in enumerate(plan):
-                log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(plan)}] concurrency {c}: {name}")
+            for i, (name, c) in enumerate(interleaved):
+                log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(interleaved)}] concurrency {c}: {name}")
                 res = measure(name, c, prompts, new_tokens)
-                res["tokens"] = sum(len(o) for o in res["outputs"] if o)
+                res["tokens"] = sum(len(o) for o in res["outputs"])
                 runs.setdefault((name, c), []).append(res)
     finally:
         for r in runners.values():
-            for w in (r.values() if isinstance(r, dict) else [r]):
-                w.stop()
+            r.stop()
     rows = [_row(name, c, runs[(name, c)], runs[(TARGET_ONLY, c)][0]["outputs"], tok) for name, c in plan]
     for row in rows:
         base = next(r for r in rows if r["system"] == TARGET_ONLY and r["concurrency"] == row["concurrency"])
@@ -329,6 +323,35 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     return {"config": {"prompts": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens, "k": K,
                        "repeats": repeats, "ours": config, "cpus": os.cpu_count()},
             "rows": rows, "goals": _goals(rows, concurrencies)}
+
+
+def _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch, logs: Path, log) -> dict:
+    """vLLM draft_model with each prompt's own domain drafter: each domain's prompts on an engine with that
+    domain's drafter, one engine at a time; a repeat's result sums the domains' walls."""
+    parts: dict[tuple[int, int], dict[str, dict]] = {}
+    for n, d in enumerate(DOMAINS):
+        log(f"[{ORACLE} {n + 1}/{len(DOMAINS)}] {d}")
+        mine = [p for dd, p in prompts if dd == d]
+        worker = _Worker({"kind": "vllm", "draft": d, "max_batch": max_batch}, logs / f"oracle-{d}.log")
+        try:
+            for c in concurrencies:
+                worker.run(mine[:1], c, 16, [d])
+            for rep in range(repeats):
+                for c in concurrencies:
+                    parts.setdefault((c, rep), {})[d] = worker.run(mine, c, new_tokens, [d] * len(mine))
+        finally:
+            worker.stop()
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for (c, _), by_domain in sorted(parts.items()):
+        order = {d: iter(r["outputs"]) for d, r in by_domain.items()}
+        res = {"outputs": [next(order[d]) for d, _ in prompts],
+               "seconds": [s for r in by_domain.values() for s in r["seconds"]],
+               "wall": sum(r["wall"] for r in by_domain.values()),
+               "drafts": sum(r["drafts"] for r in by_domain.values()),
+               "accepted": sum(r["accepted"] for r in by_domain.values()), "steps": None}
+        res["tokens"] = sum(len(o) for o in res["outputs"])
+        runs.setdefault((ORACLE, c), []).append(res)
+    return runs
 
 
 def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int]], tok) -> dict:

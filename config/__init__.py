@@ -97,6 +97,10 @@ class SpeculationSpec(_Strict):
     lockstep: bool = Field(True, description="with several drafters per request, fuse them in lockstep (the fused "
                            "token fed back to every drafter at every depth, CoSine Eq. 4) as one of the controller's "
                            "options; false: only one-shot fusion (each drafter's own chain, fused at divergences)")
+    draft_ahead: bool = Field(True, description="vllm engine, drafters on hardware of their own: while a step is "
+                              "verified, draft the next round from the context that step's full acceptance would "
+                              "give; after the step each such draft is used for what of it still extends the "
+                              "context (the other requests draft as usual), so drafting overlaps verification")
     adaptive: bool = Field(True, description="the goodput controller picks each request's draft length 0..k every "
                            "round; false: always k")
     adaptive_drafters: bool = Field(True, description="with adaptive speculation, the goodput controller also "

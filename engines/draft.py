@@ -65,6 +65,20 @@ class Draft:
         return Draft([self.tokens[j] for j in path], list(range(-1, len(path) - 1)), pick(self.q), pick(self.drafters),
                      pick(self.probs))
 
+    def following(self, extra: list[int]) -> "Draft | None":
+        """What is left of this draft once its context has grown by `extra`: the rest of its best chain if `extra`
+        is how that chain begins, else None (a draft made ahead, from a context that did not come true)."""
+        chain = self.best_chain()
+        m = len(extra)
+        if chain.tokens[:m] != list(extra) or len(chain) <= m:
+            return None
+
+        def rest(xs):
+            return None if xs is None else xs[m:]
+
+        return Draft(chain.tokens[m:], list(range(-1, len(chain) - m - 1)), rest(chain.q), rest(chain.drafters),
+                     rest(chain.probs))
+
     def truncated(self, n: int) -> "Draft":
         """The first n nodes (still a valid tree since parents precede children)."""
         sl = slice(0, n)

@@ -173,7 +173,7 @@ class SpeculationCoordinator:
         new = rid not in self.router.requests
         if new:
             self.router.add_request(rid)
-        else:
+        elif not req.ahead:
             self._feedback(rid, req.context)
         fixed = req.drafters or self.fixed
         if fixed:
@@ -220,7 +220,8 @@ class SpeculationCoordinator:
             d = r.draft()
             if d is not None:
                 drafts[rid] = d
-            self.rounds[rid] = r.record()
+            if not r.req.ahead or rid not in self.rounds:
+                self.rounds[rid] = r.record()
         self.stats["rounds"] += 1
         self.stats["step_seconds"] += time.perf_counter() - t0
         return drafts

@@ -58,6 +58,9 @@ class DraftRequest:
     participation: Participation = Participation()
     drafters: list[str] | None = None  # the request's fixed drafters (SpeculationOverrides.drafters)
     routing: Literal["router", "random"] = "router"
+    # drafted ahead, while the verifier checks the draft `context` ends with (its full acceptance assumed): the
+    # context is not all committed, so routing feedback waits for a round that starts from committed tokens
+    ahead: bool = False
 
 
 @dataclass

@@ -17,10 +17,10 @@ class DraftPlanner:
         self.recent_k: deque = deque(maxlen=128)  # the chosen depths of requests that may speculate
 
     def plan(self, contexts: dict[str, list[int]], overrides: dict[str, SpeculationOverrides],
-             overlap_s: float = 0.0) -> list[DraftRequest]:
+             overlap_s: float = 0.0, ahead: bool = False) -> list[DraftRequest]:
         """This round's draft requests: per-request depth from the goodput controller (within each request's own
         bounds; `overlap_s` of verification runs beside this drafting), Gamma_max over the batch, and how each
-        request drafts (participation)."""
+        request drafts (participation). `ahead`: the contexts end with drafts being verified (DraftRequest.ahead)."""
         spec, rids = self.cfg.speculation, list(contexts)
         caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
                 for r, o in overrides.items()}
@@ -33,10 +33,11 @@ class DraftPlanner:
             if ks[r] <= 0:
                 continue
             o, mode = overrides[r], self.participation(overrides[r])
-            batch.append(DraftRequest(r, contexts[r], ks[r],
+            k = ks[r] + ahead  # drafted ahead: one more, for the token the target adds after the verified chain
+            batch.append(DraftRequest(r, contexts[r], k,
                                       # up to n nodes per depth: the fused path and its branches
-                                      budget=min(spec.tree_budget, mode.drafters_per_request * ks[r]),
-                                      participation=mode, drafters=o.drafters, routing=o.routing))
+                                      budget=min(spec.tree_budget, mode.drafters_per_request * k),
+                                      participation=mode, drafters=o.drafters, routing=o.routing, ahead=ahead))
         return batch
 
     def participation(self, o: SpeculationOverrides) -> Participation:

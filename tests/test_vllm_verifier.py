@@ -108,6 +108,18 @@ def test_greedy_through_the_loop_equals_the_target(engine, drafter_models, promp
     _assert_nothing_left(engine)
 
 
+def test_drafting_ahead_is_lossless_and_carries_drafts_over(engine, drafter_models, prompts, reference):
+    """With drafters on hardware of their own, the next round is drafted while a step is verified, from the
+    context full acceptance would give; drafts that no longer extend the context are dropped."""
+    loop = build_loop(_cfg(), engine, drafter_models)
+    loop.drafting_overlaps_verification = True
+    out = _generate(loop, prompts)
+    assert [o.token_ids for o in out] == reference
+    totals = loop.stats.totals
+    assert 0 < totals["ahead_used"] < totals["drafted_ahead"]  # some carried over, some did not come true
+    _assert_nothing_left(engine)
+
+
 def test_stops_are_ours_and_free_vllm_requests(engine, drafter_models, prompts, reference):
     """A stop token ends the request where the target would, and vLLM (which ignores it) lets it go."""
     stops = [ref[5] for ref in reference[:6]]
