@@ -78,7 +78,9 @@ def _methods(k: int) -> list[tuple[str, object, bool, bool]]:
             (f"ours: chain, domain drafter, k={k}", lambda d: [d], False, False),
             (f"ours: tree, domain + generic drafters, k={k}", lambda d: [d, "generic"], False, False),
             (f"ours: chain, goodput-adaptive k<={2 * k}", lambda d: [d], False, True),
-            (f"ours: full CoSine (routing, fusion, adaptive), k<={2 * k}", None, True, True)]
+            (f"ours: full CoSine (routing, fusion, adaptive), k<={2 * k}", None, True, True),
+            # the same, each fused tree verified as its best chain: what the vLLM engine verifies
+            (f"ours: full CoSine, best chain of each tree, k<={2 * k}", None, True, True)]
 
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
@@ -112,7 +114,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                                      "adaptive": adaptive, "draft_timeout_ms": 600_000},
                         routing={"drafters_per_request": 2 if drafter_names is None else
                                  max(1, len(drafter_names("code")))})
-        verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len)
+        verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees="best chain" not in method)
         loop = build_loop(cfg, verifier, drafters)
         if loop.controller is not None and not loop.controller.modes:
             if batch not in seeds:

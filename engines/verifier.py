@@ -39,19 +39,54 @@ class StepOutput:
 
 
 @dataclass
-class _Request:
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    stop: StopChecker
-    gen: torch.Generator
-    last_token: int  # committed, not yet in the KV cache
+class RequestCounts:
+    """A request's speculation counters, in both engines; `stats` gives them as the OpenAI usage extras."""
+
     generated: list[int] = field(default_factory=list)
     verify_steps: int = 0
     draft_steps: int = 0
     drafted: int = 0
     accepted: int = 0
     drafters_used: set = field(default_factory=set)
+
+    def verified(self, drafted: int, accepted: int, drafters) -> None:
+        """One verify step; `drafted` 0: the request decoded without a draft."""
+        self.verify_steps += 1
+        if drafted:
+            self.draft_steps += 1
+            self.drafted += drafted
+            self.accepted += accepted
+            self.drafters_used.update(n for n in drafters if n)
+
+    def stats(self) -> dict:
+        return {
+            "completion_tokens": len(self.generated),
+            "verify_steps": self.verify_steps,
+            "num_drafts": self.draft_steps,
+            "num_draft_tokens": self.drafted,
+            "num_accepted_tokens": self.accepted,
+            # vLLM's definitions: 1 + accepted / drafts, accepted / drafted
+            "mean_acceptance_length": 1 + self.accepted / self.draft_steps if self.draft_steps else 1.0,
+            "draft_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "drafters_used": sorted(self.drafters_used),
+        }
+
+
+@dataclass
+class _Request(RequestCounts):
+    rid: str = ""
+    prompt: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None
+    stop: StopChecker | None = None
+    gen: torch.Generator | None = None
+    last_token: int = -1  # committed, not yet in the KV cache
+
+
+def check_prompt(prompt_ids: list[int], max_len: int) -> None:
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    if len(prompt_ids) >= max_len:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {max_len}")
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -72,10 +107,10 @@ def load_causal_lm(model_or_path, device: str | None = None):
 
 class TorchVerifierEngine:
     partial_steps = True  # a step may advance part of the pool (the loop's pipeline halves)
-    verifies_trees = True
 
     def __init__(self, model, max_batch: int = 16, max_len: int | None = 2048, tokenizer=None,
-                 eos_token_ids: tuple[int, ...] | None = None, max_draft_tokens: int = 64, device: str | None = None):
+                 eos_token_ids: tuple[int, ...] | None = None, max_draft_tokens: int = 64, device: str | None = None,
+                 trees: bool = True):
         self.model = load_causal_lm(model, device)
         self.runner = LlamaRunner(self.model, max_slots=max_batch, max_len=max_len)
         self.device = self.runner.device.type
@@ -85,6 +120,7 @@ class TorchVerifierEngine:
         self.max_batch = max_batch
         self.max_len = self.runner.max_len
         self.max_draft_tokens = max_draft_tokens
+        self.verifies_trees = trees  # false: a tree is verified as its best chain (what the vLLM engine does)
         self.waiting: OrderedDict[str, _Request] = OrderedDict()
         self.running: OrderedDict[str, _Request] = OrderedDict()
         self.forward_passes = 0
@@ -98,12 +134,10 @@ class TorchVerifierEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.waiting or rid in self.running:
             raise KeyError(f"request {rid!r} already exists")
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        if len(prompt_ids) >= self.max_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_len}")
+        check_prompt(prompt_ids, self.max_len)
         stop = StopChecker(params, self.eos_token_ids, self.tokenizer)
-        self.waiting[rid] = _Request(rid, list(prompt_ids), params, stop, params.generator(), prompt_ids[-1])
+        self.waiting[rid] = _Request(rid=rid, prompt=list(prompt_ids), params=params, stop=stop,
+                                     gen=params.generator(), last_token=prompt_ids[-1])
         return rid
 
     def abort(self, rid: str) -> None:
@@ -148,6 +182,8 @@ class TorchVerifierEngine:
             if only is not None and rid not in only:
                 continue
             draft = drafts.get(rid)
+            if draft is not None and not self.verifies_trees:
+                draft = draft.best_chain()
             room = min(self.max_draft_tokens, self.max_len - self.runner.length(rid) - 1,
                        req.params.max_tokens - len(req.generated) - 1)
             if draft is not None and len(draft) > room:
@@ -187,12 +223,7 @@ class TorchVerifierEngine:
             emitted = req.stop.feed(committed)
             req.generated.extend(emitted)
             req.last_token = extra
-            req.verify_steps += 1
-            if draft is not None:
-                req.drafters_used.update(n for n in (draft.drafters or []) if n)
-                req.draft_steps += 1
-                req.drafted += len(draft)
-                req.accepted += len(path)
+            req.verified(len(draft) if draft else 0, len(path), (draft.drafters or []) if draft else [])
             finished = req.stop.finished
             reason = req.stop.finish_reason
             if not finished and self.runner.length(rid) + 1 >= self.max_len:
@@ -206,24 +237,9 @@ class TorchVerifierEngine:
                 req.stop.finish_reason = reason
                 self.running.pop(rid)
                 self.runner.release(rid)
-                self._finished_stats[rid] = request_stats(req)
+                self._finished_stats[rid] = req.stats()
         return outputs
 
     def finished_stats(self, rid: str) -> dict | None:
         """Speculation statistics of a finished request (returned once)."""
         return self._finished_stats.pop(rid, None)
-
-
-def request_stats(r) -> dict:
-    """A finished request's speculation statistics (the OpenAI usage block's extras), from its counters."""
-    return {
-        "completion_tokens": len(r.generated),
-        "verify_steps": r.verify_steps,
-        "num_drafts": r.draft_steps,
-        "num_draft_tokens": r.drafted,
-        "num_accepted_tokens": r.accepted,
-        # vLLM's definitions: 1 + accepted / drafts, accepted / drafted
-        "mean_acceptance_length": 1 + r.accepted / r.draft_steps if r.draft_steps else 1.0,
-        "draft_acceptance_rate": r.accepted / r.drafted if r.drafted else 0.0,
-        "drafters_used": sorted(r.drafters_used),
-    }

@@ -17,24 +17,17 @@ from engines import vllm_hooks
 from engines.draft import Draft
 from engines.sampling import SamplingParams
 from engines.stopping import StopChecker
-from engines.verifier import StepOutput, request_stats
+from engines.verifier import RequestCounts, StepOutput, check_prompt
 
 
 @dataclass
-class _Request:
-    prompt: list[int]
-    stop: StopChecker
-    generated: list[int] = field(default_factory=list)
-    verify_steps: int = 0
-    draft_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    drafters_used: set = field(default_factory=set)
+class _Request(RequestCounts):
+    prompt: list[int] = field(default_factory=list)
+    stop: StopChecker | None = None
 
 
 class VllmVerifierEngine:
     partial_steps = False  # vLLM steps its whole batch at once: the loop does not verify halves of the pool
-    verifies_trees = False
 
     def __init__(self, model: str, *, max_batch: int = 16, max_len: int = 2048, k: int = 4, tokenizer=None,
                  eos_token_ids: tuple[int, ...] = (), **engine_kwargs):
@@ -66,14 +59,11 @@ class VllmVerifierEngine:
 
         if request_id in self.requests:
             raise KeyError(f"request {request_id!r} already exists")
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        if len(prompt_ids) >= self.max_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_len}")
+        check_prompt(prompt_ids, self.max_len)
         stop = StopChecker(params, self.eos_token_ids, self.tokenizer)
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)),
                                 vllm_hooks.sampling_params(params, request_id))
-        self.requests[request_id] = _Request(list(prompt_ids), stop)
+        self.requests[request_id] = _Request(prompt=list(prompt_ids), stop=stop)
         return request_id
 
     def abort(self, rid: str) -> None:
@@ -120,14 +110,9 @@ class VllmVerifierEngine:
             completion = o.outputs[0]
             emitted = req.stop.feed(list(completion.token_ids))
             req.generated.extend(emitted)
-            req.verify_steps += 1
             drafted, accepted = verified.get(o.request_id, (0, 0))
             chain = chains.get(o.request_id)
-            if drafted:
-                req.draft_steps += 1
-                req.drafted += drafted
-                req.accepted += accepted
-                req.drafters_used.update(n for n in (chain.drafters or [])[:accepted] if n)
+            req.verified(drafted, accepted, (chain.drafters or [])[:accepted] if drafted else [])
             finished = req.stop.finished or o.finished
             reason = req.stop.finish_reason or completion.finish_reason
             results.append(StepOutput(
@@ -138,7 +123,7 @@ class VllmVerifierEngine:
                 self.requests.pop(o.request_id)
                 if not o.finished:  # stopped by us (EOS, a stop id or string): vLLM would go on
                     self.engine.abort_request([o.request_id])
-                self._finished_stats[o.request_id] = request_stats(req)
+                self._finished_stats[o.request_id] = req.stats()
         return results
 
     def finished_stats(self, rid: str) -> dict | None:

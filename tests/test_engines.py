@@ -48,7 +48,7 @@ def reference(target, mixed_prompts) -> list[list[int]]:
     return [greedy_continue(target, torch.tensor([p]), NEW_TOKENS)[0, len(p):].tolist() for p in mixed_prompts]
 
 
-def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max_len=512):
+def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max_len=512, trees=True):
     """Every prompt through the loop, each drafted by all `drafters` (one-shot fusion of their chains when several).
     `params`: one SamplingParams for all, or one per prompt."""
     names = [f"d{i}" for i in range(len(drafters))]
@@ -57,7 +57,7 @@ def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max
                     speculation={"k": k, "adaptive": False, "tree_budget": tree_budget or k * len(drafters),
                                  "draft_timeout_ms": 600_000},
                     routing={"drafters_per_request": len(drafters)})
-    verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len)
+    verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees=trees)
     loop = build_loop(cfg, verifier, dict(zip(names, drafters)))
     params = params or SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     plist = params if isinstance(params, list) else [params] * len(prompts)
@@ -90,6 +90,14 @@ def test_greedy_tree_equals_target_for_draft_lengths(target, drafter_models, mix
     drafters = [drafter_models["generic"], drafter_models["code"], drafter_models["literature"]]
     out, _ = _run(target, drafters, mixed_prompts[1::3], k=k, batch=4, tree_budget=budget)
     assert [o.token_ids for o in out] == reference[1::3]
+
+
+def test_greedy_best_chain_of_each_tree_equals_target(target, drafter_models, mixed_prompts, reference):
+    """Trees verified as their best chain (what the vLLM engine verifies), in the torch engine."""
+    drafters = [drafter_models["generic"], drafter_models["code"], drafter_models["literature"]]
+    out, _ = _run(target, drafters, mixed_prompts[1::3], k=4, batch=4, tree_budget=8, trees=False)
+    assert [o.token_ids for o in out] == reference[1::3]
+    assert all(o.stats["num_draft_tokens"] <= 4 * o.stats["num_drafts"] for o in out)  # chains of at most k
 
 
 def test_speculation_actually_accepts_tokens(target, drafter_models, mixed_prompts):

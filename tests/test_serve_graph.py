@@ -32,6 +32,9 @@ def app_config() -> dict:
     }
 
 
+METRICS: dict[str, int] = {}  # the port of Ray's metrics agent (Prometheus text format)
+
+
 @pytest.fixture(scope="module")
 def server():
     import ray
@@ -42,12 +45,13 @@ def server():
     from tests.conftest import RAY_TMP, free_port
 
     port = free_port()
+    METRICS["port"] = free_port()
 
     from serve_app.launch import serve_env
 
     # the Serve actors run as under `cosine serve` (make run)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP,
-             runtime_env={"env_vars": serve_env()})
+             runtime_env={"env_vars": serve_env()}, _metrics_export_port=METRICS["port"])
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(app_config()), name="cosine", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -201,3 +205,19 @@ def test_routing_ranks_the_prompts_own_domain_first(server, tokenizer, heldout):
             total += 1
             hits += history[rid][0] == d
     assert hits >= 0.8 * total, f"{hits}/{total}"
+
+
+def test_our_metrics_and_vllms_reach_prometheus(server):
+    """Ray's metrics agent exports ours and vLLM's own (its speculative-decoding counters for our drafts)."""
+    import time
+
+    httpx.post(f"{server}/v1/completions", timeout=120, json={"model": MODEL, "prompt": "def main():",
+                                                               "max_tokens": 16, "temperature": 0})
+    wanted = ("cosine_drafts", "cosine_verify_steps", "spec_decode_num_drafts", "spec_decode_num_accepted_tokens")
+    text, deadline = "", time.time() + 90
+    while time.time() < deadline:  # the agent exports what replicas reported in its last interval
+        text = httpx.get(f"http://127.0.0.1:{METRICS['port']}/metrics", timeout=30).text
+        if all(w in text for w in wanted):
+            break
+        time.sleep(3)
+    assert all(w in text for w in wanted), [w for w in wanted if w not in text]
