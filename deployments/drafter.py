@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
 from ray import serve
 from ray.serve import metrics
 
 from config import DrafterSpec
-from engines.build import cpu_threads
 from speculation.inprocess import DrafterServer
 from speculation.messages import DrafterCall, DrafterReply
 
@@ -17,8 +15,7 @@ from speculation.messages import DrafterCall, DrafterReply
 @serve.deployment(name="Drafter")
 class DrafterDeployment:
     def __init__(self, spec: DrafterSpec):
-        torch.set_num_threads(cpu_threads(spec.threads, spec.deployment.ray_actor_options.get("num_cpus")))
-        self.server = DrafterServer.from_spec(spec)
+        self.server = DrafterServer.from_spec(spec, actor_cpus=spec.deployment.ray_actor_options.get("num_cpus"))
         self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
         self.requests_gauge = metrics.Gauge("cosine_drafter_requests", "requests holding a KV cache in this "
                                             "drafter replica, by drafter", tag_keys=("drafter",))
@@ -26,7 +23,7 @@ class DrafterDeployment:
 
     async def step(self, calls: list[DrafterCall]) -> DrafterReply:
         async with self.lock:
-            reply = await asyncio.to_thread(self.server.step, calls)
+            reply = await self.server.run(calls)
             self.requests_gauge.set(len(self.server.engine.states))
             return reply
 

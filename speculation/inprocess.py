@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from config import AppConfig, DrafterSpec
-from engines.build import build_verifier_engine
+from engines.build import build_verifier_engine, cpu_threads, set_thread_torch_threads
 from engines.drafter import DrafterEngine
 from engines.runner import CacheFull
 from engines.sampling import SamplingParams
@@ -28,16 +28,25 @@ class DrafterServer:
     where fusion overrode the drafter's own token: the engine keeps the agreeing cached prefix, so a replica that
     never saw the request, or restarted, simply rebuilds it."""
 
-    def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048, device: str | None = None):
+    def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048, device: str | None = None,
+                 threads: int = 1):
         self.name = name
         self.engine = DrafterEngine(model, name=name, max_requests=max_requests, max_len=max_len, device=device)
+        # steps run on one thread of their own, with the drafter's torch threads set there (they are per thread)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"drafter-{name}",
+                                           initializer=set_thread_torch_threads, initargs=(threads,))
 
     @classmethod
-    def from_spec(cls, spec: DrafterSpec, model=None) -> DrafterServer:
+    def from_spec(cls, spec: DrafterSpec, model=None, actor_cpus: float | None = None) -> DrafterServer:
         """The configured drafter; a loaded `model` replaces loading it from its path (and stays where it is)."""
+        threads = cpu_threads(spec.threads, actor_cpus)
         if model is None:
-            return cls(spec.name, str(model_path(spec.model)), spec.max_requests, spec.max_len, spec.device)
-        return cls(spec.name, model, spec.max_requests, spec.max_len, None)
+            return cls(spec.name, str(model_path(spec.model)), spec.max_requests, spec.max_len, spec.device, threads)
+        return cls(spec.name, model, spec.max_requests, spec.max_len, None, threads)
+
+    async def run(self, calls: list[DrafterCall]) -> DrafterReply:
+        """`step` on the drafter's own thread (the event loop goes on meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.step, calls)
 
     def step(self, calls: list[DrafterCall]) -> DrafterReply:
         """Each request's chain: the next proposal and, for `steps` > 1, the drafter's own continuation of it.
@@ -70,8 +79,8 @@ class DrafterServer:
 
 
 class InProcessDraftingTier:
-    """Drafter servers in this process; a drafter's step runs in a worker thread (torch releases the GIL), so
-    several drafters and the verifier's step can overlap where there are cores for them. An engine is not
+    """Drafter servers in this process; a drafter's step runs on the drafter's own thread (torch releases the GIL),
+    so several drafters and the verifier's step can overlap where there are cores for them. An engine is not
     re-entrant: calls to one drafter queue on its lock, as they do on a replica."""
 
     def __init__(self, coordinator: SpeculationCoordinator, servers: dict[str, DrafterServer]):
@@ -88,7 +97,7 @@ class InProcessDraftingTier:
 
     async def _step(self, name: str, calls: list[DrafterCall]) -> dict[str, list[Proposal]]:
         async with self.locks[name]:
-            return (await asyncio.to_thread(self.servers[name].step, calls)).chains
+            return (await self.servers[name].run(calls)).chains
 
     async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]:
         return await self.coordinator.draft(batch, self._step)
