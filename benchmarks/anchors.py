@@ -55,18 +55,17 @@ def _systems(served: bool) -> dict[str, dict]:
 
 # ---------------------------------------------------------------------------------------------- worker side
 def _vllm_worker(spec: dict, max_batch: int):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    """Plain vLLM, as its users run it (none of our hooks), with our engine's arguments."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from engines.vllm_hooks import SpecCounters
+    from engines.vllm_hooks import SpecCounters, engine_args
     from model_family.paths import model_path
 
-    args = dict(model=str(model_path("bench-target")), skip_tokenizer_init=True, max_num_seqs=max_batch,
-                max_model_len=512, dtype="float32", enforce_eager=True, seed=0, disable_log_stats=False)
+    args = engine_args(str(model_path("bench-target")), max_batch, 512)
     if spec.get("draft"):
         args["speculative_config"] = {"method": "draft_model", "model": str(model_path(f"drafter-{spec['draft']}")),
                                       "num_speculative_tokens": K}

@@ -88,14 +88,15 @@ class VllmVerifierEngine:
         self._thread.submit(self.engine.engine_core.shutdown).result()
         self._thread.shutdown()
 
+    def chain_of(self, draft: Draft) -> Draft:
+        """What this engine verifies of a draft: its best chain, at most k long."""
+        return draft.best_chain().truncated(self.max_draft_tokens)
+
     def _step(self, drafts: dict[str, Draft | None]) -> list[StepOutput]:
-        chains: dict[str, Draft] = {}
-        for rid, d in drafts.items():
-            if d is not None and len(d) and rid in self.requests:
-                chains[rid] = d.best_chain().truncated(self.max_draft_tokens)
-        self.scheduler.external_drafts = {
-            rid: vllm_hooks.ExternalDraft(len(self.requests[rid].prompt) + len(self.requests[rid].generated), c.tokens)
-            for rid, c in chains.items()}
+        chains = {rid: self.chain_of(d) for rid, d in drafts.items()
+                  if d is not None and len(d) and rid in self.requests}
+        self.scheduler.external_drafts = {rid: vllm_hooks.ExternalDraft(len(self.context(rid)), c.tokens)
+                                          for rid, c in chains.items()}
         t = time.perf_counter()
         outs = self.engine.step()
         self.last_verify_seconds = time.perf_counter() - t
@@ -112,13 +113,12 @@ class VllmVerifierEngine:
             req.generated.extend(emitted)
             drafted, accepted = verified.get(o.request_id, (0, 0))
             chain = chains.get(o.request_id)
-            req.verified(drafted, accepted, (chain.drafters or [])[:accepted] if drafted else [])
+            by = list((chain.drafters or [None] * len(chain))[:accepted]) if drafted else []
+            req.verified(drafted, accepted, by)
             finished = req.stop.finished or o.finished
             reason = req.stop.finish_reason or completion.finish_reason
-            results.append(StepOutput(
-                o.request_id, emitted, drafted, accepted,
-                list((chain.drafters or [None] * len(chain))[:accepted]) if drafted else [],
-                finished, reason, req.stop.text if req.stop.params.stop else None, drafted))
+            results.append(StepOutput(o.request_id, emitted, drafted, accepted, by, finished, reason,
+                                      req.stop.text if req.stop.params.stop else None, drafted))
             if finished:
                 self.requests.pop(o.request_id)
                 if not o.finished:  # stopped by us (EOS, a stop id or string): vLLM would go on

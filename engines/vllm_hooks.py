@@ -55,7 +55,7 @@ class NoProposer:
     """vLLM's `custom_class` proposer: proposes nothing (the drafts come from the scheduler)."""
 
     def __init__(self, vllm_config):
-        self.k = vllm_config.speculative_config.num_speculative_tokens
+        pass
 
     def load_model(self, model) -> None:
         pass
@@ -106,11 +106,10 @@ class ExternalDraftScheduler(Scheduler):
 
 class SpecCounters:
     """A vLLM stat logger that keeps its speculative-decoding counters since start (vLLM's definitions: drafts,
-    draft tokens, accepted tokens, accepted tokens per draft position), for checking against ours."""
+    draft tokens, accepted tokens), for checking against ours and for benchmarks."""
 
     def __init__(self):
         self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-        self.accepted_per_pos: list[int] = []
 
     def factory(self, vllm_config, engine_index: int = 0) -> "SpecCounters":
         return self
@@ -121,10 +120,6 @@ class SpecCounters:
             return
         for key in self.totals:
             self.totals[key] += getattr(spec, key)
-        pos = spec.num_accepted_tokens_per_pos
-        self.accepted_per_pos += [0] * (len(pos) - len(self.accepted_per_pos))
-        for i, n in enumerate(pos):
-            self.accepted_per_pos[i] += n
 
     def log_engine_initialized(self) -> None:
         pass
@@ -192,6 +187,18 @@ def expand_rows(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_
     output.copy_(torch.repeat_interleave(values, counts, output_size=output.shape[0]))
 
 
+def engine_args(model: str, max_batch: int, max_len: int, seed: int = 0, dtype: str = "auto") -> dict:
+    """vLLM engine arguments for an in-process core (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here) over token ids:
+    fp32 and eager on CPU. Our engine and the benchmark's plain vLLM baselines share them."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    on_cpu = platform_device() == "cpu"
+    args = dict(model=model, skip_tokenizer_init=True, max_num_seqs=max_batch, max_model_len=max_len, seed=seed,
+                dtype=("float32" if on_cpu else "auto") if dtype == "auto" else dtype, disable_log_stats=False)
+    if on_cpu:
+        args["enforce_eager"] = True
+    return args
+
+
 def build_engine(model: str, *, max_batch: int, max_len: int, k: int, seed: int = 0, dtype: str = "auto",
                  tensor_parallel_size: int = 1, kv_cache_gib: int | None = None, stat_loggers: list | None = None,
                  **engine_kwargs):
@@ -199,27 +206,20 @@ def build_engine(model: str, *, max_batch: int, max_len: int, k: int, seed: int 
     its speculative-decoding counters. `stat_loggers`: more vLLM stat logger factories (the Serve deployment adds
     vLLM's Ray Prometheus logger, so vLLM's metrics reach Ray's /metrics with ours)."""
     check_version()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if kv_cache_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    on_cpu = current_platform.is_cpu()
-    args = dict(model=model, skip_tokenizer_init=True, max_num_seqs=max_batch, max_model_len=max_len, seed=seed,
-                dtype=("float32" if on_cpu else "auto") if dtype == "auto" else dtype,
-                tensor_parallel_size=tensor_parallel_size, scheduler_cls=ExternalDraftScheduler,
-                disable_log_stats=False)
-    if on_cpu:
-        args["enforce_eager"] = True
+    args = engine_args(model, max_batch, max_len, seed, dtype)
+    args.update(tensor_parallel_size=tensor_parallel_size, scheduler_cls=ExternalDraftScheduler)
     if k:
         args["speculative_config"] = {"method": "custom_class", "model": f"{__name__}.NoProposer",
                                       "num_speculative_tokens": k}
     args.update(engine_kwargs)
     counters = SpecCounters()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory, *(stat_loggers or [])])
-    if on_cpu and k:
+    if platform_device() == "cpu" and k:
         fix_cpu_rejection_sampling()  # after the worker registered vLLM's own CPU kernels
     return engine, engine.engine_core.engine_core.scheduler, counters
 

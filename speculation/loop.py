@@ -251,8 +251,7 @@ class VerifyLoop:
         if not (self.cfg.speculation.draft_ahead and self.drafting is not None and drafts
                 and not self.engine.partial_steps and self.drafting_overlaps_verification):
             return None
-        bases = {r: self.engine.context(r) + d.best_chain().tokens[:self.engine.max_draft_tokens]
-                 for r, d in drafts.items()}
+        bases = {r: self.engine.context(r) + self.engine.chain_of(d).tokens for r, d in drafts.items()}
         return bases, asyncio.get_running_loop().create_task(self._drafts(list(bases), ahead=bases))
 
     async def _carried(self, ahead: tuple[dict[str, list[int]], asyncio.Task]) -> dict[str, Draft]:
