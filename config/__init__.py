@@ -15,6 +15,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# Serve's autoscaling defaults (metrics every 10 s, scale up after 30 s, down after 600 s) are made for
+# request-driven web services. Drafting demand moves with the controller's draft lengths, which change within
+# seconds of a load change, and a drafter replica starts in seconds: the autoscaler needs fresher signals and
+# shorter delays. Down stays slower than up: a removed replica's requests re-prefill elsewhere, and a drafter
+# missing at a load peak costs verifier time.
+DRAFTER_AUTOSCALING_DEFAULTS = {"metrics_interval_s": 2.0, "look_back_period_s": 10.0, "upscale_delay_s": 5.0,
+                                "downscale_delay_s": 60.0}
+
+
 class DeploymentOptions(_Strict):
     """What Ray Serve needs to place and scale one deployment."""
 
@@ -23,7 +32,11 @@ class DeploymentOptions(_Strict):
                                       "starves deployments that batch)")
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0}, description="Ray placement: "
                                               "num_cpus, num_gpus, resources, accelerator_type")
-    autoscaling_config: dict[str, Any] | None = Field(None, description="Serve's per-deployment autoscaling")
+    autoscaling_config: dict[str, Any] | None = Field(None, description="Serve's per-deployment autoscaling. On a "
+                                                      "drafter, with the drafter autoscaler as the application's "
+                                                      "autoscaling_policy: min_replicas, max_replicas, and Serve's "
+                                                      "timing keys, defaulting to "
+                                                      f"{DRAFTER_AUTOSCALING_DEFAULTS}")
 
     def serve_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"max_ongoing_requests": self.max_ongoing_requests,
@@ -185,6 +198,25 @@ class AppConfig(_Strict):
         return self
 
 
+class AutoscalerSpec(_Strict):
+    """The drafter autoscaler (autoscale/policy.py), an application-level Serve autoscaling policy. It is not part
+    of the application's `args`: Serve gives it these fields as `autoscaling_policy.policy_kwargs`."""
+
+    target_utilization: float = Field(0.6, gt=0, le=1, description="share of a drafter replica's time it should "
+                                      "compute: lower keeps drafts quick (the verifier waits for them), higher "
+                                      "uses fewer replicas")
+    hysteresis: float = Field(0.25, ge=0, lt=1, description="scale down only while the remaining replicas would "
+                              "stay this much below target_utilization (no flapping at a boundary)")
+    smoothing: float = Field(0.5, gt=0, le=1, description="weight of the newest decision period in the smoothed "
+                             "demand (Serve already averages each signal over look_back_period_s)")
+    speculation_off_below: float = Field(0.05, ge=0, lt=1, description="when the verifier gives drafts to fewer "
+                                         "than this share of its request rounds, speculation is off: drafters go "
+                                         "to min_replicas")
+    draft_wait_above: float = Field(0.2, ge=0, le=1, description="when the verifier waits for drafts more than "
+                                    "this share of its time and a drafter is at target_utilization, that drafter "
+                                    "gets a replica more")
+
+
 def reference_markdown() -> str:
     """docs/config.md: every field of the schema with its type, default and description (`cosine config docs`)."""
     lines = ["# Configuration reference", "",
@@ -220,6 +252,7 @@ def reference_markdown() -> str:
 
     walk(AppConfig, "")
     walk(DeploymentOptions, "deployment (of ingress, verifier, speculation and every drafter)")
+    walk(AutoscalerSpec, "autoscaling_policy.policy_kwargs (the drafter autoscaler, beside `args`)")
     return "\n".join(lines)
 
 

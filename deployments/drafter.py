@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from ray import serve
 from ray.serve import metrics
@@ -10,6 +11,7 @@ from ray.serve import metrics
 from config import DrafterSpec
 from speculation.inprocess import DrafterServer
 from speculation.messages import DrafterCall, DrafterReply
+from speculation.signals import IntervalMeter, drafter_signals
 
 
 @serve.deployment(name="Drafter")
@@ -17,20 +19,31 @@ class DrafterDeployment:
     def __init__(self, spec: DrafterSpec):
         self.server = DrafterServer.from_spec(spec, actor_cpus=spec.deployment.ray_actor_options.get("num_cpus"))
         self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.meter = IntervalMeter()  # busy and queued time, for the autoscaler
         self.requests_gauge = metrics.Gauge("cosine_drafter_requests", "requests holding a KV cache in this "
                                             "drafter replica, by drafter", tag_keys=("drafter",))
         self.requests_gauge.set_default_tags({"drafter": spec.name})
 
-    async def step(self, calls: list[DrafterCall]) -> DrafterReply:
+    async def step(self, calls: list[DrafterCall], home: str | None = None) -> DrafterReply:
+        """`home`: the replica the caller wants (deployments/replica_affinity.py routes on it)."""
+        t = time.perf_counter()
         async with self.lock:
+            self.meter.add("queued_s", time.perf_counter() - t)
             reply = await self.server.run(calls)
+            self.meter.add("compute_s", reply.compute_ms / 1000)
             self.requests_gauge.set(len(self.server.engine.states))
+            reply.replica = self.replica
             return reply
 
-    async def release(self, rids: list[str]) -> None:
+    async def release(self, rids: list[str], home: str | None = None) -> None:
         async with self.lock:
             self.server.release(rids)
             self.requests_gauge.set(len(self.server.engine.states))
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook (autoscale/policy.py reads them)."""
+        return drafter_signals(self.meter, len(self.server.engine.states))
 
     def placement(self) -> dict:
         """Where this replica computes: its Ray node and device type."""

@@ -14,6 +14,7 @@ from engines.build import build_verifier_engine, cpu_threads
 from engines.sampling import SamplingParams
 from speculation.loop import LoopStats, VerifyLoop
 from speculation.messages import Draft, DraftRequest, SpeculationOverrides
+from speculation.signals import IntervalMeter, verifier_signals
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,6 +55,21 @@ class PrometheusStats(LoopStats):
         self.in_flight = metrics.Gauge("cosine_requests_in_flight", "requests in the verifier's pool")
         self.mal = metrics.Gauge("cosine_mean_accepted_length", "recent mean accepted length (bonus included), by "
                                  "drafter", tag_keys=("drafter",))
+        self.draft_length = metrics.Histogram("cosine_draft_length", "draft length the controller chose, per "
+                                              "request and round (0: that request decodes without a draft)",
+                                              boundaries=[0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 16.5])
+        self.meter = IntervalMeter()  # for the autoscaler (record_autoscaling_stats)
+
+    def planned(self, ks: list[int]) -> None:
+        for k in ks:
+            self.draft_length.observe(k)
+        self.meter.add("rounds", len(ks))
+        self.meter.add("speculated", sum(1 for k in ks if k > 0))
+        self.meter.add("k", sum(ks))
+
+    def draft_wait(self, seconds: float) -> None:
+        super().draft_wait(seconds)
+        self.meter.add("draft_wait_s", seconds)
 
     def draft_round(self, seconds: float | None) -> None:
         super().draft_round(seconds)
@@ -119,6 +135,11 @@ class VerifierDeployment:
         if self.speculation is not None:
             out.update(await self.speculation.stats.remote())
         return out
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook: what the drafter autoscaler (autoscale/policy.py) needs to
+        know of the verifier (a verifier with autoscaling_config takes part in the application's policy)."""
+        return verifier_signals(self.loop.stats.meter)
 
     def check_health(self) -> None:
         err = self.loop.failed()

@@ -16,21 +16,12 @@ from pathlib import Path
 import httpx
 import yaml
 
-# Application keys this launcher honours; anything else (autoscaling policies, per-deployment overrides) needs a
-# real cluster: `serve deploy`.
-_APP_KEYS = {"name", "route_prefix", "import_path", "args"}
-
-
 def load_config(path: Path, http_port: int | None = None) -> dict:
     cfg = yaml.safe_load(Path(path).read_text()) or {}
     if not cfg.get("applications"):
         raise SystemExit(f"{path}: no applications to run")
-    for app in cfg["applications"]:
-        extra = set(app) - _APP_KEYS
-        if extra:
-            raise SystemExit(f"{path}: application {app.get('name')!r} uses {sorted(extra)}, which `cosine serve` "
-                             "does not apply; deploy it with `serve deploy` on a Ray cluster")
     cfg["http_options"] = {"host": "127.0.0.1", "port": 8000, **(cfg.get("http_options") or {})}
+    cfg.setdefault("proxy_location", "HeadOnly")
     if http_port is not None:
         cfg["http_options"]["port"] = http_port
     return cfg
@@ -74,7 +65,7 @@ def banner(base: str, model: str, dashboard: str | None, metrics_port: int | Non
 
 
 def serve_env() -> dict[str, str]:
-    """Environment of the Serve actors (controller, proxy, replicas), not of this driver: Ray Serve's
+    """Environment of the Serve actors (controller, proxy, replicas; set on the Ray head they start from): Ray Serve's
     throughput-optimized mode (user code and the handle router on each replica's own event loop, gRPC between
     replicas) took full CoSine at concurrency 1 on the bench graph from 0.79 to 0.88 of the in-process loop
     (docs/benchmarks.md). RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment opts out. Its ingress drains for
@@ -89,28 +80,27 @@ def serve_forever(config_path: Path, http_port: int | None = None, dashboard_por
                   ready_timeout_s: float = 900.0) -> int:
     import ray
     from ray import serve
-    from ray._common.utils import import_attr
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
     cfg = load_config(config_path, http_port)
     http = cfg["http_options"]
     base = f"http://{http['host']}:{http['port']}"
     t0 = time.time()
+    os.environ.update(serve_env())  # inherited by every Ray process of this head, Serve's controller included
     ctx = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
-                   log_to_driver=False, runtime_env={"env_vars": serve_env()})
+                   log_to_driver=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs a SIGTERM handler of its own
         signal.signal(sig, lambda *_: stop.set())
     try:
         print(f"Ray started ({time.time() - t0:.0f} s); deploying {config_path} ...", flush=True)
-        serve.start(http_options=http, proxy_location=cfg.get("proxy_location", "HeadOnly"))
+        dashboard = f"http://{ctx.dashboard_url}"
+        # what `serve deploy` does: every key of the config applies (autoscaling policies included)
+        ServeSubmissionClient(dashboard).deploy_applications(cfg)
         model = "cosine-target"
         for app in cfg["applications"]:
-            args = app.get("args") or {}
-            model = (args.get("ingress") or {}).get("model_name", model)
-            serve.run(import_attr(app["import_path"])(args), name=app["name"],
-                      route_prefix=app.get("route_prefix", "/"), blocking=False)
+            model = ((app.get("args") or {}).get("ingress") or {}).get("model_name", model)
         _wait_ready(base, model, t0 + ready_timeout_s)
-        dashboard = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
         metrics_port = ray._private.worker.global_worker.node.metrics_export_port
         print(f"ready in {time.time() - t0:.0f} s\n\n{banner(base, model, dashboard, metrics_port)}", flush=True)
         while not stop.wait(0.5):

@@ -77,11 +77,13 @@ class DrafterCall:
 
 @dataclass
 class DrafterReply:
-    """One drafter's answer: each request's chain of proposals (requests it could not hold are missing), and the
-    time its engine spent (the rest of the call is hops and queueing)."""
+    """One drafter's answer: each request's chain of proposals (requests it could not hold are missing), the
+    time its engine spent (the rest of the call is hops and queueing), and which replica answered (the requests'
+    home from now on)."""
 
     chains: dict[str, list[Proposal]]
     compute_ms: float = 0.0
+    replica: str | None = None
 
 
 @dataclass

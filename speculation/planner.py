@@ -15,6 +15,7 @@ class DraftPlanner:
         self.cfg = cfg
         self.controller = goodput_controller(cfg)
         self.recent_k: deque = deque(maxlen=128)  # the chosen depths of requests that may speculate
+        self.chosen: list[int] = []  # the last round's
 
     def plan(self, contexts: dict[str, list[int]], overrides: dict[str, SpeculationOverrides],
              overlap_s: float = 0.0, ahead: bool = False) -> list[DraftRequest]:
@@ -25,7 +26,8 @@ class DraftPlanner:
         caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
                 for r, o in overrides.items()}
         ks = self.controller.choose(rids, caps, overlap_s=overlap_s) if self.controller else caps
-        self.recent_k.extend(ks[r] for r in rids if caps[r] > 0)
+        self.chosen = [ks[r] for r in rids if caps[r] > 0]  # the requests that may speculate
+        self.recent_k.extend(self.chosen)
         while sum(ks.values()) > spec.gamma_max:  # Gamma_max: shorten the longest drafts (CoSine Alg. 2)
             ks[max(ks, key=ks.get)] -= 1
         batch = []

@@ -1,0 +1,169 @@
+"""The drafter autoscaler: an application-level Ray Serve autoscaling policy that sizes each domain's drafter
+deployment for the drafting the goodput controller asks of it.
+
+    applications:
+      - name: cosine
+        import_path: serve_app.graph:build_app
+        autoscaling_policy:
+          policy_function: autoscale.policy:DrafterAutoscaler
+          policy_kwargs: {target_utilization: 0.6}      # config.AutoscalerSpec
+        args: {... drafters: [{name: code, deployment: {autoscaling_config: {min_replicas: 1, max_replicas: 4}}}]}
+
+Drafting demand is not traffic. The verifier's goodput controller (speculation/goodput.py) picks every request's
+draft length each round: long drafts at light load, shorter ones as the verifier fills, none when verifying draft
+tokens no longer pays (SmartSpec). What a drafter deployment must serve is the drafting those choices generate
+for the requests routed to it: so each drafter replica reports how much of its time it computes and how long
+calls wait for it (speculation/signals.py), and a deployment gets the replicas that carry that demand at
+`target_utilization`. The verifier reports whether the controller is speculating at all (no: every drafter to its
+minimum, whatever the traffic) and how long it waits for drafts (a busy drafter it waits on gets a replica more).
+Every deployment of the application with an autoscaling_config takes part; those that are not drafters keep
+Serve's default (queue-length) policy. Serve then applies each deployment's bounds and up/down delays.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
+from ray.serve.config import AutoscalingContext
+
+from config import AutoscalerSpec
+from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, DRAFTER_REQUESTS, VERIFIER_DRAFT_WAIT,
+                                 VERIFIER_SPECULATING)
+
+logger = logging.getLogger("ray.serve")
+
+DRAFTER_PREFIX = "Drafter-"  # serve_app/graph.py names each drafter deployment so
+VERIFIER = "Verifier"
+
+
+@dataclass
+class DrafterLoad:
+    """One drafter deployment's signals, summed over its replicas."""
+
+    replicas: int
+    busy: float  # replicas' worth of computing
+    queued: float  # calls waiting, time-averaged
+    requests: float  # requests holding a cache
+
+
+@dataclass
+class VerifierLoad:
+    draft_wait: float  # share of the verifier's time spent waiting for drafts
+    speculating: float  # share of request rounds given drafts
+
+
+@dataclass
+class Decision:
+    replicas: int
+    kind: str  # demand | draft_wait | speculation_off | hold | no_signals
+    reason: str
+    demand: float  # smoothed replicas' worth of drafting wanted
+
+
+class ReplicaPlanner:
+    """The decision for one drafter deployment, without Serve: testable on synthetic loads."""
+
+    def __init__(self, spec: AutoscalerSpec):
+        self.spec = spec
+
+    def decide(self, load: DrafterLoad | None, verifier: VerifierLoad | None, current: int, low: int, high: int,
+               previous_demand: float | None) -> Decision:
+        s = self.spec
+        if load is None:
+            return Decision(min(max(current, low), high), "no_signals", "no signals from its replicas yet",
+                            previous_demand or 0.0)
+        raw = load.busy + load.queued
+        demand = raw if previous_demand is None else s.smoothing * raw + (1 - s.smoothing) * previous_demand
+        u = s.target_utilization
+
+        def clamp(n: int) -> int:
+            return min(max(n, low), high)
+
+        if verifier is not None and verifier.speculating < s.speculation_off_below:
+            return Decision(low, "speculation_off", f"speculation is off: the verifier drafts "
+                            f"{verifier.speculating:.0%} of its request rounds", demand)
+        need = math.ceil(demand / u - 1e-9)
+        if need > current:
+            return Decision(clamp(need), "demand", f"drafting {demand:.2f} replicas' worth, at most {u:.0%} each",
+                            demand)
+        if verifier is not None and verifier.draft_wait > s.draft_wait_above and demand >= u * current:
+            return Decision(clamp(current + 1), "draft_wait", f"the verifier waits for drafts "
+                            f"{verifier.draft_wait:.0%} of its time and this drafter computes {demand / current:.0%}"
+                            " of each replica's", demand)
+        fits = math.ceil(demand / (u * (1 - s.hysteresis)) - 1e-9)
+        if fits < current:
+            return Decision(clamp(fits), "demand", f"drafting {demand:.2f} replicas' worth fits in {clamp(fits)} "
+                            f"below {u * (1 - s.hysteresis):.0%} each", demand)
+        return Decision(clamp(current), "hold", f"drafting {demand:.2f} replicas' worth", demand)
+
+
+def _summed(ctx: AutoscalingContext, name: str) -> float | None:
+    per_replica = (ctx.aggregated_metrics or {}).get(name)
+    return sum(per_replica.values()) if per_replica else None
+
+
+def drafter_load(ctx: AutoscalingContext) -> DrafterLoad | None:
+    busy, queued = _summed(ctx, DRAFTER_BUSY), _summed(ctx, DRAFTER_QUEUED)
+    if busy is None or queued is None:
+        return None
+    return DrafterLoad(ctx.current_num_replicas, busy, queued, _summed(ctx, DRAFTER_REQUESTS) or 0.0)
+
+
+def verifier_load(ctx: AutoscalingContext | None) -> VerifierLoad | None:
+    if ctx is None:
+        return None
+    metrics = ctx.aggregated_metrics or {}
+    wait, spec = metrics.get(VERIFIER_DRAFT_WAIT), metrics.get(VERIFIER_SPECULATING)
+    if not wait or not spec:
+        return None
+    return VerifierLoad(sum(wait.values()) / len(wait), sum(spec.values()) / len(spec))
+
+
+class DrafterAutoscaler:
+    """`policy_function` of the application's `autoscaling_policy`; `policy_kwargs` are `AutoscalerSpec`'s."""
+
+    def __init__(self, **policy_kwargs):
+        self.spec = AutoscalerSpec.model_validate(policy_kwargs)
+        self.planner = ReplicaPlanner(self.spec)
+        self.last: dict[str, tuple[int, str]] = {}  # drafter -> (target, kind) last logged
+        self._metrics = None
+
+    def __call__(self, contexts: dict) -> tuple[dict, dict]:
+        """Serve's application-level policy call: {DeploymentID: context} -> ({DeploymentID: replicas},
+        {DeploymentID: state kept for the next call})."""
+        verifier = verifier_load(next((c for d, c in contexts.items() if d.name == VERIFIER), None))
+        decisions, states = {}, {}
+        for dep, ctx in contexts.items():
+            if not dep.name.startswith(DRAFTER_PREFIX):
+                decisions[dep], states[dep] = replica_queue_length_autoscaling_policy(ctx)
+                continue
+            d = self.planner.decide(drafter_load(ctx), verifier, ctx.current_num_replicas,
+                                    ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas,
+                                    ctx.policy_state.get("demand"))
+            decisions[dep], states[dep] = d.replicas, {"demand": d.demand}
+            self._report(dep.name[len(DRAFTER_PREFIX):], ctx, d)
+        return decisions, states
+
+    def _report(self, drafter: str, ctx: AutoscalingContext, d: Decision) -> None:
+        """A log line when a drafter's target or its reason changes; gauges every decision."""
+        if self._metrics is None:
+            from ray.util import metrics
+
+            self._metrics = (
+                metrics.Gauge("cosine_autoscaler_target_replicas", "drafter replicas the autoscaler wants (before "
+                              "Serve's up/down delays), by drafter and reason", tag_keys=("drafter", "reason")),
+                metrics.Gauge("cosine_autoscaler_drafting_demand", "replicas' worth of drafting asked of a drafter "
+                              "deployment (smoothed)", tag_keys=("drafter",)))
+        target, demand = self._metrics
+        previous = self.last.get(drafter)
+        if previous is not None and previous[1] != d.kind:
+            target.set(0, tags={"drafter": drafter, "reason": previous[1]})
+        target.set(d.replicas, tags={"drafter": drafter, "reason": d.kind})
+        demand.set(d.demand, tags={"drafter": drafter})
+        if previous != (d.replicas, d.kind):
+            logger.info("drafter autoscaler: Drafter-%s %d -> %d replicas (running %d): %s", drafter,
+                        ctx.target_num_replicas, d.replicas, ctx.current_num_replicas, d.reason)
+            self.last[drafter] = (d.replicas, d.kind)

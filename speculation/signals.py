@@ -1,0 +1,49 @@
+"""What the deployments tell the drafter autoscaler, one name per signal (Serve's `record_autoscaling_stats`).
+
+Serve calls a replica's `record_autoscaling_stats` every few seconds and averages each value over the
+deployment's `look_back_period_s`; each signal here is a rate over the interval since the replica last reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+DRAFTER_BUSY = "busy"  # share of wall time the drafter engine computed
+DRAFTER_QUEUED = "queued"  # calls waiting for the engine, time-averaged: drafting asked of it but not yet served
+DRAFTER_REQUESTS = "requests"  # requests holding a KV cache here (what removing the replica would move)
+VERIFIER_DRAFT_WAIT = "draft_wait"  # share of wall time the verifier waited for drafts
+VERIFIER_SPECULATING = "speculating"  # share of request rounds the controller gave drafts (k > 0); 1 when idle
+VERIFIER_MEAN_K = "mean_k"  # mean chosen draft length over those rounds
+
+
+class IntervalMeter:
+    """Sums of named amounts since the last `take`, with the wall time they were summed over."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.sums: Counter = Counter()
+        self.since = clock()
+
+    def add(self, name: str, amount: float = 1.0) -> None:
+        self.sums[name] += amount
+
+    def take(self) -> tuple[Counter, float]:
+        now = self.clock()
+        sums, elapsed = self.sums, max(now - self.since, 1e-9)
+        self.sums, self.since = Counter(), now
+        return sums, elapsed
+
+
+def drafter_signals(meter: IntervalMeter, requests: int) -> dict[str, float]:
+    sums, elapsed = meter.take()
+    return {DRAFTER_BUSY: sums["compute_s"] / elapsed, DRAFTER_QUEUED: sums["queued_s"] / elapsed,
+            DRAFTER_REQUESTS: float(requests)}
+
+
+def verifier_signals(meter: IntervalMeter) -> dict[str, float]:
+    sums, elapsed = meter.take()
+    rounds = sums["rounds"]
+    return {VERIFIER_DRAFT_WAIT: sums["draft_wait_s"] / elapsed,
+            VERIFIER_SPECULATING: sums["speculated"] / rounds if rounds else 1.0,
+            VERIFIER_MEAN_K: sums["k"] / rounds if rounds else 0.0}

@@ -1,0 +1,127 @@
+"""The drafter autoscaler's decisions on synthetic signals, without Ray: up when drafting is short, down when
+drafters idle or speculation is off, following the domain mix, no flapping on noise."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from ray.serve._private.common import DeploymentID
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+from ray.serve.request_router import ReplicaID
+
+from autoscale.policy import DrafterAutoscaler, DrafterLoad, ReplicaPlanner, VerifierLoad
+from config import AutoscalerSpec
+from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, DRAFTER_REQUESTS, VERIFIER_DRAFT_WAIT,
+                                 VERIFIER_SPECULATING, IntervalMeter, drafter_signals, verifier_signals)
+
+SPEC = AutoscalerSpec(target_utilization=0.6, hysteresis=0.25, smoothing=1.0)
+CALM = VerifierLoad(draft_wait=0.05, speculating=0.9)
+
+
+def decide(busy: float, replicas: int, verifier: VerifierLoad | None = CALM, queued: float = 0.0, low: int = 1,
+           high: int = 4, spec: AutoscalerSpec = SPEC, previous: float | None = None):
+    return ReplicaPlanner(spec).decide(DrafterLoad(replicas, busy, queued, 4.0), verifier, replicas, low, high,
+                                       previous)
+
+
+def test_scales_up_for_the_drafting_demand_and_when_the_verifier_waits_on_a_busy_drafter():
+    assert decide(busy=0.9, replicas=1).replicas == 2  # 0.9 replicas' worth at 60% each
+    assert decide(busy=0.6, replicas=1, queued=1.2).replicas == 3  # calls waiting are demand too
+    waiting = VerifierLoad(draft_wait=0.5, speculating=1.0)
+    d = decide(busy=0.6, replicas=1, verifier=waiting)
+    assert (d.replicas, d.kind) == (2, "draft_wait")
+    # waiting on drafts while the drafter idles is a hop or a slow model, not capacity: no replica for it
+    assert decide(busy=0.2, replicas=1, verifier=waiting).replicas == 1
+    assert decide(busy=5.0, replicas=2, high=4).replicas == 4  # max_replicas bounds it
+
+
+def test_scales_down_when_drafters_idle_or_speculation_is_off():
+    d = decide(busy=0.3, replicas=3)
+    assert (d.replicas, d.kind) == (1, "demand")
+    off = decide(busy=1.5, replicas=3, verifier=VerifierLoad(draft_wait=0.0, speculating=0.01), low=1)
+    assert (off.replicas, off.kind) == (1, "speculation_off")
+    assert decide(busy=0.0, replicas=2, low=0).replicas == 0
+    no_signals = ReplicaPlanner(SPEC).decide(None, CALM, 3, 1, 4, None)
+    assert (no_signals.replicas, no_signals.kind) == (3, "no_signals")
+
+
+def test_follows_a_domain_mix_shift():
+    planner = ReplicaPlanner(SPEC)
+    replicas = {"code": 1, "legal": 1}
+    for busy in ({"code": 1.6, "legal": 0.1}, {"code": 0.1, "legal": 1.6}):
+        for _ in range(3):
+            for name in replicas:
+                d = planner.decide(DrafterLoad(replicas[name], busy[name], 0.0, 2.0), CALM, replicas[name], 1, 4,
+                                   None)
+                replicas[name] = d.replicas
+        hot = max(busy, key=busy.get)
+        assert replicas[hot] == 3 and replicas[min(busy, key=busy.get)] == 1
+
+
+def test_no_flapping_on_a_noisy_signal():
+    rng = random.Random(0)
+    planner, replicas, demand, seen = ReplicaPlanner(AutoscalerSpec(smoothing=0.5)), 2, None, set()
+    for _ in range(500):  # 2 replicas carry 0.75..1.05 replicas' worth at 60%, and would not fit in 1 at 45%
+        d = planner.decide(DrafterLoad(replicas, rng.uniform(0.75, 1.05), 0.0, 3.0), CALM, replicas, 1, 4, demand)
+        replicas, demand = d.replicas, d.demand
+        seen.add(replicas)
+    assert seen == {2}
+
+
+def test_signals_are_rates_over_the_reporting_interval():
+    now = [0.0]
+    meter = IntervalMeter(clock=lambda: now[0])
+    meter.add("compute_s", 1.5)
+    meter.add("queued_s", 0.5)
+    now[0] = 5.0
+    assert drafter_signals(meter, 7) == {DRAFTER_BUSY: 0.3, DRAFTER_QUEUED: 0.1, DRAFTER_REQUESTS: 7.0}
+    now[0] = 10.0
+    assert drafter_signals(meter, 0)[DRAFTER_BUSY] == 0.0
+    v = IntervalMeter(clock=lambda: now[0])
+    for k in (0, 0, 3, 4):
+        v.add("rounds")
+        v.add("speculated", k > 0)
+        v.add("k", k)
+    v.add("draft_wait_s", 2.0)
+    now[0] = 20.0
+    assert verifier_signals(v) == {VERIFIER_DRAFT_WAIT: 0.2, VERIFIER_SPECULATING: 0.5, "mean_k": 1.75}
+    assert verifier_signals(v)[VERIFIER_SPECULATING] == 1.0  # idle: nothing says speculation is off
+
+
+def _context(name: str, replicas: int, metrics: dict[str, list[float]], state: dict | None = None,
+             ongoing: float = 0.0) -> tuple[DeploymentID, AutoscalingContext]:
+    dep = DeploymentID(name=name, app_name="cosine")
+    ids = [ReplicaID(f"{name}-{i}", dep) for i in range(replicas)]
+    ctx = AutoscalingContext(
+        deployment_id=dep, deployment_name=name, app_name="cosine", current_num_replicas=replicas,
+        target_num_replicas=replicas, running_replicas=ids, total_num_requests=ongoing, total_queued_requests=0.0,
+        aggregated_metrics={m: dict(zip(ids, vals)) for m, vals in metrics.items()}, raw_metrics=None,
+        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state=state or {},
+        last_scale_up_time=None, last_scale_down_time=None, current_time=0.0,
+        config=AutoscalingConfig(min_replicas=1, max_replicas=4))
+    return dep, ctx
+
+
+def test_the_serve_policy_reads_every_replica_and_keeps_its_state():
+    policy = DrafterAutoscaler(target_utilization=0.5, smoothing=0.5)
+    contexts = dict([
+        _context("Verifier", 1, {VERIFIER_DRAFT_WAIT: [0.1], VERIFIER_SPECULATING: [0.8]}, ongoing=3),
+        _context("Drafter-code", 2, {DRAFTER_BUSY: [0.7, 0.6], DRAFTER_QUEUED: [0.0, 0.1], DRAFTER_REQUESTS: [3, 2]},
+                 state={"demand": 1.2}),
+        _context("Drafter-legal", 1, {DRAFTER_BUSY: [0.1], DRAFTER_QUEUED: [0.0], DRAFTER_REQUESTS: [1]}),
+        _context("Drafter-new", 1, {}),
+    ])
+    decisions, state = policy(contexts)
+    by_name = {d.name: n for d, n in decisions.items()}
+    assert by_name["Drafter-code"] == 3  # 0.5 * 1.4 + 0.5 * 1.2 = 1.3 replicas' worth, at most 50% each
+    assert by_name["Drafter-legal"] == 1 and by_name["Drafter-new"] == 1
+    assert {d.name: s.get("demand") for d, s in state.items()}["Drafter-code"] == pytest.approx(1.3)
+    assert by_name["Verifier"] == pytest.approx(1.5)  # Serve's queue-length policy: 3 ongoing, target 2 per replica
+
+
+def test_policy_kwargs_are_validated():
+    with pytest.raises(ValueError, match="target_utilization"):
+        DrafterAutoscaler(target_utilization=2.0)
+    with pytest.raises(ValueError, match="extra"):
+        DrafterAutoscaler(target_utilisation=0.5)
