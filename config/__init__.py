@@ -99,6 +99,12 @@ class ControllerSpec(_Strict):
     probe_k: int = Field(2, ge=1, description="draft length of such a probe")
     participation_probe: int = Field(32, ge=1, description="rounds after which a participation mode not chosen "
                                      "is tried once")
+    verify_seed_ms: tuple[float, float] | None = Field(None, description="[a, b]: the verify step model the "
+                                                       "controller starts from, t = a + b * tokens in the step, in "
+                                                       "ms (`cosine profile` measures it); refitted online")
+    draft_seed_ms: tuple[float, float] | None = Field(None, description="[a, b]: the lockstep drafter step model "
+                                                      "it starts from, t = a + b * requests in the step, in ms "
+                                                      "(`cosine profile`); refitted online")
 
 
 class SpeculationSpec(_Strict):

@@ -214,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the first answer")
     s.set_defaults(func=_serve)
 
+    pr = sub.add_parser("profile", help="step latencies of a config's verifier and drafters on this machine: the "
+                        "goodput controller's starting models (speculation.controller.*_seed_ms)")
+    pr.add_argument("config", nargs="?", default=str(REPO_ROOT / "examples" / "local.yaml"))
+    pr.set_defaults(func=_profile)
+
     c = sub.add_parser("config", help="the configuration schema (every tunable, with descriptions)")
     csub = c.add_subparsers(dest="config_command", required=True)
     csub.add_parser("schema", help="JSON Schema of the Serve application's args").set_defaults(func=_config_schema)
@@ -296,6 +301,36 @@ def _config_validate(args) -> int:
             failed += 1
             print(f"{app.get('name')}: {e}")
     return 1 if failed else 0
+
+
+def _profile(args) -> int:
+    """Fits t(tokens) of the configured verifier engine and t(requests) of a lockstep drafter step, and prints
+    them as the controller's seeds (it refits both online; the seeds price the first rounds)."""
+    import yaml
+
+    from autoscale.profiling import fit_draft_latency, profile_verifier
+    from config import AppConfig
+    from engines.build import build_verifier_engine
+    from engines.verifier import load_causal_lm
+
+    app = (yaml.safe_load(Path(args.config).read_text()) or {})["applications"][0]
+    cfg = AppConfig.model_validate(app.get("args") or {})
+    engine = build_verifier_engine(cfg)
+    try:
+        k, b = cfg.speculation.k, cfg.verifier.max_batch
+        verify = profile_verifier(engine, batches=sorted({1, max(1, b // 2), b}), ks=sorted({0, k // 2, k}))
+    finally:
+        getattr(engine, "shutdown", lambda: None)()
+    draft = None
+    if cfg.drafters:
+        draft = fit_draft_latency(load_causal_lm(str(model_path(cfg.drafters[0].model)), "cpu"), b)
+    print(f"# measured by `cosine profile {args.config}`: t = a + b * n in ms (n: tokens in a verify step; "
+          "requests in a drafter step)")
+    print("speculation:\n  controller:")
+    print(f"    verify_seed_ms: [{1000 * verify.a:.3f}, {1000 * verify.b:.3f}]")
+    if draft is not None:
+        print(f"    draft_seed_ms: [{1000 * draft.a:.3f}, {1000 * draft.b:.3f}]")
+    return 0
 
 
 def _serve(args) -> int:

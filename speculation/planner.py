@@ -91,5 +91,10 @@ def goodput_controller(cfg: AppConfig) -> SpeculationController | None:
         modes = (Participation(1),) + tuple(Participation(n, lockstep)
                                             for lockstep in ((True, False) if spec.lockstep else (False,))
                                             for n in range(2, per_depth + 1))
-    return SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True, modes=modes,
-                                 **spec.controller.model_dump())
+    seeds = {"verify_seed_ms", "draft_seed_ms"}
+    c = SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True, modes=modes,
+                              **spec.controller.model_dump(exclude=seeds))
+    for model, seed in ((c.verify, spec.controller.verify_seed_ms), (c.draft, spec.controller.draft_seed_ms)):
+        if seed is not None:
+            model.a, model.b = seed[0] / 1000, seed[1] / 1000
+    return c
