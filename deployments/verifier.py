@@ -4,6 +4,8 @@ configuration names, the Speculation deployment's handle as the drafting tier, a
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 
 import torch
 from ray import serve
@@ -58,11 +60,17 @@ class PrometheusStats(LoopStats):
         self.draft_length = metrics.Histogram("cosine_draft_length", "draft length the controller chose, per "
                                               "request and round (0: that request decodes without a draft)",
                                               boundaries=[0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 16.5])
+        self.goodput = metrics.Gauge("cosine_goodput", "tokens per second to clients: measured (over the last "
+                                     "steps) and predicted (what the goodput controller expects of its choice)",
+                                     tag_keys=("source",))
+        self.step_ends: deque = deque(maxlen=32)  # (end time, tokens committed) of recent steps
         self.meter = IntervalMeter()  # for the autoscaler (record_autoscaling_stats)
 
-    def planned(self, ks: list[int]) -> None:
+    def planned(self, ks: list[int], predicted_goodput: float | None) -> None:
         for k in ks:
             self.draft_length.observe(k)
+        if predicted_goodput:
+            self.goodput.set(predicted_goodput, tags={"source": "predicted"})
         self.meter.add("rounds", len(ks))
         self.meter.add("speculated", sum(1 for k in ks if k > 0))
         self.meter.add("k", sum(ks))
@@ -86,6 +94,11 @@ class PrometheusStats(LoopStats):
         generated = sum(len(o.new_token_ids) for o in outs)
         if generated:
             self.generated.inc(generated)
+        self.step_ends.append((time.perf_counter(), generated))
+        if len(self.step_ends) > 1:
+            span = self.step_ends[-1][0] - self.step_ends[0][0]
+            self.goodput.set(sum(n for _, n in list(self.step_ends)[1:]) / max(span, 1e-9),
+                             tags={"source": "measured"})
 
     def drafter_round(self, name: str, drafted: int, accepted: int) -> None:
         super().drafter_round(name, drafted, accepted)

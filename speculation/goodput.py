@@ -95,6 +95,7 @@ class SpeculationController:
     mode_of: dict[str, Participation] = field(default_factory=dict)  # mode a request's estimate was formed under
     mode_age: dict[Participation, int] = field(default_factory=dict)  # rounds since each mode was last used
     mode_draft: dict[Participation, LinearLatency] = field(default_factory=dict)  # round's drafting time by depth
+    predicted_goodput: float = 0.0  # tokens per second the last choice expects (the model's, for operators)
 
     def observe_acceptance(self, rid: str, drafted: int, accepted: int, mode: Participation | None = None) -> None:
         """Per-token acceptance under the geometric model: the maximum-likelihood estimate is accepted tokens over
@@ -170,7 +171,7 @@ class SpeculationController:
             ks_m, g = self._allocate(rids, k_caps, groups, mode, overlap_s)
             if best is None or g > best[2] * (1 + 1e-3):
                 best = (mode, ks_m, g)
-        mode, ks, _ = best
+        mode, ks, self.predicted_goodput = best
         if self.modes and any(ks.values()):
             for m in self.modes:
                 self.mode_age[m] = self.mode_age.get(m, 0) + 1

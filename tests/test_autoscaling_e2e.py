@@ -130,7 +130,7 @@ def test_a_load_ramp_scales_drafters_up_and_down_without_changing_any_output(tok
 
         # operators see the decisions: the policy's gauges (exported from Serve's controller) and the chosen k
         wanted = ('cosine_autoscaler_target_replicas{', 'drafter="code"', "cosine_autoscaler_drafting_demand",
-                  "cosine_draft_length_bucket")
+                  "cosine_draft_length_bucket", 'cosine_goodput{', 'source="predicted"', 'source="measured"')
         text, deadline = "", time.time() + 60
         while time.time() < deadline and not all(w in text for w in wanted):
             text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
