@@ -170,6 +170,12 @@ class RoutingSpec(_Strict):
 class IngressSpec(_Strict):
     model_name: str = Field("cosine-target", description="the model name clients send (OpenAI `model`)")
     max_queued_requests: int = Field(256, ge=1, description="beyond this, 429 with Retry-After")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413 before they are read "
+                                "whole")
+    api_key: str | None = Field(None, min_length=1, description="clients must send `Authorization: Bearer <key>` "
+                                "(401 otherwise) on every path but /health and /metrics. Prefer the environment "
+                                "variable COSINE_API_KEY of the ingress replicas (`cosine serve --api-key`): the "
+                                "dashboard shows application args. Neither set: no authentication")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429")
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
 

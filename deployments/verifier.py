@@ -149,6 +149,10 @@ class VerifierDeployment:
             out.update(await self.speculation.stats.remote())
         return out
 
+    def spec_decode_totals(self) -> dict:
+        """vLLM's speculative-decoding counters over this replica's life (the ingress's /metrics)."""
+        return self.loop.stats.spec_decode
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook: what the drafter autoscaler (autoscale/policy.py) needs to
         know of the verifier (a verifier with autoscaling_config takes part in the application's policy)."""

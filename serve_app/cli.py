@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="HTTP port (default: the config's http_options.port)")
     s.add_argument("--dashboard-port", type=int, default=8265)
     s.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the first answer")
+    s.add_argument("--api-key", help="require `Authorization: Bearer KEY` from clients (sets COSINE_API_KEY for "
+                   "the ingress; default: that variable from this environment, else no authentication)")
     s.set_defaults(func=_serve)
 
     pr = sub.add_parser("profile", help="step latencies of a config's verifier and drafters on this machine: the "
@@ -336,6 +338,10 @@ def _profile(args) -> int:
 def _serve(args) -> int:
     from serve_app.launch import serve_forever
 
+    import os
+
+    if args.api_key:
+        os.environ["COSINE_API_KEY"] = args.api_key  # inherited by the Ray processes serve_forever starts
     return serve_forever(Path(args.config), args.port, args.dashboard_port, args.ready_timeout)
 
 

@@ -8,11 +8,16 @@ request's speculation in `usage` (vLLM's names: mean_acceptance_length, draft_ac
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from config import AppConfig
@@ -23,6 +28,33 @@ from speculation.messages import SpeculationOverrides
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="CoSine Serve", description="OpenAI-compatible collaborative speculative inference")
+OPEN_PATHS = {"/health", "/metrics"}  # what load balancers and Prometheus reach without the API key
+
+
+def _error(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@app.middleware("http")
+async def _authenticate(request: Request, call_next):
+    key = getattr(app.state, "api_key", None)
+    if key and request.url.path not in OPEN_PATHS and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
+        return _error(P.APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                 type_="authentication_error", code="invalid_api_key"))
+    return await call_next(request)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown paths and methods in OpenAI's error shape too."""
+    return _error(P.APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error on %s", request.url.path)
+    return _error(P.APIError(500, "internal server error", type_="server_error"))
 
 
 class _Detokenizer:
@@ -52,8 +84,11 @@ class _Detokenizer:
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class IngressDeployment:
+    HEALTH_TIMEOUT_S = 10.0
+
     def __init__(self, config: AppConfig, verifier):
         self.cfg = config
+        app.state.api_key = os.environ.get("COSINE_API_KEY") or config.ingress.api_key
         self.tokenizer = load_tokenizer(self.cfg)
         self.verifier_calls = verifier
         self.verifier = verifier.options(stream=True)
@@ -61,17 +96,33 @@ class IngressDeployment:
         self.max_len = self.cfg.verifier.max_len
         self.in_flight = 0
         self.drafter_names = {d.name for d in self.cfg.drafters}
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     # ------------------------------------------------------------------ helpers
-    def _error(self, e: P.APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
     async def _body(self, request: Request):
-        raw = await request.body()
+        """The JSON body, refused with 413 as soon as it is known to exceed ingress.max_body_bytes (from its
+        Content-Length, or while it streams in): a huge body is never read whole."""
+        limit = self.cfg.ingress.max_body_bytes
+        too_big = P.APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise too_big
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise P.APIError(400, "request body is not valid JSON") from None
+        except RecursionError:
+            raise P.APIError(400, "request body is nested too deeply") from None
+
+    async def _tokenize(self, fn, *args):
+        """Tokenization on the ingress's own thread: a long prompt must not stall the event loop (and every other
+        request with it); one thread, because a fast tokenizer is not safe to share between threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
     def _prepare(self, req, prompt_ids: list[int]) -> SamplingParams:
         if req.model != self.model_name:
@@ -82,12 +133,10 @@ class IngressDeployment:
         if len(prompt_ids) >= self.max_len:
             raise P.APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_len}",
                              param="messages", code="context_length_exceeded")
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = req.completion_limit()
         room = self.max_len - len(prompt_ids)
         if max_tokens is None:
             max_tokens = room
-        elif max_tokens <= 0:
-            raise P.APIError(400, "max_tokens must be at least 1", param="max_tokens")
         elif max_tokens > room:
             raise P.APIError(400, f"max_tokens={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the "
                              f"context of {self.max_len}", param="max_tokens", code="context_length_exceeded")
@@ -99,6 +148,13 @@ class IngressDeployment:
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos)
 
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._text_ids(text)
+
+    def _text_ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
     def _admit(self) -> None:
         if self.in_flight >= self.cfg.ingress.max_queued_requests:
             raise P.APIError(429, "the server is at capacity; retry shortly", type_="rate_limit_error",
@@ -106,8 +162,20 @@ class IngressDeployment:
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
-    def health(self) -> dict:
+    async def health(self):
+        """200 when the verifier answers (the graph can serve; drafters only make it faster), 503 otherwise."""
+        try:
+            await asyncio.wait_for(self.verifier_calls.check_health.remote(), self.HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure to answer means this graph cannot serve now
+            return JSONResponse({"status": "unavailable", "error": P.APIError(
+                503, "the verifier is not answering", type_="server_error").body()["error"]}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        totals = await self.verifier_calls.spec_decode_totals.remote()
+        return PlainTextResponse(P.spec_decode_metrics(totals, self.model_name),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/internal/speculation_stats")
     async def speculation_stats(self) -> dict:
@@ -122,15 +190,12 @@ class IngressDeployment:
     async def chat(self, request: Request):
         try:
             req = P.parse(P.ChatCompletionRequest, await self._body(request))
-            if not req.messages:
-                raise P.APIError(400, "messages must not be empty", param="messages")
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                                      tokenize=False, add_generation_prompt=True)
-            prompt_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompt_ids = await self._tokenize(self._chat_ids, [{"role": m.role, "content": m.text()}
+                                                               for m in req.messages])
             params = self._prepare(req, prompt_ids)
             self._admit()
         except P.APIError as e:
-            return self._error(e)
+            return _error(e)
         return await self._respond(req, prompt_ids, params, chat=True)
 
     @app.post("/v1/completions")
@@ -138,13 +203,13 @@ class IngressDeployment:
         try:
             req = P.parse(P.CompletionRequest, await self._body(request))
             prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else \
-                self.tokenizer(req.prompt, add_special_tokens=False).input_ids
+                await self._tokenize(self._text_ids, req.prompt)
             if isinstance(req.prompt, list) and any(not 0 <= t < len(self.tokenizer) for t in prompt_ids):
                 raise P.APIError(400, "prompt token ids out of the vocabulary", param="prompt")
             params = self._prepare(req, prompt_ids)
             self._admit()
         except P.APIError as e:
-            return self._error(e)
+            return _error(e)
         return await self._respond(req, prompt_ids, params, chat=False)
 
     # ------------------------------------------------------------------ generation
@@ -178,9 +243,13 @@ class IngressDeployment:
                                         "choices": [], "usage": u})
                         break
                 yield "data: [DONE]\n\n"
-            except Exception as e:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the client gets an error event, a finish_reason and [DONE]
                 logger.exception("request %s failed", rid)
-                yield P.sse(P.APIError(500, f"generation failed: {e}", type_="server_error").body())
+                yield P.sse(P.APIError(500, f"generation failed (request {rid})", type_="server_error").body())
+                end = (P.chat_chunk(rid, self.model_name, created, {}, "error") if chat
+                       else P.completion_chunk(rid, self.model_name, created, "", "error"))
+                yield P.sse(end)
+                yield "data: [DONE]\n\n"
             finally:
                 self.in_flight -= 1
                 gen.cancel()
@@ -195,9 +264,9 @@ class IngressDeployment:
                     reason, stats = chunk.finish_reason, chunk.usage
                     break
             text = detok.push(ids, True)
-        except Exception as e:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - details stay in the log, not in the response
             logger.exception("request %s failed", rid)
-            return self._error(P.APIError(500, f"generation failed: {e}", type_="server_error"))
+            return _error(P.APIError(500, f"generation failed (request {rid})", type_="server_error"))
         finally:
             self.in_flight -= 1
         u = P.usage(len(prompt_ids), len(ids), P.spec_usage(stats))

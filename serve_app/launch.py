@@ -33,7 +33,7 @@ def _wait_ready(base: str, model: str, deadline: float) -> None:
     last = "no answer yet"
     while time.time() < deadline:
         try:
-            r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=60, headers=auth_headers())
             if r.status_code == 200:
                 return
             last = f"HTTP {r.status_code}: {r.text[:200]}"
@@ -43,16 +43,24 @@ def _wait_ready(base: str, model: str, deadline: float) -> None:
     raise TimeoutError(f"{base} did not answer a completion in time ({last})")
 
 
+def auth_headers() -> dict[str, str]:
+    key = os.environ.get("COSINE_API_KEY")
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 def banner(base: str, model: str, dashboard: str | None, metrics_port: int | None) -> str:
+    keyed = bool(os.environ.get("COSINE_API_KEY"))
     lines = [
         f"CoSine is serving {model!r} at {base}/v1 (OpenAI-compatible)",
         "",
         "  curl:",
-        f"    curl {base}/v1/chat/completions -H 'content-type: application/json' \\",
+        f"    curl {base}/v1/chat/completions -H 'content-type: application/json'"
+        + (' -H "authorization: Bearer $COSINE_API_KEY"' if keyed else "") + " \\",
         f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
         "\"max_tokens\": 32}'",
         "  openai SDK (Python):",
-        f"    from openai import OpenAI; client = OpenAI(base_url=\"{base}/v1\", api_key=\"none\")",
+        f"    from openai import OpenAI; client = OpenAI(base_url=\"{base}/v1\", api_key="
+        + ('os.environ["COSINE_API_KEY"])' if keyed else '"none")'),
         f"    print(client.chat.completions.create(model=\"{model}\", max_tokens=32,",
         "          messages=[{\"role\": \"user\", \"content\": \"Hello\"}]).choices[0].message.content)",
         "",

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class APIError(Exception):
@@ -21,25 +21,34 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Strict(BaseModel):
+    # strict: `true` is not an integer, `"1"` not a number; unknown fields are an error, not silently ignored
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[TextPart]
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return "".join(p.text for p in self.content)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SpeculationOverride(BaseModel):
+class SpeculationOverride(_Strict):
     """Per-request control of speculation (an extension field `speculation` of both endpoints)."""
 
-    model_config = ConfigDict(extra="forbid")
     enabled: bool = True
     max_draft_tokens: int | None = Field(None, ge=0, le=32)
     drafters: list[str] | None = None  # fixed drafters: bypass routing
@@ -50,22 +59,45 @@ class SpeculationOverride(BaseModel):
                                              "(overrides the controller's adaptive participation)")
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored, as OpenAI-compatible servers do
+# OpenAI fields this server accepts only at the value that changes nothing (anything else is a 400, never ignored)
+NO_OP_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False,),
+                "logit_bias": ({},), "tools": ([],), "response_format": ({"type": "text"},), "echo": (False,),
+                "best_of": (1,), "parallel_tool_calls": (True, False), "store": (False,)}
+
+
+class _Common(_Strict):
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (wins over "
+                                              "max_tokens); default: up to the context length")
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: int = Field(0, ge=0, description="0: off")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = Field(None, description="up to 4 non-empty strings")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     speculation: SpeculationOverride | None = None
     ignore_eos: bool = False  # as in vLLM: keep generating past EOS (benchmarks with fixed lengths)
+    frequency_penalty: float | None = Field(None, description="only 0 (no penalty) is supported")
+    presence_penalty: float | None = Field(None, description="only 0 (no penalty) is supported")
+    logprobs: bool | int | None = Field(None, description="not supported: only false")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: only {}")
+    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"}")
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: only []")
+    parallel_tool_calls: bool | None = None
+    store: bool | None = Field(None, description="not supported: only false")
+
+    @model_validator(mode="after")
+    def _no_ops_only(self):
+        for name, allowed in NO_OP_VALUES.items():
+            value = getattr(self, name, None)
+            if value is not None and not any(value == a and type(value) is type(a) or
+                                             (isinstance(a, float) and value == a) for a in allowed):
+                raise APIError(400, f"{name}={json.dumps(value)} is not supported by this server", param=name)
+        return self
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -75,27 +107,31 @@ class _Common(BaseModel):
             raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")
         return stops
 
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(..., min_length=1)
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
+    echo: bool | None = Field(None, description="not supported: only false")
+    best_of: int | None = Field(None, description="not supported: only 1")
 
 
 def parse(model_cls, body: Any):
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     try:
-        req = model_cls.model_validate(body)
+        return model_cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"unsupported field {loc!r}", param=loc) from None
         raise APIError(400, f"{loc}: {err['msg']}", param=loc) from None
-    if req.n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
-    return req
 
 
 def new_id(prefix: str) -> str:
@@ -138,3 +174,21 @@ def spec_usage(stats: dict | None) -> dict:
 
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def spec_decode_metrics(totals: dict, model: str) -> str:
+    """The verifier's counters in Prometheus text under vLLM's names, so that clients made for vLLM
+    (`vllm bench serve` reads `{base_url}/metrics`) report acceptance for this server."""
+    label = f'model_name="{model}"'
+    lines = []
+    for name, doc in (("num_drafts", "drafts verified"), ("num_draft_tokens", "draft tokens verified"),
+                      ("num_accepted_tokens", "draft tokens accepted"),
+                      ("num_accepted_tokens_per_pos", "draft tokens accepted, by position in the draft")):
+        metric = f"vllm:spec_decode_{name}_total"
+        lines += [f"# HELP {metric} {doc}", f"# TYPE {metric} counter"]
+        if name == "num_accepted_tokens_per_pos":
+            lines += [f'{metric}{{{label},position="{i}"}} {n}' for i, n in enumerate(totals.get(name, []))]
+        else:
+            lines.append(f"{metric}{{{label}}} {totals.get(name, 0)}")
+    return "\n".join(lines) + "\n"
+

@@ -60,6 +60,9 @@ class LoopStats:
         self.recent_accepted: dict[str, deque] = {}  # drafter -> accepted length (bonus included) per draft
         self.totals = {"steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0,  # since start, for benchmarks
                        "drafted_ahead": 0, "ahead_used": 0}
+        # since start, vLLM's speculative-decoding counters (the ingress exports them under vLLM's names)
+        self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                            "num_accepted_tokens_per_pos": []}
 
     def draft_round(self, seconds: float | None) -> None:
         if seconds is None:
@@ -71,6 +74,15 @@ class LoopStats:
         self.verify_seconds.append(seconds)
         self.totals["steps"] += 1
         self.totals["verify_s"] += seconds
+        spec, per_pos = self.spec_decode, self.spec_decode["num_accepted_tokens_per_pos"]
+        for o in outs:
+            if o.num_draft_tokens:
+                spec["num_drafts"] += 1
+                spec["num_draft_tokens"] += o.num_draft_tokens
+                spec["num_accepted_tokens"] += o.num_accepted_tokens
+                per_pos.extend([0] * (o.num_draft_tokens - len(per_pos)))
+                for i in range(o.num_accepted_tokens):
+                    per_pos[i] += 1
         for o in outs:
             d = drafts.get(o.request_id)
             if d is None or not d.drafters:

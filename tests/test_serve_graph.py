@@ -141,8 +141,19 @@ def test_chat_non_streamed_and_streamed_agree(server):
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "context"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}]}, 400, "context"),
+    # what a hostile or careless client sent before (each was a 500, or silently ignored)
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2**70}, 400, "seed"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]}, 400, "content"),
+    ('{"model": "x", "messages": ' + "[" * 100000 + "]" * 100000 + "}", 400, "nested"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": [False]}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temprature": 0}, 400, "unsupported field"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0}, 400,
+     "not supported"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, needle):
     content = body if isinstance(body, str) else json.dumps(body)
@@ -152,6 +163,45 @@ def test_bad_requests_get_openai_errors(server, body, status, needle):
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
     assert _chat(server, "still serving?").status_code == 200
+
+
+def test_unknown_paths_health_and_vllm_metrics(server):
+    r = httpx.get(f"{server}/v1/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert httpx.get(f"{server}/health", timeout=30).json() == {"status": "ok"}
+    assert _chat(server, "count the drafts").status_code == 200
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    drafts = values[f'vllm:spec_decode_num_drafts_total{{model_name="{MODEL}"}}']
+    accepted = values[f'vllm:spec_decode_num_accepted_tokens_total{{model_name="{MODEL}"}}']
+    per_pos = [v for k, v in values.items() if "per_pos" in k]
+    assert drafts > 0 and sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_a_huge_body_is_refused_without_stalling_others(server):
+    """A 20 MB body gets 413 before it is read whole, and short requests sent meanwhile are answered as usual."""
+    import threading
+    import time
+
+    t = time.time()
+    assert _chat(server, "baseline", max_tokens=4).status_code == 200
+    baseline = time.time() - t
+    big = {}
+
+    def send_big():
+        big["r"] = httpx.post(f"{server}/v1/chat/completions", content=b'{"model": "' + b"x" * (20 << 20) + b'"}',
+                              headers={"content-type": "application/json"}, timeout=120)
+
+    sender = threading.Thread(target=send_big)
+    sender.start()
+    times = []
+    for _ in range(3):
+        t = time.time()
+        assert _chat(server, "meanwhile", max_tokens=4).status_code == 200
+        times.append(time.time() - t)
+    sender.join()
+    assert big["r"].status_code == 413 and big["r"].json()["error"]["code"] == "request_too_large"
+    assert max(times) < 10 * baseline + 2.0, (baseline, times)
 
 
 def _handle(name):
