@@ -145,7 +145,7 @@ class IngressDeployment:
             if unknown:
                 raise P.APIError(400, f"unknown drafters {unknown}; known: {sorted(self.drafter_names)}",
                                  param="speculation.drafters")
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
                               seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos)
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:

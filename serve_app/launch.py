@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -97,9 +96,11 @@ def serve_forever(config_path: Path, http_port: int | None = None, dashboard_por
     os.environ.update(serve_env())  # inherited by every Ray process of this head, Serve's controller included
     ctx = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
                    log_to_driver=False)
-    stop = threading.Event()
+    # a plain flag: a handler that sets a threading.Event can interrupt the main thread inside Event.wait while it
+    # holds the event's lock, and then waits for that lock forever (seen with SIGINT followed by SIGTERM)
+    stop: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs a SIGTERM handler of its own
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: stop.append(1))
     try:
         print(f"Ray started ({time.time() - t0:.0f} s); deploying {config_path} ...", flush=True)
         dashboard = f"http://{ctx.dashboard_url}"
@@ -111,8 +112,8 @@ def serve_forever(config_path: Path, http_port: int | None = None, dashboard_por
         _wait_ready(base, model, t0 + ready_timeout_s)
         metrics_port = ray._private.worker.global_worker.node.metrics_export_port
         print(f"ready in {time.time() - t0:.0f} s\n\n{banner(base, model, dashboard, metrics_port)}", flush=True)
-        while not stop.wait(0.5):
-            pass
+        while not stop:
+            time.sleep(0.5)
         print("stopping ...", flush=True)
     finally:
         try:

@@ -62,7 +62,8 @@ class SpeculationOverride(_Strict):
 # OpenAI fields this server accepts only at the value that changes nothing (anything else is a 400, never ignored)
 NO_OP_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False,),
                 "logit_bias": ({},), "tools": ([],), "response_format": ({"type": "text"},), "echo": (False,),
-                "best_of": (1,), "parallel_tool_calls": (True, False), "store": (False,)}
+                "best_of": (1,), "parallel_tool_calls": (True, False), "store": (False,),
+                "repetition_penalty": (1, 1.0), "min_p": (0, 0.0)}  # the last two: vLLM's extensions
 
 
 class _Common(_Strict):
@@ -72,7 +73,7 @@ class _Common(_Strict):
                                               "max_tokens); default: up to the context length")
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0: off")
+    top_k: int = Field(0, ge=-1, description="0 or -1 (vLLM's spelling): off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = Field(None, description="up to 4 non-empty strings")
     stream: bool = False
@@ -89,6 +90,8 @@ class _Common(_Strict):
     tools: list[dict[str, Any]] | None = Field(None, description="not supported: only []")
     parallel_tool_calls: bool | None = None
     store: bool | None = Field(None, description="not supported: only false")
+    repetition_penalty: float | None = Field(None, description="vLLM's extension; only 1 (no penalty)")
+    min_p: float | None = Field(None, description="vLLM's extension; only 0 (off)")
 
     @model_validator(mode="after")
     def _no_ops_only(self):
