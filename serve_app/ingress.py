@@ -16,6 +16,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
@@ -43,6 +44,24 @@ async def _authenticate(request: Request, call_next):
         return _error(P.APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
                                  type_="authentication_error", code="invalid_api_key"))
     return await call_next(request)
+
+
+def _openapi() -> dict:
+    """FastAPI's document, plus the schemas of the request bodies the routes parse themselves."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (P.ChatCompletionRequest, P.CompletionRequest):
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            if getattr(app.state, "model_name", None):  # the one model this server serves
+                js["properties"]["model"]["enum"] = [app.state.model_name]
+            components[model.__name__] = js
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+app.openapi = _openapi
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -89,6 +108,7 @@ class IngressDeployment:
     def __init__(self, config: AppConfig, verifier):
         self.cfg = config
         app.state.api_key = os.environ.get("COSINE_API_KEY") or config.ingress.api_key
+        app.state.model_name = config.ingress.model_name
         self.tokenizer = load_tokenizer(self.cfg)
         self.verifier_calls = verifier
         self.verifier = verifier.options(stream=True)
@@ -161,7 +181,7 @@ class IngressDeployment:
                              code="overloaded", headers={"Retry-After": str(self.cfg.ingress.retry_after_s)})
 
     # ------------------------------------------------------------------ routes
-    @app.get("/health")
+    @app.get("/health", responses={503: {"model": P.ErrorResponse, "description": P.ERRORS[503]}})
     async def health(self):
         """200 when the verifier answers (the graph can serve; drafters only make it faster), 503 otherwise."""
         try:
@@ -171,22 +191,23 @@ class IngressDeployment:
                 503, "the verifier is not answering", type_="server_error").body()["error"]}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(self):
         totals = await self.verifier_calls.spec_decode_totals.remote()
         return PlainTextResponse(P.spec_decode_metrics(totals, self.model_name),
                                  media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/internal/speculation_stats")
+    @app.get("/v1/internal/speculation_stats", responses=P.openapi_responses(401))
     async def speculation_stats(self) -> dict:
         return await self.verifier_calls.speculation_stats.remote()
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=P.openapi_responses(401))
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "cosine", "max_model_len": self.max_len}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=P.openapi_body(P.ChatCompletionRequest),
+              responses=P.openapi_responses(400, 401, 404, 413, 429, 500, stream=True))
     async def chat(self, request: Request):
         try:
             req = P.parse(P.ChatCompletionRequest, await self._body(request))
@@ -198,7 +219,8 @@ class IngressDeployment:
             return _error(e)
         return await self._respond(req, prompt_ids, params, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=P.openapi_body(P.CompletionRequest),
+              responses=P.openapi_responses(400, 401, 404, 413, 429, 500, stream=True))
     async def completions(self, request: Request):
         try:
             req = P.parse(P.CompletionRequest, await self._body(request))

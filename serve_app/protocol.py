@@ -124,6 +124,37 @@ class CompletionRequest(_Common):
     best_of: int | None = Field(None, description="not supported: only 1")
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error this server returns, with its HTTP status (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+ERRORS = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
+          404: "unknown model or path", 413: "request body too large", 429: "server at capacity (Retry-After)",
+          500: "generation failed", 503: "the verifier is not answering"}
+
+
+def openapi_body(model_cls) -> dict:
+    """`openapi_extra` of a route that parses its body itself (size limit, strict errors): the body's schema."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model_cls.__name__}"}}}}}
+
+
+def openapi_responses(*statuses: int, stream: bool = False) -> dict:
+    ok: dict = {"description": "the completion"}
+    if stream:
+        ok["content"] = {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}
+    return {200: ok, **{s: {"model": ErrorResponse, "description": ERRORS[s]} for s in statuses}}
+
+
 def parse(model_cls, body: Any):
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
