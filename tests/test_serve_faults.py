@@ -71,3 +71,51 @@ def test_overload_gets_429_with_retry_after(server):
     assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
     limited = next(r for r in rs if r.status_code == 429)
     assert limited.headers["retry-after"] and limited.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_verifier_killed_mid_stream_ends_the_stream_cleanly_and_serving_resumes(server):
+    """The client's 200 stream ends with an error event, a chunk with a finish_reason and [DONE], never a hang
+    or a cut connection; once Serve has replaced the replica, new requests succeed."""
+    import json
+    import threading
+
+    import ray
+
+    body = {"model": MODEL, "prompt": "The history of the", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events: list = []
+    started = threading.Event()
+
+    def stream():
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=300) as r:
+            events.append(r.status_code)
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(120)
+    verifiers = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("SERVE_REPLICA::cosine#Verifier#")]
+    assert len(verifiers) == 1
+    ray.kill(ray.get_actor(verifiers[0]["name"], namespace=verifiers[0]["namespace"]), no_restart=False)
+    t.join(300)
+    assert not t.is_alive()
+    assert events[0] == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[1:-1]]
+    error = next(c for c in chunks if "error" in c)
+    assert error["error"]["type"] == "server_error" and "Traceback" not in error["error"]["message"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "error"
+
+    def serves() -> bool:
+        try:
+            r = httpx.post(f"{server}/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert _wait(serves, timeout=240, interval=2)
+    assert httpx.get(f"{server}/health", timeout=30).status_code == 200
