@@ -271,6 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "its dashboard)")
     an.add_argument("--json", default="bench_results/anchors.json")
     an.set_defaults(func=_bench_anchors)
+
+    ld = bsub.add_parser("load", help="Poisson arrivals light load to saturation through HTTP: fixed k, "
+                         "the controllers, the autoscaler (goodput, TPOT, drafter replica-seconds per rate)")
+    ld.add_argument("--config", default=str(REPO_ROOT / "examples" / "bench.yaml"))
+    ld.add_argument("--systems", default="k=0,k=2,k=4,k=6,hill_climb,goodput,goodput+autoscaler")
+    ld.add_argument("--rates", default="0.25,0.5,1,2", help="requests/s, comma-separated")
+    ld.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    ld.add_argument("--repeats", type=int, default=3)
+    ld.add_argument("--max-tokens", type=int, default=128)
+    ld.add_argument("--port", type=int, default=8031, help="HTTP port of the system under test (+1: dashboard)")
+    ld.add_argument("--json", default="bench_results/load.json")
+    ld.add_argument("--plot", help="write the plot here (needs matplotlib: pip install -e .[docs])")
+    ld.set_defaults(func=_bench_load)
     return p
 
 
@@ -347,6 +360,12 @@ def _serve(args) -> int:
 
 def _bench_anchors(args) -> int:
     from benchmarks.anchors import main as bench_main
+
+    return bench_main(args)
+
+
+def _bench_load(args) -> int:
+    from benchmarks.load import main as bench_main
 
     return bench_main(args)
 

@@ -1,0 +1,280 @@
+"""`cosine bench load`: Poisson arrivals from light load to beyond saturation, through the real HTTP endpoint.
+
+Each system is a variant of one Serve config (default examples/bench.yaml, the bench target): fixed draft lengths
+k = 0 (speculation off), 2, 4, 6; the goodput controller (the default); the hill-climbing controller where the
+config schema has it; and the goodput controller with the drafter autoscaler. Every system is deployed with
+`cosine serve` on loopback ports of its own, warmed up, then driven at each rate for `duration` seconds with
+Poisson arrivals of held-out mixed-domain prompts (greedy, streamed, so time to first token and time per output
+token are measured at the client; bounded in requests and time). Reported per system and rate: mean and p99 time
+per output token, mean time to first token, goodput (output tokens per second of the window), errors, and drafter
+replica-seconds (running `Drafter-*` replicas, polled from Serve's REST API once a second). Systems are
+interleaved across repeats; each figure is the median over repeats with min and max.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from benchmarks.anchors import _Served
+
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 3, "initial_replicas": 1, "metrics_interval_s": 1.0,
+               "look_back_period_s": 5.0, "upscale_delay_s": 3.0, "downscale_delay_s": 15.0}
+POLICY = {"policy_function": "autoscale.policy:DrafterAutoscaler"}
+SYSTEMS = {
+    "k=0": {"speculation": {"mode": "off"}},
+    "k=2": {"speculation": {"adaptive": False, "k": 2}},
+    "k=4": {"speculation": {"adaptive": False, "k": 4}},
+    "k=6": {"speculation": {"adaptive": False, "k": 6}},
+    "hill_climb": {"speculation": {"controller": {"kind": "hill_climb"}}},
+    "goodput": {},
+    "goodput+autoscaler": {"drafters": "autoscaled"},
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def variant(base: dict, system: str) -> dict:
+    """The Serve config of `system`: the base config's first application with the system's overrides."""
+    cfg = copy.deepcopy(base)
+    app = cfg["applications"][0]
+    over = dict(SYSTEMS[system])
+    if over.pop("drafters", None) == "autoscaled":
+        app["autoscaling_policy"] = dict(POLICY)
+        for d in app["args"]["drafters"]:
+            d["deployment"] = {**d.get("deployment", {}), "autoscaling_config": dict(AUTOSCALING)}
+    app["args"] = _merge(app["args"], over)
+    return cfg
+
+
+def supported(cfg: dict) -> bool:
+    from pydantic import ValidationError
+
+    from config import AppConfig
+
+    try:
+        AppConfig.model_validate(cfg["applications"][0]["args"])
+        return True
+    except ValidationError:
+        return False
+
+
+def arrivals(rate: float, duration: float, seed: int, cap: int) -> list[float]:
+    """Poisson arrival times in [0, duration), at most `cap` of them."""
+    rng, t, out = random.Random(seed), 0.0, []
+    while len(out) < cap:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            break
+        out.append(t)
+    return out
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) > 1 else (values[0] if values else 0.0)
+
+
+def replica_seconds(samples: list[tuple[float, int]]) -> float:
+    """Integral of the running drafter replicas over time (left Riemann sum of the polled counts)."""
+    return sum(n * (t1 - t0) for (t0, n), (t1, _) in zip(samples, samples[1:]))
+
+
+def summarize(requests: list[dict], window: float, replicas: list[tuple[float, int]]) -> dict:
+    ok = [r for r in requests if r.get("error") is None]
+    tpot = [r["tpot"] for r in ok if r["tokens"] > 1]
+    return {"requests": len(requests), "errors": len(requests) - len(ok),
+            "tpot_ms_mean": 1000 * statistics.fmean(tpot) if tpot else 0.0, "tpot_ms_p99": 1000 * p99(tpot),
+            "ttft_ms_mean": 1000 * statistics.fmean([r["ttft"] for r in ok]) if ok else 0.0,
+            "goodput_tok_s": sum(r["tokens"] for r in ok) / window,
+            "drafter_replica_s": replica_seconds(replicas)}
+
+
+async def _request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return {"error": chunk["error"]["type"]}
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                elif first is None and any(c.get("text") for c in chunk["choices"]):
+                    first = time.perf_counter()
+    except httpx.HTTPError as e:
+        return {"error": type(e).__name__}
+    end = time.perf_counter()
+    first = first or end
+    return {"error": None, "ttft": first - t0, "tokens": tokens, "tpot": (end - first) / max(1, tokens - 1)}
+
+
+def drive(url: str, model: str, prompts: list[list[int]], rate: float, duration: float, max_tokens: int,
+          seed: int) -> tuple[list[dict], float]:
+    """Poisson arrivals at `rate` for `duration` s; waits for the requests it sent (5 min at most)."""
+    times = arrivals(rate, duration, seed, cap=int(rate * duration * 2) + 1)
+
+    async def go():
+        async with httpx.AsyncClient(timeout=300) as client:
+            start = time.perf_counter()
+
+            async def at(i: int, t: float):
+                await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+                return await _request(client, url, model, prompts[i % len(prompts)], max_tokens)
+
+            results = await asyncio.wait_for(asyncio.gather(*(at(i, t) for i, t in enumerate(times))), 300 + duration)
+            return results, time.perf_counter() - start
+
+    return asyncio.run(go())
+
+
+class ReplicaPoller:
+    """Running `Drafter-*` replicas over time, from Serve's REST API on the dashboard (what `serve status` reads)."""
+
+    def __init__(self, dashboard: str, interval: float = 1.0):
+        from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+        self.client, self.interval = ServeSubmissionClient(dashboard), interval
+        self.samples: list[tuple[float, int]] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def count(self) -> int:
+        apps = self.client.get_serve_details().get("applications", {})
+        return sum(1 for app in apps.values() for name, d in app.get("deployments", {}).items()
+                   if name.startswith("Drafter-") for r in d.get("replicas", []) if r.get("state") == "RUNNING")
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.samples.append((time.perf_counter(), self.count()))
+            except Exception:  # noqa: BLE001 - a missed poll only coarsens the integral
+                pass
+            self.stopped.wait(self.interval)
+
+    def __enter__(self) -> ReplicaPoller:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+def run(config: str, systems: list[str], rates: list[float], duration: float, repeats: int, max_tokens: int,
+        port: int, log=print) -> dict:
+    from benchmarks.engine import _prompts
+    from model_family.paths import model_path
+    from transformers import AutoTokenizer
+
+    prompts = [p for _, p in _prompts(AutoTokenizer.from_pretrained(model_path("tokenizer")), 4, 64)]
+    random.Random(0).shuffle(prompts)  # domains mixed in arrival order
+    base = yaml.safe_load(Path(config).read_text())
+    tmp = Path(tempfile.mkdtemp(prefix="cosine-load-"))
+    configs = {}
+    for s in systems:
+        cfg = variant(base, s)
+        if not supported(cfg):
+            log(f"skipping {s}: this config schema does not have it")
+            continue
+        configs[s] = tmp / f"{s.replace('+', '_').replace('=', '')}.yaml"
+        configs[s].write_text(yaml.safe_dump(cfg))
+    runs: dict[tuple[str, float], list[dict]] = {}
+    for rep in range(repeats):
+        for i, (s, path) in enumerate(configs.items()):
+            log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(configs)}] {s}: deploying")
+            served = _Served(str(path), port, port + 1)
+            try:
+                drive(served.url, served.model, prompts, 1.0, 8, 16, seed=99)  # warm-up
+                with ReplicaPoller(f"http://127.0.0.1:{port + 1}") as poller:
+                    for rate in rates:
+                        t0 = time.perf_counter()
+                        results, window = drive(served.url, served.model, prompts, rate, duration, max_tokens,
+                                                seed=rep * 1000 + int(rate * 100))
+                        samples = [x for x in poller.samples if x[0] >= t0]
+                        row = summarize(results, window, samples)
+                        runs.setdefault((s, rate), []).append(row)
+                        log(f"    rate {rate}/s: {row['goodput_tok_s']:.1f} tok/s, TPOT {row['tpot_ms_mean']:.1f} ms "
+                            f"(p99 {row['tpot_ms_p99']:.1f}), {row['errors']} errors, "
+                            f"{row['drafter_replica_s']:.0f} drafter replica-s")
+                stats = httpx.get(f"{served.url}/v1/internal/speculation_stats", timeout=30).json()
+                runs[(s, rates[-1])][-1]["mean_k_recent"] = (stats.get("controller") or {}).get("mean_k_recent")
+            finally:
+                served.stop()
+    rows = []
+    for (s, rate), rs in runs.items():
+        row = {"system": s, "rate": rate}
+        for key in ("goodput_tok_s", "tpot_ms_mean", "tpot_ms_p99", "ttft_ms_mean", "drafter_replica_s", "errors"):
+            vals = [r[key] for r in rs]
+            row[key], row[key + "_min"], row[key + "_max"] = statistics.median(vals), min(vals), max(vals)
+        rows.append(row)
+    return {"config": {"base": config, "rates": rates, "duration_s": duration, "repeats": repeats,
+                       "max_tokens": max_tokens, "prompts": len(prompts)}, "rows": rows}
+
+
+def format_table(result: dict) -> str:
+    lines = ["| system | rate req/s | goodput tok/s | TPOT mean ms | TPOT p99 ms | TTFT mean ms | drafter replica-s "
+             "| errors |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(result["rows"], key=lambda r: (r["rate"], r["system"])):
+        lines.append(f"| {r['system']} | {r['rate']} | {r['goodput_tok_s']:.1f} ({r['goodput_tok_s_min']:.1f}-"
+                     f"{r['goodput_tok_s_max']:.1f}) | {r['tpot_ms_mean']:.1f} | {r['tpot_ms_p99']:.1f} "
+                     f"| {r['ttft_ms_mean']:.0f} | {r['drafter_replica_s']:.0f} | {r['errors']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[docs]): no plot")
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for s in dict.fromkeys(r["system"] for r in result["rows"]):
+        rows = sorted((r for r in result["rows"] if r["system"] == s), key=lambda r: r["rate"])
+        x = [r["rate"] for r in rows]
+        for ax, key in zip(axes, ("goodput_tok_s", "tpot_ms_mean", "drafter_replica_s")):
+            ax.plot(x, [r[key] for r in rows], marker="o", label=s)
+    for ax, title in zip(axes, ("goodput (tok/s)", "mean time per output token (ms)", "drafter replica-seconds")):
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(args) -> int:
+    result = run(args.config, args.systems.split(","), [float(r) for r in args.rates.split(",")], args.duration,
+                 args.repeats, args.max_tokens, args.port)
+    print(format_table(result))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    if args.plot:
+        plot(result, Path(args.plot))
+    return 0

@@ -1,0 +1,42 @@
+"""The load benchmark's pure parts: Poisson schedules, the per-rate summary, the system variants."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import yaml
+
+from benchmarks.load import SYSTEMS, arrivals, p99, replica_seconds, summarize, supported, variant
+from model_family.paths import REPO_ROOT
+
+
+def test_arrivals_are_seeded_bounded_and_poisson():
+    a = arrivals(2.0, 600.0, seed=1, cap=10_000)
+    assert a == arrivals(2.0, 600.0, seed=1, cap=10_000) and a != arrivals(2.0, 600.0, seed=2, cap=10_000)
+    assert all(0 <= x < 600 for x in a) and a == sorted(a)
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert abs(len(a) / 600 - 2.0) < 0.25 and abs(statistics.fmean(gaps) - 0.5) < 0.06
+    assert len(arrivals(100.0, 600.0, seed=1, cap=50)) == 50
+
+
+def test_summary_and_replica_seconds():
+    assert replica_seconds([(0.0, 1), (2.0, 3), (3.0, 2)]) == pytest.approx(1 * 2 + 3 * 1)
+    reqs = [{"error": None, "ttft": 0.1, "tokens": 11, "tpot": 0.01 * (i + 1)} for i in range(100)]
+    s = summarize(reqs + [{"error": "HTTP 429"}], window=10.0, replicas=[(0.0, 2), (10.0, 2)])
+    assert s["requests"] == 101 and s["errors"] == 1 and s["goodput_tok_s"] == pytest.approx(110.0)
+    assert s["tpot_ms_mean"] == pytest.approx(505.0) and s["tpot_ms_p99"] == pytest.approx(1000 * p99(
+        [r["tpot"] for r in reqs])) and s["drafter_replica_s"] == pytest.approx(20.0)
+
+
+def test_every_system_is_a_valid_variant_of_the_bench_config():
+    base = yaml.safe_load((REPO_ROOT / "examples" / "bench.yaml").read_text())
+    from config import ControllerSpec
+
+    for s in SYSTEMS:  # the hill-climbing controller only where the schema has it
+        assert supported(variant(base, s)) == (s != "hill_climb" or "kind" in ControllerSpec.model_fields), s
+    auto = variant(base, "goodput+autoscaler")["applications"][0]
+    assert auto["autoscaling_policy"]["policy_function"] == "autoscale.policy:DrafterAutoscaler"
+    assert all(d["deployment"]["autoscaling_config"]["max_replicas"] == 3 for d in auto["args"]["drafters"])
+    assert variant(base, "k=6")["applications"][0]["args"]["speculation"]["k"] == 6
+    assert "autoscaling_policy" not in base["applications"][0]  # the base is left alone
