@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import random
 import statistics
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -188,6 +190,9 @@ def run(config: str, systems: list[str], rates: list[float], duration: float, re
     from model_family.paths import model_path
     from transformers import AutoTokenizer
 
+    # one token for the systems' Ray clusters and this process's REST client (Ray's token authentication)
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
     prompts = [p for _, p in _prompts(AutoTokenizer.from_pretrained(model_path("tokenizer")), 4, 64)]
     random.Random(0).shuffle(prompts)  # domains mixed in arrival order
     base = yaml.safe_load(Path(config).read_text())
