@@ -30,8 +30,7 @@ from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingContext
 
 from config import AutoscalerSpec
-from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, DRAFTER_REQUESTS, VERIFIER_DRAFT_WAIT,
-                                 VERIFIER_SPECULATING)
+from speculation.signals import DRAFTER_BUSY, DRAFTER_QUEUED, VERIFIER_DRAFT_WAIT, VERIFIER_SPECULATING
 
 logger = logging.getLogger("ray.serve")
 
@@ -43,10 +42,8 @@ VERIFIER = "Verifier"
 class DrafterLoad:
     """One drafter deployment's signals, summed over its replicas."""
 
-    replicas: int
     busy: float  # replicas' worth of computing
     queued: float  # calls waiting, time-averaged
-    requests: float  # requests holding a cache
 
 
 @dataclass
@@ -109,7 +106,7 @@ def drafter_load(ctx: AutoscalingContext) -> DrafterLoad | None:
     busy, queued = _summed(ctx, DRAFTER_BUSY), _summed(ctx, DRAFTER_QUEUED)
     if busy is None or queued is None:
         return None
-    return DrafterLoad(ctx.current_num_replicas, busy, queued, _summed(ctx, DRAFTER_REQUESTS) or 0.0)
+    return DrafterLoad(busy, queued)
 
 
 def verifier_load(ctx: AutoscalingContext | None) -> VerifierLoad | None:

@@ -97,8 +97,9 @@ class _Common(_Strict):
     def _no_ops_only(self):
         for name, allowed in NO_OP_VALUES.items():
             value = getattr(self, name, None)
-            if value is not None and not any(value == a and type(value) is type(a) or
-                                             (isinstance(a, float) and value == a) for a in allowed):
+            # equal and both bools or both not (False == 0 and True == 1 in Python)
+            if value is not None and not any(value == a and isinstance(value, bool) == isinstance(a, bool)
+                                             for a in allowed):
                 raise APIError(400, f"{name}={json.dumps(value)} is not supported by this server", param=name)
         return self
 

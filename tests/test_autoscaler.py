@@ -21,7 +21,7 @@ CALM = VerifierLoad(draft_wait=0.05, speculating=0.9)
 
 def decide(busy: float, replicas: int, verifier: VerifierLoad | None = CALM, queued: float = 0.0, low: int = 1,
            high: int = 4, spec: AutoscalerSpec = SPEC, previous: float | None = None):
-    return ReplicaPlanner(spec).decide(DrafterLoad(replicas, busy, queued, 4.0), verifier, replicas, low, high,
+    return ReplicaPlanner(spec).decide(DrafterLoad(busy, queued), verifier, replicas, low, high,
                                        previous)
 
 
@@ -52,7 +52,7 @@ def test_follows_a_domain_mix_shift():
     for busy in ({"code": 1.6, "legal": 0.1}, {"code": 0.1, "legal": 1.6}):
         for _ in range(3):
             for name in replicas:
-                d = planner.decide(DrafterLoad(replicas[name], busy[name], 0.0, 2.0), CALM, replicas[name], 1, 4,
+                d = planner.decide(DrafterLoad(busy[name], 0.0), CALM, replicas[name], 1, 4,
                                    None)
                 replicas[name] = d.replicas
         hot = max(busy, key=busy.get)
@@ -63,7 +63,7 @@ def test_no_flapping_on_a_noisy_signal():
     rng = random.Random(0)
     planner, replicas, demand, seen = ReplicaPlanner(AutoscalerSpec(smoothing=0.5)), 2, None, set()
     for _ in range(500):  # 2 replicas carry 0.75..1.05 replicas' worth at 60%, and would not fit in 1 at 45%
-        d = planner.decide(DrafterLoad(replicas, rng.uniform(0.75, 1.05), 0.0, 3.0), CALM, replicas, 1, 4, demand)
+        d = planner.decide(DrafterLoad(rng.uniform(0.75, 1.05), 0.0), CALM, replicas, 1, 4, demand)
         replicas, demand = d.replicas, d.demand
         seen.add(replicas)
     assert seen == {2}
