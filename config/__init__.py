@@ -130,6 +130,9 @@ class SpeculationSpec(_Strict):
     drafter_timeout_ms: float = Field(5000.0, gt=0, description="a drafter call later than this drops that drafter "
                                       "from the round (the others' drafts still count)")
     controller: ControllerSpec = Field(default_factory=ControllerSpec, description="the goodput controller")
+    record_trace: str | None = Field(None, description="a JSON-lines file (absolute path on the verifier's node) "
+                                     "the verify loop appends to: every finished request's prompt and output, "
+                                     "every verify step's and drafting round's timing; `cosine simulate` replays it")
     # the speculation cluster's central node keeps per-request state (routing scores, last round, which drafters
     # hold a cache), so it runs as one replica; place it next to the verifier
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")

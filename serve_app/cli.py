@@ -284,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--json", default="bench_results/load.json")
     ld.add_argument("--plot", help="write the plot here (needs matplotlib: pip install -e .[docs])")
     ld.set_defaults(func=_bench_load)
+
+    from simulate.report import add_parser as add_simulate
+
+    add_simulate(sub, str(REPO_ROOT / "examples" / "local.yaml"))
     return p
 
 

@@ -26,6 +26,7 @@ from config import AppConfig
 from engines.sampling import SamplingParams
 from speculation.messages import Draft, DraftRequest, Participation, SpeculationOverrides, TokenChunk
 from speculation.planner import DraftPlanner
+from speculation.trace import TraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class VerifyLoop:
         self.stats = stats or LoopStats()
         self.planner = DraftPlanner(cfg)
         self.controller = self.planner.controller
+        self.trace = TraceRecorder(cfg.speculation.record_trace) if cfg.speculation.record_trace else None
         self.drafting_overlaps_verification = True  # False where drafters share this CPU (set by the deployment)
         self.half_verify_s = [0.0, 0.0]  # last verify step time of each pipeline half
         self.requests: dict[str, _Request] = {}
@@ -141,11 +143,18 @@ class VerifyLoop:
         req = _Request(asyncio.Queue(), overrides or SpeculationOverrides(), next(self.arrivals) % 2)
         self.requests[rid] = req
         await self.inbox.put(("add", rid, prompt_ids, params))
+        started, output, drafted, accepted = time.perf_counter(), [], 0, 0
         try:
             while True:
                 chunk = await req.queue.get()
                 if isinstance(chunk, Exception):
                     raise chunk
+                if self.trace:
+                    output += chunk.token_ids
+                    drafted, accepted = drafted + chunk.num_draft_tokens, accepted + chunk.num_accepted_tokens
+                    if chunk.finished:
+                        self.trace.request(rid, list(prompt_ids), output, started, time.perf_counter(), drafted,
+                                           accepted)
                 yield chunk
                 if chunk.finished:
                     break
@@ -238,11 +247,12 @@ class VerifyLoop:
         self.stats.planned(self.planner.chosen, getattr(self.controller, "predicted_goodput", None))
         if not batch:
             return {}
-        modes = set()
+        modes, scored = set(), 0
         for d in batch:
             req = self.requests.get(d.request_id)
             if req is not None:
                 modes.add(d.participation if req.drafted else None)
+                scored += 0 if req.drafted else len(d.context)
                 req.participation, req.drafted = d.participation, True
         t = time.perf_counter()
         try:
@@ -253,11 +263,9 @@ class VerifyLoop:
             return {}
         seconds = time.perf_counter() - t
         self.stats.draft_round(seconds)
-        depth = max(d.k for d in batch)
-        if self.controller and not self.controller.modes:  # per lockstep depth, by the number of requests drafting
-            self.controller.draft.observe(len(batch), seconds / depth)
-        elif self.controller and len(modes) == 1 and None not in modes:  # one mode, no prompt scoring: price it
-            self.controller.draft_model(modes.pop()).observe(depth, seconds)
+        if self.trace:
+            self.trace.draft(len(batch), max(d.k for d in batch), scored, seconds)
+        self.planner.observe_round(batch, modes, seconds)
         return drafts
 
     def _draft_ahead(self, drafts: dict[str, Draft]) -> tuple[dict[str, list[int]], asyncio.Task] | None:
@@ -326,7 +334,8 @@ class VerifyLoop:
                     ahead = None
                 drafts.update(await self._drafts([r for r in members if r not in drafts]))
             drafts = {r: d for r, d in drafts.items() if r in self.engine.running}
-            self.stats.draft_wait(time.perf_counter() - t)
+            wait = time.perf_counter() - t
+            self.stats.draft_wait(wait)
             t = time.perf_counter()
             if last_end is not None:
                 self.stats.step_intervals.append(t - last_end)
@@ -345,6 +354,9 @@ class VerifyLoop:
             last_end = time.perf_counter()
             self.half_verify_s[turn] = last_end - t
             self.stats.verify_step(self.half_verify_s[turn], drafts, outs, len(self.requests))
+            if self.trace:
+                self.trace.step(last_end, len(members), self.engine.last_step_tokens, self.half_verify_s[turn], wait,
+                                len(drafts))
             self._dispatch(outs)
             nxt = [r for r in self.engine.running if self._half(r) == turn] if self._pipelined() else []
             if nxt:  # this half's next drafts are produced while the other half is verified
@@ -352,14 +364,12 @@ class VerifyLoop:
             turn = 1 - turn
 
     def _dispatch(self, outs) -> None:
-        if self.controller:
-            self.controller.verify.observe(self.engine.last_step_tokens, self.engine.last_verify_seconds)
+        self.planner.observe_step(self.engine.last_step_tokens, self.engine.last_verify_seconds)
         finished = []
         for o in outs:
             req = self.requests.get(o.request_id)
-            if self.controller:
-                mode = req.participation if req and o.draft_depth and self.controller.modes else None
-                self.controller.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens, mode)
+            self.planner.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens,
+                                            req.participation if req else None)
             chunk = TokenChunk(o.new_token_ids, o.finished, o.finish_reason, o.num_draft_tokens,
                                o.num_accepted_tokens, o.accepted_drafters)
             if o.finished:

@@ -63,6 +63,28 @@ class DraftPlanner:
             lockstep = spec.lockstep
         return Participation(n, lockstep and spec.mode == "cosine")
 
+    def observe_round(self, batch: list[DraftRequest], modes: set[Participation | None], seconds: float) -> None:
+        """Price a drafting round: per lockstep depth by the number of requests drafting, or, choosing the
+        participation, per mode in the round's depth (only a round of one mode without prompt scoring, marked
+        None in `modes`, says what that mode costs)."""
+        c, depth = self.controller, max(d.k for d in batch)
+        if c is None:
+            return
+        if not c.modes:
+            c.draft.observe(len(batch), seconds / depth)
+        elif len(modes) == 1 and None not in modes:
+            c.draft_model(next(iter(modes))).observe(depth, seconds)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        if self.controller:
+            self.controller.verify.observe(tokens, seconds)
+
+    def observe_acceptance(self, rid: str, depth: int, accepted: int, participation: Participation | None) -> None:
+        """A verified round of `rid` (depth 0: it had no draft), drafted with `participation`."""
+        if self.controller:
+            mode = participation if depth and self.controller.modes else None
+            self.controller.observe_acceptance(rid, depth, accepted, mode)
+
     def state(self, drafting_overlaps_verification: bool) -> dict | None:
         """The controller's state for operators (`speculation_stats`)."""
         c = self.controller

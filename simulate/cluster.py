@@ -1,0 +1,409 @@
+"""The simulated cluster: a verifier (continuous batching, CoSine's pipeline halves or whole-batch steps), drafter
+replicas on GPUs behind network hops, and the drafter autoscaler, on simpy's clock.
+
+What decides is the project's own code, driven as the service drives it: `DraftPlanner` (the goodput controller,
+participation, Gamma_max), `SpeculationCoordinator` (routing with its cold start and feedback, lockstep or
+one-shot fusion, tree budget) over the replayed drafters (replay.py), the engines' greedy verification rule, and
+the autoscaler's `ReplicaPlanner` fed the signals the replicas would report. What is modelled: time (hardware.py),
+queueing at the drafter GPUs and the verifier, and replicas' start-up. Not modelled: KV-cache limits beyond
+max_batch, a rehomed request's cache rebuild on its new drafter replica, stragglers and failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import simpy
+
+from autoscale.policy import DrafterLoad, ReplicaPlanner, VerifierLoad
+from config import AppConfig, AutoscalerSpec
+from speculation.coordinator import SpeculationCoordinator
+from speculation.messages import SpeculationOverrides
+from speculation.planner import DraftPlanner
+from simulate.hardware import Hardware
+from simulate.replay import Replayer, ReplayRequest, ReplayState
+
+
+@dataclass
+class Workload:
+    """closed: `concurrency` clients, each sending its next request when the last one finished, `count` in all;
+    offline: `count` requests at time 0; poisson: arrivals at `rate` (or a piecewise rate [(until_s, rate)...])
+    for `duration` s. Requests are drawn from the replayed ones, in order for closed/offline when `count` fits."""
+
+    kind: str = "closed"
+    count: int = 12
+    concurrency: int = 1
+    rate: float | list[tuple[float, float]] = 1.0
+    duration: float = 60.0
+    seed: int = 0
+    prompt_tokens: int | None = None  # prefill cost per request (the paper's 256), else the prompt's length
+
+    def rate_at(self, t: float) -> float:
+        if isinstance(self.rate, (int, float)):
+            return float(self.rate)
+        return next((r for until, r in self.rate if t < until), self.rate[-1][1])
+
+
+@dataclass
+class Autoscaling:
+    spec: AutoscalerSpec = field(default_factory=AutoscalerSpec)
+    min_replicas: int = 1
+    max_replicas: int = 4
+    period_s: float = 2.0  # Serve's metrics interval / policy period, as look-back
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 60.0
+
+
+@dataclass
+class Finished:
+    rid: str  # the trace's request id, '#' and its arrival's number
+    output: list[int]  # what the replayed verification committed
+    arrival: float  # sent by its client
+    started: float  # admitted into the running batch
+    first: float
+    end: float
+    tokens: int
+    passes: int
+    rounds: int
+    accepted: int
+
+
+@dataclass
+class Result:
+    finished: list[Finished]
+    makespan: float
+    steps: int
+    step_tokens: int
+    drafter_gpu_seconds: float
+    cost_usd: float
+    replicas: list[tuple[float, int]]  # (time, drafter replicas running)
+
+    def summary(self) -> dict:
+        f = self.finished
+        tokens = sum(r.tokens for r in f)
+        rounds = sum(r.rounds for r in f)
+        per_token = [(r.end - r.arrival) / r.tokens for r in f if r.tokens]
+        tpot = [(r.end - r.first) / (r.tokens - 1) for r in f if r.tokens > 1]
+        return {"requests": len(f), "tokens": tokens, "throughput_tok_s": tokens / max(self.makespan, 1e-9),
+                "latency_ms_per_token": 1000 * statistics.fmean(per_token) if per_token else 0.0,
+                # from admission: the time per token of a running request, queueing excluded (offline batches)
+                "service_ms_per_token": 1000 * statistics.fmean((r.end - r.started) / r.tokens for r in f if r.tokens)
+                if f else 0.0,
+                "tpot_ms": 1000 * statistics.fmean(tpot) if tpot else 0.0,
+                "ttft_ms": 1000 * statistics.fmean([r.first - r.arrival for r in f]) if f else 0.0,
+                "mean_accepted_length": (sum(r.accepted for r in f) + rounds) / rounds if rounds else 1.0,
+                "target_passes_per_token": sum(r.passes for r in f) / max(tokens, 1),
+                "drafter_gpu_hours": self.drafter_gpu_seconds / 3600,
+                "usd_per_million_tokens": 1e6 * self.cost_usd / max(tokens, 1)}
+
+
+class _Replica:
+    def __init__(self, env: simpy.Environment, gpu: simpy.Resource, ready_at: float):
+        self.gpu, self.ready_at = gpu, ready_at
+        self.homes: set[str] = set()
+        self.busy_s = 0.0
+        self.queued_s = 0.0
+        self.env = env
+
+
+class Simulation:
+    """One run of one configuration (`cfg`: the same AppConfig the service takes) on `hw`."""
+
+    def __init__(self, cfg: AppConfig, hw: Hardware, requests: list[ReplayRequest],
+                 replicas: int = 1, drafter_gpus: int | None = None, colocated: bool = False,
+                 pipelined: bool | None = None, autoscaling: Autoscaling | None = None, seed: int = 0):
+        """`replicas`: per drafter deployment at the start, placed round-robin on `drafter_gpus` GPUs (default:
+        one GPU each); `colocated`: drafters run on the verifier's GPUs (vanilla speculation); `pipelined`: two
+        halves of the pool take turns at the verifier (default: when drafters have GPUs of their own)."""
+        self.cfg, self.hw, self.requests, self.seed = cfg, hw, requests, seed
+        self.colocated = colocated
+        self.pipelined = (not colocated and hw.draft_round is None) if pipelined is None else pipelined
+        self.autoscaling = autoscaling
+        self.env = simpy.Environment()
+        self.verifier = simpy.Resource(self.env, 1)
+        self.replayer = Replayer()
+        self.planner = DraftPlanner(cfg)
+        self.coordinator = SpeculationCoordinator.from_config(cfg) if cfg.speculation.mode != "off" else None
+        self.aio = asyncio.new_event_loop()
+        names = [d.name for d in cfg.drafters]
+        n_gpus = drafter_gpus or replicas * len(names)
+        self.gpus = [simpy.Resource(self.env, 1) for _ in range(n_gpus)]
+        self.replicas: dict[str, list[_Replica]] = {
+            n: [_Replica(self.env, self.gpus[(i * replicas + j) % n_gpus], 0.0) for j in range(replicas)]
+            for i, n in enumerate(names)}
+        self.gpu_seconds = 0.0
+        self.replica_log: list[tuple[float, int]] = [(0.0, self._n_replicas())]
+        # request pool
+        self.queue: list[tuple[float, ReplayState]] = []
+        self.running: list[dict[str, ReplayState]] = [{}, {}] if self.pipelined else [{}]
+        self.prefill: set[str] = set()
+        self.drafted: set[str] = set()
+        self.on_finish = None
+        self.arrived: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.started: dict[str, float] = {}
+        self.finished: list[Finished] = []
+        self.wakeup = self.env.event()
+        self.last_verify = [0.0, 0.0]
+        self.steps = self.step_tokens = 0
+        self.signals = defaultdict(float)  # the verifier's autoscaling signals since the last period
+        self.done = self.env.event()
+        self.expected = 0
+        self.prompt_tokens: int | None = None
+
+    # ------------------------------------------------------------------ requests
+    def _n_replicas(self) -> int:
+        return sum(len(rs) for rs in self.replicas.values())
+
+    def _arrive(self, req: ReplayRequest, tag: str):
+        """A request sent now; it reaches the verifier's queue half the request overhead later."""
+        rid = f"{req.rid}#{tag}"
+        st = ReplayState(ReplayRequest(rid, req.prompt, req.output, req.preds, req.domain))
+        self.arrived[rid] = self.env.now
+        yield self.env.timeout(self.hw.request_overhead_ms / 2000)
+        self.replayer.states[rid] = st
+        self.queue.append((self.env.now, st))
+        if not self.wakeup.triggered:
+            self.wakeup.succeed()
+
+    def _send(self, req: ReplayRequest, tag: str) -> None:
+        self.env.process(self._arrive(req, tag))
+
+    def _finish(self, rid: str):
+        """The response reaches its client half the request overhead after the last token."""
+        st = self.replayer.states.pop(rid)
+        if self.planner.controller:
+            self.planner.controller.release(rid)
+        if self.coordinator:
+            self.coordinator.release(rid)
+        for reps in self.replicas.values():
+            for r in reps:
+                r.homes.discard(rid)
+        half = self.hw.request_overhead_ms / 2000
+        yield self.env.timeout(half)
+        self.finished.append(Finished(rid, st.output, self.arrived.pop(rid), self.started.pop(rid), self.first.pop(rid) + half,
+                                      self.env.now,
+                                      st.committed, st.passes, st.rounds, st.accepted))
+        if self.on_finish:
+            self.on_finish()
+        if len(self.finished) >= self.expected and not self.done.triggered:
+            self.done.succeed()
+
+    def _workload(self, w: Workload):
+        rng = random.Random(w.seed)
+        pick = (lambda i: self.requests[i % len(self.requests)]) if w.kind != "poisson" else (
+            lambda i: rng.choice(self.requests))
+        self.on_finish = None
+        if w.kind == "offline":
+            self.expected = w.count
+            for i in range(w.count):
+                self._send(pick(i), str(i))
+        elif w.kind == "closed":
+            self.expected = w.count
+            sent = iter(range(w.count))
+
+            def next_one():
+                i = next(sent, None)
+                if i is not None:
+                    self._send(pick(i), str(i))
+
+            self.on_finish = next_one
+            for _ in range(min(w.concurrency, w.count)):
+                next_one()
+        else:
+            self.expected, i = float("inf"), 0
+            while self.env.now < w.duration:
+                yield self.env.timeout(rng.expovariate(max(w.rate_at(self.env.now), 1e-9)))
+                if self.env.now < w.duration:
+                    self._send(pick(i), str(i))
+                    i += 1
+            self.expected = i
+            if len(self.finished) >= i and not self.done.triggered:
+                self.done.succeed()
+        yield self.env.timeout(0)
+
+    # ------------------------------------------------------------------ the verifier loop
+    def _admit(self) -> None:
+        total = sum(len(g) for g in self.running)
+        while self.queue and total < self.cfg.verifier.max_batch:
+            _, st = self.queue.pop(0)
+            group = min(range(len(self.running)), key=lambda g: len(self.running[g]))
+            self.running[group][st.req.rid] = st
+            self.prefill.add(st.req.rid)
+            self.started[st.req.rid] = self.env.now
+            total += 1
+            if not self.wakeup.triggered:  # the request may have gone to a group that is waiting
+                self.wakeup.succeed()
+
+    def _group(self, g: int):
+        while True:
+            self._admit()
+            members = self.running[g]
+            if not members:
+                if self.wakeup.triggered:
+                    self.wakeup = self.env.event()
+                yield self.wakeup
+                continue
+            t0 = self.env.now
+            drafts, modes, participation = {}, set(), {}
+            decoding = list(members)  # a new request drafts from its prompt: its first step prefills and verifies
+            if self.coordinator:
+                other = self.last_verify[1 - g] if self.pipelined and self.running[1 - g] else 0.0
+                batch = self.planner.plan({r: members[r].context for r in decoding},
+                                          {r: SpeculationOverrides() for r in decoding}, overlap_s=other)
+                self.signals["rounds"] += len(decoding)
+                self.signals["speculated"] += len(batch)
+                if batch:
+                    scored = 0
+                    for d in batch:  # a request's first round scores its prompt: it says nothing of its mode's cost
+                        modes.add(d.participation if d.request_id in self.drafted else None)
+                        scored += 0 if d.request_id in self.drafted else len(d.context)
+                        self.drafted.add(d.request_id)
+                        participation[d.request_id] = d.participation
+                    self.replayer.calls.clear()
+                    drafts = self.aio.run_until_complete(self.coordinator.draft(batch, self.replayer.step_fn))
+                    seconds = yield from self._drafting(batch, scored)
+                    if seconds > self.cfg.speculation.draft_timeout_ms / 1000:
+                        drafts = {}  # the loop stops waiting at the timeout and decodes without drafts
+                    else:
+                        self.planner.observe_round(batch, modes, seconds)
+            self.signals["draft_wait_s"] += self.env.now - t0
+            drafts = {r: (d.best_chain().truncated(self.cfg.speculation.k) if self.cfg.verifier.engine == "vllm"
+                          else d) for r, d in drafts.items()}
+            prompt = sum(self.prompt_tokens or len(members[r].req.prompt) for r in members if r in self.prefill)
+            tokens = prompt + sum(1 + len(drafts[r]) if r in drafts else 1 for r in members)
+            with self.verifier.request() as turn:
+                yield turn
+                seconds = self.hw.verify(tokens) + self.hw.loop_overhead_ms / 1000
+                yield self.env.timeout(seconds)
+            self.last_verify[g] = seconds
+            self.steps += 1
+            self.step_tokens += tokens
+            self.planner.observe_step(tokens, seconds)
+            for rid in list(members):
+                st = members[rid]
+                if rid in self.prefill:
+                    self.prefill.discard(rid)
+                    self.first[rid] = self.env.now
+                _, accepted, depth = self.replayer.verify(rid, drafts.get(rid))
+                self.planner.observe_acceptance(rid, depth, accepted, participation.get(rid))
+                if st.done:
+                    del members[rid]
+                    self.env.process(self._finish(rid))
+
+    def _drafting(self, batch, scored: int):
+        """Simulated time of the drafting round just replayed: its calls, by depth (a coordinator wave)."""
+        t0 = self.env.now
+        if self.hw.draft_round is not None:  # fitted as a whole: drafters share the verifier's hardware
+            yield self.env.timeout(self.hw.draft_round(max(d.k for d in batch), len(batch), scored))
+            return self.env.now - t0
+        waves: dict[int, dict[str, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
+        for name, rid, depth, steps in self.replayer.calls:
+            waves[depth][name].append((rid, steps))
+        for depth in sorted(waves):
+            calls = []
+            for name, items in waves[depth].items():
+                if self.colocated:
+                    calls.append(self.env.process(self._colocated(items)))
+                    continue
+                by_replica: dict[int, list] = defaultdict(list)
+                for rid, steps in items:
+                    by_replica[self._home(name, rid)].append(steps)
+                for i, steps in by_replica.items():
+                    calls.append(self.env.process(self._call(self.replicas[name][i], steps)))
+            yield self.env.all_of(calls)
+        return self.env.now - t0
+
+    def _colocated(self, items):
+        with self.verifier.request() as turn:
+            yield turn
+            yield self.env.timeout(max(s for _, s in items) * self.hw.colocated_draft(len(items)))
+
+    def _home(self, name: str, rid: str) -> int:
+        reps = self.replicas[name]
+        ready = [i for i, r in enumerate(reps) if r.ready_at <= self.env.now] or [0]
+        for i in ready:
+            if rid in reps[i].homes:
+                return i
+        i = min(ready, key=lambda j: len(reps[j].homes))
+        reps[i].homes.add(rid)
+        return i
+
+    def _call(self, rep: _Replica, steps: list[int]):
+        yield self.env.timeout(self.hw.hop_ms / 2000)
+        asked = self.env.now
+        with rep.gpu.request() as turn:
+            yield turn
+            rep.queued_s += self.env.now - asked
+            busy = max(steps) * self.hw.draft(len(steps))
+            yield self.env.timeout(busy)
+            rep.busy_s += busy
+        yield self.env.timeout(self.hw.hop_ms / 2000)
+
+    # ------------------------------------------------------------------ the autoscaler
+    def _autoscaler(self, a: Autoscaling):
+        planner = ReplicaPlanner(a.spec)
+        demand: dict[str, float | None] = {n: None for n in self.replicas}
+        wanted_since: dict[str, tuple[int, float]] = {}
+        while True:
+            yield self.env.timeout(a.period_s)
+            s = self.signals
+            verifier = VerifierLoad(s["draft_wait_s"] / a.period_s,
+                                    s["speculated"] / s["rounds"] if s["rounds"] else 1.0)
+            self.signals = defaultdict(float)
+            for name, reps in self.replicas.items():
+                live = [r for r in reps if r.ready_at <= self.env.now]
+                load = DrafterLoad(sum(r.busy_s for r in live) / a.period_s,
+                                   sum(r.queued_s for r in live) / a.period_s)
+                for r in live:
+                    r.busy_s = r.queued_s = 0.0
+                d = planner.decide(load, verifier, len(reps), a.min_replicas, a.max_replicas, demand[name])
+                demand[name] = d.demand
+                if d.replicas == len(reps):
+                    wanted_since.pop(name, None)
+                    continue
+                since = wanted_since.setdefault(name, (d.replicas, self.env.now))
+                if since[0] != d.replicas:
+                    wanted_since[name] = (d.replicas, self.env.now)
+                    continue
+                delay = a.upscale_delay_s if d.replicas > len(reps) else a.downscale_delay_s
+                if self.env.now - since[1] < delay:
+                    continue
+                wanted_since.pop(name, None)
+                while len(reps) < d.replicas:  # a new replica on a GPU of its own, ready once its model loads
+                    gpu = simpy.Resource(self.env, 1)
+                    self.gpus.append(gpu)
+                    reps.append(_Replica(self.env, gpu, self.env.now + self.hw.replica_start_s))
+                while len(reps) > d.replicas:  # the one with fewest requests goes; they rehome on their next call
+                    gone = min(reps, key=lambda r: len(r.homes))
+                    reps.remove(gone)
+                    self.gpus.remove(gone.gpu)
+            self.replica_log.append((self.env.now, self._n_replicas()))
+
+    def _meter(self, period: float = 1.0):
+        """Drafter GPU-seconds: the GPUs holding drafter replicas, integrated over time."""
+        while True:
+            yield self.env.timeout(period)
+            self.gpu_seconds += period * len(self.gpus)
+
+    # ------------------------------------------------------------------ run
+    def run(self, workload: Workload, limit_s: float = 36000.0) -> Result:
+        self.prompt_tokens = workload.prompt_tokens
+        self.env.process(self._workload(workload))
+        for g in range(len(self.running)):
+            self.env.process(self._group(g))
+        if self.autoscaling is not None:
+            self.env.process(self._autoscaler(self.autoscaling))
+        uses_drafters = self.coordinator is not None and not self.colocated and self.hw.draft_round is None
+        if uses_drafters:
+            self.env.process(self._meter())
+        self.env.run(until=simpy.AnyOf(self.env, [self.done, self.env.timeout(limit_s)]))
+        makespan = max((f.end for f in self.finished), default=self.env.now) - min(
+            (f.arrival for f in self.finished), default=0.0)
+        self.aio.close()
+        return Result(self.finished, makespan, self.steps, self.step_tokens, self.gpu_seconds,
+                      self.hw.cost(self.env.now, self.gpu_seconds), self.replica_log)

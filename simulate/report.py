@@ -1,0 +1,185 @@
+"""`cosine simulate` on the command line: runs a study, prints its table, writes JSON and (optionally) plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from model_family.paths import REPO_ROOT
+
+DEFAULT_TRACE = REPO_ROOT / "simulate" / "traces" / "local.jsonl"
+
+
+def _floats(text: str | None) -> dict[str, float] | None:
+    return {k: float(v) for k, v in (x.split("=") for x in text.split(","))} if text else None
+
+
+def _write(result: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+def validation_table(result: dict) -> str:
+    lines = ["| concurrency | latency model fitted on | throughput tok/s: measured (min-max) | simulated | error "
+             "| ms/token: measured (min-max) | simulated | error |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        t, m = r["throughput_tok_s"], r["latency_ms_per_token"]
+        lines.append(f"| {r['concurrency']} | {r['fitted_on']} | {t['measured']:.1f} ({t['measured_min']:.1f}-"
+                     f"{t['measured_max']:.1f}) | {t['simulated']:.1f} | {t['error']:+.1%} | {m['measured']:.1f} "
+                     f"({m['measured_min']:.1f}-{m['measured_max']:.1f}) | {m['simulated']:.1f} | {m['error']:+.1%} |")
+    return "\n".join(lines)
+
+
+def reproduction_tables(result: dict) -> str:
+    out = ["| profile | batch | system | tok/s | x no-spec | ms/token | accepted length | target passes/token |",
+           "|---|---|---|---|---|---|---|---|"]
+    base = {(r["profile"], r["batch"]): r for r in result["offline"] if r["system"] == "no-spec"}
+    for r in result["offline"]:
+        b = base[(r["profile"], r["batch"])]
+        out.append(f"| {r['profile']} | {r['batch']} | {r['system']} | {r['throughput_tok_s']:.0f} | "
+                   f"{r['throughput_tok_s'] / b['throughput_tok_s']:.2f} | {r['service_ms_per_token']:.1f} | "
+                   f"{r['mean_accepted_length']:.2f} | {r['target_passes_per_token']:.3f} |")
+    out += ["", "| profile | arrivals | system | ms/token | TTFT ms | tok/s | drafter GPU-h | $ per 1M tokens |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in result["online"]:
+        out.append(f"| {r['profile']} | {r['rate']} | {r['system']} | {r['latency_ms_per_token']:.1f} | "
+                   f"{r['ttft_ms']:.0f} | {r['throughput_tok_s']:.0f} | {r['drafter_gpu_hours']:.2f} | "
+                   f"{r['usd_per_million_tokens']:.2f} |")
+    return "\n".join(out)
+
+
+def sizing_table(result: dict) -> str:
+    out = [f"profile {result['profile']}, {result['rate']:.2f} requests/s, mix {result['mix'] or 'as traced'}, "
+           f"prices {result['prices']}", "",
+           "| system | drafter GPU | GPUs | tok/s | ms/token | $ per 1M tokens | tokens per $ |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        out.append(f"| {r['system']} | {r['kind'] or '-'} | {r['gpus']} | {r['throughput_tok_s']:.0f} | "
+                   f"{r['latency_ms_per_token']:.1f} | {r['usd_per_million_tokens']:.2f} | {r['tokens_per_usd']:.0f} |")
+    b = result["best"]
+    out.append(f"\nbest goodput per dollar: {b['gpus']} x {b['kind']} ({b['per_verifier_gpu']:.2f} per verifier GPU)")
+    return "\n".join(out)
+
+
+def plot_reproduction(result: dict, path: Path) -> None:
+    import matplotlib
+
+    from simulate.studies import SYSTEMS
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = sorted({r["profile"] for r in result["offline"]})
+    fig, axes = plt.subplots(2, len(profiles), figsize=(5.5 * len(profiles), 7), squeeze=False)
+    for j, prof in enumerate(profiles):
+        rows = [r for r in result["offline"] if r["profile"] == prof]
+        for system in SYSTEMS[:3]:
+            xs = [r["batch"] for r in rows if r["system"] == system]
+            axes[0][j].plot(xs, [r["throughput_tok_s"] for r in rows if r["system"] == system], "o-", label=system)
+            axes[1][j].plot(xs, [r["service_ms_per_token"] for r in rows if r["system"] == system], "o-",
+                            label=system)
+        axes[0][j].set_title(f"{prof}: offline, {result['prompts']} prompts")
+        axes[0][j].set_ylabel("throughput, tokens/s")
+        axes[1][j].set_ylabel("latency, ms per token")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size")
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def plot_sizing(result: dict, path: Path) -> None:
+    import matplotlib
+
+    from simulate.studies import DRAFTER_KINDS
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for kind in DRAFTER_KINDS:
+        rows = [r for r in result["rows"] if r["kind"] == kind]
+        ax.plot([r["gpus"] for r in rows], [r["tokens_per_usd"] / 1e6 for r in rows], "o-", label=f"cosine, {kind}")
+    for r in result["rows"]:
+        if r["system"] != "cosine":
+            ax.axhline(r["tokens_per_usd"] / 1e6, ls="--", color="grey" if r["system"] == "no-spec" else "black",
+                       label=r["system"])
+    ax.set_xlabel("drafter GPUs per verifier (4 x A100)")
+    ax.set_ylabel("million tokens per USD")
+    ax.set_title(f"{result['profile']}: {result['rate']:.2f} requests/s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(args) -> int:
+    from simulate import studies
+
+    if args.study == "validate":
+        result = studies.validate(args.config, args.per_domain, args.new_tokens,
+                                  tuple(int(c) for c in args.concurrencies.split(",")), args.repeats, args.port,
+                                  Path(args.save_trace) if args.save_trace else None, log=_log)
+        print(validation_table(result))
+    else:
+        run_args = studies.app_args(args.config)
+        _log(f"replaying {args.trace} with the drafters of {args.config} ...")
+        requests = studies.load_replay([args.trace], run_args)
+        if args.study == "reproduce":
+            result = studies.reproduce(run_args, requests, args.profiles.split(","), args.prompts,
+                                       online_s=args.online_s, log=_log)
+            print(reproduction_tables(result))
+            if args.plot:
+                plot_reproduction(result, Path(args.plot))
+        else:
+            result = studies.size(run_args, requests, args.profile, args.rate, _floats(args.mix),
+                                  tuple(int(c) for c in args.counts.split(",")), args.duration,
+                                  _floats(args.prices), log=_log)
+            print(sizing_table(result))
+            if args.plot:
+                plot_sizing(result, Path(args.plot))
+    _write(result, args.json)
+    return 0
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def add_parser(sub, default_config: str) -> None:
+    s = sub.add_parser("simulate", help="the CoSine cluster as a discrete-event simulation running this project's "
+                       "routing, fusion, controller and autoscaler: validate, reproduce the paper, size drafters")
+    ssub = s.add_subparsers(dest="study", required=True)
+    v = ssub.add_parser("validate", help="run the served graph for real with a trace, simulate the same runs, "
+                        "compare throughput and time per token")
+    v.add_argument("--config", default=default_config)
+    v.add_argument("--per-domain", type=int, default=3, help="held-out prompts per domain")
+    v.add_argument("--new-tokens", type=int, default=128)
+    v.add_argument("--concurrencies", default="1,4")
+    v.add_argument("--repeats", type=int, default=3)
+    v.add_argument("--port", type=int, default=8041, help="loopback HTTP port (+1: dashboard)")
+    v.add_argument("--save-trace", help="keep the recorded requests (with their domains) for replays")
+    v.add_argument("--json", default="bench_results/simulate-validate.json")
+    for name, helptext in (("reproduce", "the paper's offline and online settings on its two model pairs"),
+                           ("size", "goodput per dollar by drafter GPU kind and count per verifier")):
+        r = ssub.add_parser(name, help=helptext)
+        r.add_argument("--config", default=default_config, help="the application whose drafters are replayed")
+        r.add_argument("--trace", default=str(DEFAULT_TRACE), help="recorded requests (speculation.record_trace)")
+        r.add_argument("--json", default=f"bench_results/simulate-{name}.json")
+        r.add_argument("--plot", help="write a plot here (needs matplotlib: pip install -e .[docs])")
+        if name == "reproduce":
+            r.add_argument("--profiles", default="paper-llama,paper-qwen")
+            r.add_argument("--prompts", type=int, default=512, help="offline requests per point (the paper: 8192)")
+            r.add_argument("--online-s", type=float, default=600.0, help="simulated seconds per online run")
+        else:
+            r.add_argument("--profile", default="paper-qwen")
+            r.add_argument("--rate", type=float, help="requests/s (default: 90%% of target-only capacity)")
+            r.add_argument("--mix", help="domain weights, e.g. code=3,legal=1 (default: the trace's)")
+            r.add_argument("--counts", default="1,2,4,7,14", help="drafter GPUs per verifier to try")
+            r.add_argument("--duration", type=float, default=600.0, help="simulated seconds per point")
+            r.add_argument("--prices", help="USD per GPU-hour, e.g. RTX3090=0.3,A100-80GB=2.1")
+    s.set_defaults(func=main)

@@ -1,0 +1,59 @@
+"""Traces of real runs for `cosine simulate`: JSON lines the verify loop appends when `speculation.record_trace`
+is set. One line per finished request (its prompt and the target's output, which the simulator replays drafters
+against), per verify step and per drafting round (the timings its latency models are fitted on). Times are the
+verifier process's `time.perf_counter`, so only differences within one trace mean anything."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class TraceRecorder:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1)
+        self._lock = threading.Lock()
+
+    def _write(self, record: dict) -> None:
+        with self._lock:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def request(self, rid: str, prompt: list[int], output: list[int], started: float, finished: float,
+                drafted: int, accepted: int) -> None:
+        self._write({"kind": "request", "id": rid, "t0": started, "t1": finished, "prompt": prompt,
+                     "output": output, "drafted": drafted, "accepted": accepted})
+
+    def step(self, end: float, batch: int, tokens: int, verify_s: float, wait_s: float, drafted: int) -> None:
+        """One verify step: requests in it, tokens the engine processed, its time and how long it waited for drafts
+        beforehand; `drafted`: requests with a draft."""
+        self._write({"kind": "step", "t": end, "batch": batch, "tokens": tokens, "verify_s": verify_s,
+                     "wait_s": wait_s, "drafted": drafted})
+
+    def draft(self, requests: int, depth: int, scored: int, seconds: float) -> None:
+        """A drafting round: requests, depth, and the context tokens of the requests in their first round
+        (every drafter reads the prompt to score it for routing)."""
+        self._write({"kind": "draft", "requests": requests, "depth": depth, "scored": scored, "seconds": seconds})
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class Trace:
+    requests: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+    drafts: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, *paths: str | Path) -> Trace:
+        t = cls()
+        for path in paths:
+            for line in Path(path).read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    {"request": t.requests, "step": t.steps, "draft": t.drafts}[rec.pop("kind")].append(rec)
+        return t

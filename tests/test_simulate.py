@@ -1,0 +1,145 @@
+"""`cosine simulate`: traces recorded by the real verify loop, drafters replayed exactly, the simulated cluster's
+mechanics, the autoscaler's decisions in it, and the studies end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from config import AppConfig
+from engines.sampling import SamplingParams
+from model_family.paths import REPO_ROOT
+from simulate.cluster import Autoscaling, Simulation, Workload
+from simulate.hardware import PROFILES, Hardware, Linear, fit
+from simulate.replay import annotate
+from speculation.inprocess import build_loop, generate_all
+from speculation.trace import Trace
+
+LOCAL = REPO_ROOT / "examples" / "local.yaml"
+
+
+def _args(**speculation) -> dict:
+    args = yaml.safe_load(LOCAL.read_text())["applications"][0]["args"]
+    args["verifier"] = dict(args["verifier"], engine="torch")
+    args["speculation"] = dict(args["speculation"], draft_timeout_ms=60000, **speculation)
+    return args
+
+
+def _record(tmp: Path, prompts: list[list[int]], **speculation) -> tuple[AppConfig, Trace]:
+    """Run the real in-process verify loop with the trace flag on."""
+    path = tmp / "trace.jsonl"
+    cfg = AppConfig.model_validate(_args(record_trace=str(path), **speculation))
+    loop = build_loop(cfg)
+    asyncio.run(generate_all(loop, prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * len(prompts)))
+    loop.trace.close()
+    return cfg, Trace.load(path)
+
+
+@pytest.fixture(scope="module")
+def prompts(domain_prompt_ids) -> list[list[int]]:
+    return [ps[0] for ps in domain_prompt_ids.values()]
+
+
+@pytest.fixture(scope="module")
+def cosine_trace(tmp_path_factory, prompts):
+    return _record(tmp_path_factory.mktemp("cosine"), prompts, adaptive=False)
+
+
+def test_trace_holds_requests_steps_and_drafting_rounds(cosine_trace, prompts):
+    cfg, trace = cosine_trace
+    assert sorted(map(tuple, (r["prompt"] for r in trace.requests))) == sorted(map(tuple, prompts))
+    assert all(len(r["output"]) == 40 and r["t1"] > r["t0"] for r in trace.requests)
+    assert sum(s["batch"] for s in trace.steps) >= len(prompts) * 40 / 5  # at most k + 1 tokens per step
+    assert trace.drafts and all(d["depth"] == 4 for d in trace.drafts)
+    assert sum(d["scored"] > 0 for d in trace.drafts) >= 1  # the first round scores the prompts
+    hw = fit(trace)
+    assert hw.verify.a > 0 and hw.draft_round(4, 6, 0) > 0
+
+
+def test_replay_of_one_drafters_chains_is_exact(tmp_path, prompts):
+    """Chain speculation with a fixed drafter: the simulator's replayed acceptance is the real run's, request by
+    request, and what it commits is the target's output."""
+    cfg, trace = _record(tmp_path, prompts, mode="chain", adaptive=False, fixed_drafters=["generic"])
+    replay = annotate(trace.requests, cfg)
+    result = Simulation(cfg, fit(trace), replay).run(Workload("offline", count=len(replay)))
+    real = {r["id"]: (r["output"], r["accepted"]) for r in trace.requests}
+    simulated = {f.rid.split("#")[0]: (f.output, f.accepted) for f in result.finished}
+    assert simulated == real
+
+
+def test_replay_of_routed_fusion_is_close(cosine_trace):
+    """Routing and lockstep fusion replayed: a drafter's tokens after one it got wrong are stand-ins (its real ones
+    were conditioned on the wrong token), which moves routing scores a little, not acceptance much."""
+    cfg, trace = cosine_trace
+    replay = annotate(trace.requests, cfg)
+    result = Simulation(cfg, fit(trace), replay).run(Workload("offline", count=len(replay)))
+    real = sum(r["accepted"] for r in trace.requests)
+    assert abs(sum(f.accepted for f in result.finished) / real - 1) < 0.03
+    outputs = {r["id"]: r["output"] for r in trace.requests}
+    assert all(f.output == outputs[f.rid.split("#")[0]] for f in result.finished)  # lossless
+
+
+def _flat(ms: float) -> Hardware:
+    return Hardware(name="flat", description="test", verifier_gpu="A100-80GB", verify=Linear(a=ms),
+                    drafter_gpu="RTX3090", draft=Linear(a=1.0), colocated_draft=Linear(a=1.0), hop_ms=1.0)
+
+
+def test_target_only_time_is_the_step_model(cosine_trace):
+    """Speculation off, one request at a time: one verify step per token, each `a` ms."""
+    cfg, trace = cosine_trace
+    off = AppConfig.model_validate(dict(_args(mode="off")))
+    replay = annotate(trace.requests[:2], cfg)
+    result = Simulation(off, _flat(10.0), replay).run(Workload("closed", count=2, concurrency=1))
+    assert result.steps == 80
+    assert result.summary()["throughput_tok_s"] == pytest.approx(100.0)
+    assert result.summary()["target_passes_per_token"] == 1.0
+
+
+def test_speculation_cuts_target_passes_and_pays_for_its_drafters(cosine_trace):
+    cfg, trace = cosine_trace
+    replay = annotate(trace.requests, cfg)
+    work = Workload("offline", count=12)
+    off = Simulation(AppConfig.model_validate(_args(mode="off")), PROFILES["paper-qwen"], replay).run(work)
+    on = Simulation(cfg, PROFILES["paper-qwen"], replay).run(work).summary()
+    assert on["target_passes_per_token"] < 0.5 < off.summary()["target_passes_per_token"]
+    assert on["mean_accepted_length"] > 2.5
+    assert on["throughput_tok_s"] > off.summary()["throughput_tok_s"]
+    assert on["drafter_gpu_hours"] > 0 and off.drafter_gpu_seconds == 0
+
+
+def test_autoscaler_adds_replicas_to_slow_drafters_under_load(cosine_trace):
+    """The project's ReplicaPlanner, fed the simulated replicas' busy time: drafters that compute most of the time
+    get replicas (after the up-scale delay and their start-up), and the output stays the target's."""
+    cfg, trace = cosine_trace
+    replay = annotate(trace.requests, cfg)
+    slow = _flat(5.0).model_copy(update={"draft": Linear(a=20.0, b=2.0), "replica_start_s": 2.0})
+    sim = Simulation(cfg, slow, replay, autoscaling=Autoscaling(min_replicas=1, max_replicas=3, upscale_delay_s=2.0))
+    result = sim.run(Workload("poisson", rate=6.0, duration=60.0, seed=3))
+    assert max(n for _, n in result.replicas) > len(cfg.drafters)
+    outputs = {r["id"]: r["output"] for r in trace.requests}
+    assert result.finished and all(f.output == outputs[f.rid.split("#")[0]] for f in result.finished)
+
+
+def test_simulate_cli_reproduce_and_size(cosine_trace, domain_prompt_ids, tmp_path):
+    from serve_app.cli import main
+
+    _, trace = cosine_trace
+    domain_of = {tuple(ps[0]): d for d, ps in domain_prompt_ids.items()}
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"kind": "request", "domain": domain_of[tuple(r["prompt"])], **r}) + "\n"
+                            for r in trace.requests))
+    out = tmp_path / "rep.json"
+    assert main(["simulate", "reproduce", "--trace", str(path), "--profiles", "paper-llama", "--prompts", "6",
+                 "--online-s", "20", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert {r["system"] for r in rep["online"]} == {"no-spec", "vanilla", "cosine", "cosine+autoscaler"}
+    assert len(rep["offline"]) == 5 * 3
+    out = tmp_path / "size.json"
+    assert main(["simulate", "size", "--trace", str(path), "--counts", "1,7", "--duration", "20",
+                 "--mix", "code=1,legal=1", "--json", str(out)]) == 0
+    size = json.loads(out.read_text())
+    assert size["best"]["kind"] in {"RTX2080Ti", "RTX3090", "A100-80GB"} and len(size["rows"]) == 2 + 3 * 2
