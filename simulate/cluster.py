@@ -81,6 +81,7 @@ class Result:
     drafter_gpu_seconds: float
     cost_usd: float
     replicas: list[tuple[float, int]]  # (time, drafter replicas running)
+    ahead: tuple[int, int] = (0, 0)  # drafts made ahead of a step, and of them used
 
     def summary(self) -> dict:
         f = self.finished
@@ -98,6 +99,7 @@ class Result:
                 "mean_accepted_length": (sum(r.accepted for r in f) + rounds) / rounds if rounds else 1.0,
                 "target_passes_per_token": sum(r.passes for r in f) / max(tokens, 1),
                 "drafter_gpu_hours": self.drafter_gpu_seconds / 3600,
+                "ahead_used_share": self.ahead[1] / self.ahead[0] if self.ahead[0] else 0.0,
                 "usd_per_million_tokens": 1e6 * self.cost_usd / max(tokens, 1)}
 
 
@@ -121,7 +123,11 @@ class Simulation:
         halves of the pool take turns at the verifier (default: when drafters have GPUs of their own)."""
         self.cfg, self.hw, self.requests, self.seed = cfg, hw, requests, seed
         self.colocated = colocated
-        self.pipelined = (not colocated and hw.draft_round is None) if pipelined is None else pipelined
+        # as the loop does: two halves where a step may verify part of the pool (the torch engine) and drafting has
+        # hardware of its own; vLLM steps the whole pool and drafts the next round ahead instead
+        own = cfg.speculation.mode != "off" and not colocated and hw.draft_round is None
+        self.pipelined = (own and cfg.verifier.engine == "torch") if pipelined is None else pipelined
+        self.draft_ahead = own and cfg.verifier.engine == "vllm" and cfg.speculation.draft_ahead
         self.autoscaling = autoscaling
         self.env = simpy.Environment()
         self.verifier = simpy.Resource(self.env, 1)
@@ -135,13 +141,16 @@ class Simulation:
         self.replicas: dict[str, list[_Replica]] = {
             n: [_Replica(self.env, self.gpus[(i * replicas + j) % n_gpus], 0.0) for j in range(replicas)]
             for i, n in enumerate(names)}
-        self.gpu_seconds = 0.0
+        self.gpu_seconds, self.metered_at = 0.0, 0.0
+        self.uses_drafters = self.coordinator is not None and not colocated and hw.draft_round is None
         self.replica_log: list[tuple[float, int]] = [(0.0, self._n_replicas())]
         # request pool
         self.queue: list[tuple[float, ReplayState]] = []
         self.running: list[dict[str, ReplayState]] = [{}, {}] if self.pipelined else [{}]
         self.prefill: set[str] = set()
         self.drafted: set[str] = set()
+        self.participation: dict = {}  # how each request's last draft was made
+        self.ahead_counts = [0, 0]  # drafts made ahead, and of them still extending their context after the step
         self.on_finish = None
         self.arrived: dict[str, float] = {}
         self.first: dict[str, float] = {}
@@ -239,7 +248,40 @@ class Simulation:
             if not self.wakeup.triggered:  # the request may have gone to a group that is waiting
                 self.wakeup.succeed()
 
+    def _plan(self, contexts: dict[str, list[int]], overlap: float, ahead: bool = False):
+        """Plan and replay one drafting round (instantly); returns (drafts, the round's batch, its modes)."""
+        batch = self.planner.plan(contexts, {r: SpeculationOverrides() for r in contexts}, overlap_s=overlap,
+                                  ahead=ahead)
+        if not ahead:
+            self.signals["rounds"] += len(contexts)
+            self.signals["speculated"] += len(batch)
+        modes = set()
+        for d in batch:  # a request's first round scores its prompt: it says nothing of its mode's cost
+            modes.add(d.participation if d.request_id in self.drafted else None)
+            self.drafted.add(d.request_id)
+            self.participation[d.request_id] = d.participation
+        if not batch:
+            return {}, batch, modes
+        self.replayer.start_round(batch)
+        return self.aio.run_until_complete(self.coordinator.draft(batch, self.replayer.step_fn)), batch, modes
+
+    def _round(self, contexts: dict[str, list[int]], overlap: float, ahead: bool = False):
+        """A drafting round in simulated time: its drafts, or none if they come later than draft_timeout_ms."""
+        scored = sum(len(c) for r, c in contexts.items() if r not in self.drafted)
+        drafts, batch, modes = self._plan(contexts, overlap, ahead)
+        if not batch:
+            return {}
+        calls = list(self.replayer.calls)
+        seconds = yield from self._drafting(batch, scored, calls)
+        if seconds > self.cfg.speculation.draft_timeout_ms / 1000:
+            return {}  # the loop stops waiting at the timeout and decodes without them
+        self.planner.observe_round(batch, modes, seconds)
+        return drafts
+
     def _group(self, g: int):
+        """The verify loop for one pipeline half (or the whole pool), as speculation/loop.py runs it."""
+        vllm = self.cfg.verifier.engine == "vllm"
+        ahead = None  # (bases, the drafting process) started beside the last verify step
         while True:
             self._admit()
             members = self.running[g]
@@ -249,33 +291,29 @@ class Simulation:
                 yield self.wakeup
                 continue
             t0 = self.env.now
-            drafts, modes, participation = {}, set(), {}
-            decoding = list(members)  # a new request drafts from its prompt: its first step prefills and verifies
-            if self.coordinator:
+            drafts = {}
+            if ahead is not None:  # the drafts made ahead that still extend their context
+                bases, proc = ahead
+                made = yield proc
+                self.ahead_counts[0] += len(bases)
+                for r, d in made.items():
+                    if r in members and (now := members[r].context)[:len(bases[r])] == bases[r] and (
+                            rest := d.following(now[len(bases[r]):])) is not None:
+                        drafts[r] = rest
+                        self.ahead_counts[1] += 1
+                ahead = None
+            if self.coordinator:  # a new request drafts from its prompt: its first step prefills and verifies
                 other = self.last_verify[1 - g] if self.pipelined and self.running[1 - g] else 0.0
-                batch = self.planner.plan({r: members[r].context for r in decoding},
-                                          {r: SpeculationOverrides() for r in decoding}, overlap_s=other)
-                self.signals["rounds"] += len(decoding)
-                self.signals["speculated"] += len(batch)
-                if batch:
-                    scored = 0
-                    for d in batch:  # a request's first round scores its prompt: it says nothing of its mode's cost
-                        modes.add(d.participation if d.request_id in self.drafted else None)
-                        scored += 0 if d.request_id in self.drafted else len(d.context)
-                        self.drafted.add(d.request_id)
-                        participation[d.request_id] = d.participation
-                    self.replayer.calls.clear()
-                    drafts = self.aio.run_until_complete(self.coordinator.draft(batch, self.replayer.step_fn))
-                    seconds = yield from self._drafting(batch, scored)
-                    if seconds > self.cfg.speculation.draft_timeout_ms / 1000:
-                        drafts = {}  # the loop stops waiting at the timeout and decodes without drafts
-                    else:
-                        self.planner.observe_round(batch, modes, seconds)
+                drafts.update((yield from self._round({r: st.context for r, st in members.items()
+                                                       if r not in drafts}, other)))
             self.signals["draft_wait_s"] += self.env.now - t0
-            drafts = {r: (d.best_chain().truncated(self.cfg.speculation.k) if self.cfg.verifier.engine == "vllm"
-                          else d) for r, d in drafts.items()}
+            if vllm:
+                drafts = {r: d.best_chain().truncated(self.cfg.speculation.k) for r, d in drafts.items()}
             prompt = sum(self.prompt_tokens or len(members[r].req.prompt) for r in members if r in self.prefill)
             tokens = prompt + sum(1 + len(drafts[r]) if r in drafts else 1 for r in members)
+            if self.draft_ahead and drafts:  # drafted from the context full acceptance would give
+                bases = {r: members[r].context + d.tokens for r, d in drafts.items()}
+                ahead = bases, self.env.process(self._round(bases, 0.0, ahead=True))
             with self.verifier.request() as turn:
                 yield turn
                 seconds = self.hw.verify(tokens) + self.hw.loop_overhead_ms / 1000
@@ -290,19 +328,19 @@ class Simulation:
                     self.prefill.discard(rid)
                     self.first[rid] = self.env.now
                 _, accepted, depth = self.replayer.verify(rid, drafts.get(rid))
-                self.planner.observe_acceptance(rid, depth, accepted, participation.get(rid))
+                self.planner.observe_acceptance(rid, depth, accepted, self.participation.get(rid))
                 if st.done:
                     del members[rid]
                     self.env.process(self._finish(rid))
 
-    def _drafting(self, batch, scored: int):
-        """Simulated time of the drafting round just replayed: its calls, by depth (a coordinator wave)."""
+    def _drafting(self, batch, scored: int, calls: list[tuple[str, str, int, int]]):
+        """Simulated time of a drafting round replayed: its calls, wave by wave (the coordinator's depths)."""
         t0 = self.env.now
         if self.hw.draft_round is not None:  # fitted as a whole: drafters share the verifier's hardware
             yield self.env.timeout(self.hw.draft_round(max(d.k for d in batch), len(batch), scored))
             return self.env.now - t0
         waves: dict[int, dict[str, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
-        for name, rid, depth, steps in self.replayer.calls:
+        for name, rid, depth, steps in calls:
             waves[depth][name].append((rid, steps))
         for depth in sorted(waves):
             calls = []
@@ -374,6 +412,7 @@ class Simulation:
                 if self.env.now - since[1] < delay:
                     continue
                 wanted_since.pop(name, None)
+                self._meter()
                 while len(reps) < d.replicas:  # a new replica on a GPU of its own, ready once its model loads
                     gpu = simpy.Resource(self.env, 1)
                     self.gpus.append(gpu)
@@ -384,11 +423,12 @@ class Simulation:
                     self.gpus.remove(gone.gpu)
             self.replica_log.append((self.env.now, self._n_replicas()))
 
-    def _meter(self, period: float = 1.0):
-        """Drafter GPU-seconds: the GPUs holding drafter replicas, integrated over time."""
-        while True:
-            yield self.env.timeout(period)
-            self.gpu_seconds += period * len(self.gpus)
+    def _meter(self) -> None:
+        """Drafter GPU-seconds so far: the GPUs holding drafter replicas, integrated over time (call before the
+        count changes)."""
+        if self.uses_drafters:
+            self.gpu_seconds += (self.env.now - self.metered_at) * len(self.gpus)
+        self.metered_at = self.env.now
 
     # ------------------------------------------------------------------ run
     def run(self, workload: Workload, limit_s: float = 36000.0) -> Result:
@@ -398,12 +438,10 @@ class Simulation:
             self.env.process(self._group(g))
         if self.autoscaling is not None:
             self.env.process(self._autoscaler(self.autoscaling))
-        uses_drafters = self.coordinator is not None and not self.colocated and self.hw.draft_round is None
-        if uses_drafters:
-            self.env.process(self._meter())
         self.env.run(until=simpy.AnyOf(self.env, [self.done, self.env.timeout(limit_s)]))
+        self._meter()
         makespan = max((f.end for f in self.finished), default=self.env.now) - min(
             (f.arrival for f in self.finished), default=0.0)
         self.aio.close()
         return Result(self.finished, makespan, self.steps, self.step_tokens, self.gpu_seconds,
-                      self.hw.cost(self.env.now, self.gpu_seconds), self.replica_log)
+                      self.hw.cost(self.env.now, self.gpu_seconds), self.replica_log, tuple(self.ahead_counts))

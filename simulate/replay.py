@@ -99,13 +99,17 @@ class Replayer:
 
     states: dict[str, ReplayState] = field(default_factory=dict)
     calls: list[tuple[str, str, int, int]] = field(default_factory=list)  # (drafter, rid, depth, steps) this round
+    bases: dict[str, int] = field(default_factory=dict)  # each request's context length when its round began
+
+    def start_round(self, batch) -> None:
+        self.calls.clear()
+        self.bases = {d.request_id: len(d.context) for d in batch}
     async def step_fn(self, name: str, calls: list[DrafterCall]) -> dict[str, list[Proposal]]:
         out = {}
         for call in calls:
             st = self.states[call.request_id]
-            preds, full = st.req.preds[name], st.req.full
-            base = len(st.req.prompt) + st.committed
-            self.calls.append((name, call.request_id, len(call.context) - base, call.steps))
+            preds = st.req.preds[name]
+            self.calls.append((name, call.request_id, len(call.context) - self.bases[call.request_id], call.steps))
             j = len(call.context) - len(st.req.prompt)  # output position of the first proposal
             chain = []
             for i in range(call.steps):  # past the output's end: its last position's (never verified)

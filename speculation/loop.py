@@ -299,6 +299,17 @@ class VerifyLoop:
 
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
+        """The loop's task. Should it fail, its requests fail with it rather than wait for chunks that will never
+        come (the next request starts a new task)."""
+        try:
+            await self._steps()
+        except Exception as e:
+            logger.exception("the verify loop failed")
+            for req in self.requests.values():
+                req.queue.put_nowait(RuntimeError(f"the verify loop failed: {e!r}"))
+            raise
+
+    async def _steps(self) -> None:
         """Two halves of the pool take turns: while one half is verified (in a worker thread), the other half's
         drafts are being produced by the drafting tier. An engine that steps its whole pool (vLLM) verifies every
         request each step, and the next round is drafted ahead meanwhile (`_draft_ahead`)."""

@@ -100,15 +100,23 @@ def test_target_only_time_is_the_step_model(cosine_trace):
 
 
 def test_speculation_cuts_target_passes_and_pays_for_its_drafters(cosine_trace):
+    """The served default (vLLM verifier, drafting ahead) on the paper's 70B profile: a 31 ms verify step and 1 ms
+    drafter steps on GPUs of their own make speculation pay; drafter GPU time is accounted."""
     cfg, trace = cosine_trace
     replay = annotate(trace.requests, cfg)
     work = Workload("offline", count=12)
-    off = Simulation(AppConfig.model_validate(_args(mode="off")), PROFILES["paper-qwen"], replay).run(work)
-    on = Simulation(cfg, PROFILES["paper-qwen"], replay).run(work).summary()
+    vllm = {"engine": "vllm"}
+    off = Simulation(AppConfig.model_validate(dict(_args(mode="off"), verifier=dict(cfg.verifier, **vllm))),
+                     PROFILES["paper-llama"], replay).run(work)
+    sim = Simulation(cfg.model_copy(update={"verifier": cfg.verifier.model_copy(update=vllm)}),
+                     PROFILES["paper-llama"], replay)
+    assert sim.draft_ahead and not sim.pipelined
+    on = sim.run(work).summary()
     assert on["target_passes_per_token"] < 0.5 < off.summary()["target_passes_per_token"]
     assert on["mean_accepted_length"] > 2.5
     assert on["throughput_tok_s"] > off.summary()["throughput_tok_s"]
     assert on["drafter_gpu_hours"] > 0 and off.drafter_gpu_seconds == 0
+    assert 0 < on["ahead_used_share"] < 1
 
 
 def test_autoscaler_adds_replicas_to_slow_drafters_under_load(cosine_trace):
