@@ -104,12 +104,13 @@ class Result:
 
 
 class _Replica:
-    def __init__(self, env: simpy.Environment, gpu: simpy.Resource, ready_at: float):
+    """A drafter replica on a GPU: the requests homed on it, and what it reports to the autoscaler."""
+
+    def __init__(self, gpu: simpy.Resource, ready_at: float):
         self.gpu, self.ready_at = gpu, ready_at
         self.homes: set[str] = set()
         self.busy_s = 0.0
         self.queued_s = 0.0
-        self.env = env
 
 
 class Simulation:
@@ -117,11 +118,11 @@ class Simulation:
 
     def __init__(self, cfg: AppConfig, hw: Hardware, requests: list[ReplayRequest],
                  replicas: int = 1, drafter_gpus: int | None = None, colocated: bool = False,
-                 pipelined: bool | None = None, autoscaling: Autoscaling | None = None, seed: int = 0):
+                 pipelined: bool | None = None, autoscaling: Autoscaling | None = None):
         """`replicas`: per drafter deployment at the start, placed round-robin on `drafter_gpus` GPUs (default:
         one GPU each); `colocated`: drafters run on the verifier's GPUs (vanilla speculation); `pipelined`: two
-        halves of the pool take turns at the verifier (default: when drafters have GPUs of their own)."""
-        self.cfg, self.hw, self.requests, self.seed = cfg, hw, requests, seed
+        halves of the pool take turns at the verifier (default: as the loop decides)."""
+        self.cfg, self.hw, self.requests = cfg, hw, requests
         self.colocated = colocated
         # as the loop does: two halves where a step may verify part of the pool (the torch engine) and drafting has
         # hardware of its own; vLLM steps the whole pool and drafts the next round ahead instead
@@ -139,13 +140,13 @@ class Simulation:
         n_gpus = drafter_gpus or replicas * len(names)
         self.gpus = [simpy.Resource(self.env, 1) for _ in range(n_gpus)]
         self.replicas: dict[str, list[_Replica]] = {
-            n: [_Replica(self.env, self.gpus[(i * replicas + j) % n_gpus], 0.0) for j in range(replicas)]
+            n: [_Replica(self.gpus[(i * replicas + j) % n_gpus], 0.0) for j in range(replicas)]
             for i, n in enumerate(names)}
         self.gpu_seconds, self.metered_at = 0.0, 0.0
         self.uses_drafters = self.coordinator is not None and not colocated and hw.draft_round is None
         self.replica_log: list[tuple[float, int]] = [(0.0, self._n_replicas())]
         # request pool
-        self.queue: list[tuple[float, ReplayState]] = []
+        self.queue: list[ReplayState] = []
         self.running: list[dict[str, ReplayState]] = [{}, {}] if self.pipelined else [{}]
         self.prefill: set[str] = set()
         self.drafted: set[str] = set()
@@ -175,7 +176,7 @@ class Simulation:
         self.arrived[rid] = self.env.now
         yield self.env.timeout(self.hw.request_overhead_ms / 2000)
         self.replayer.states[rid] = st
-        self.queue.append((self.env.now, st))
+        self.queue.append(st)
         if not self.wakeup.triggered:
             self.wakeup.succeed()
 
@@ -194,9 +195,9 @@ class Simulation:
                 r.homes.discard(rid)
         half = self.hw.request_overhead_ms / 2000
         yield self.env.timeout(half)
-        self.finished.append(Finished(rid, st.output, self.arrived.pop(rid), self.started.pop(rid), self.first.pop(rid) + half,
-                                      self.env.now,
-                                      st.committed, st.passes, st.rounds, st.accepted))
+        self.finished.append(Finished(rid, st.output, self.arrived.pop(rid), self.started.pop(rid),
+                                      self.first.pop(rid) + half, self.env.now, st.committed, st.passes, st.rounds,
+                                      st.accepted))
         if self.on_finish:
             self.on_finish()
         if len(self.finished) >= self.expected and not self.done.triggered:
@@ -239,7 +240,7 @@ class Simulation:
     def _admit(self) -> None:
         total = sum(len(g) for g in self.running)
         while self.queue and total < self.cfg.verifier.max_batch:
-            _, st = self.queue.pop(0)
+            st = self.queue.pop(0)
             group = min(range(len(self.running)), key=lambda g: len(self.running[g]))
             self.running[group][st.req.rid] = st
             self.prefill.add(st.req.rid)
@@ -416,7 +417,7 @@ class Simulation:
                 while len(reps) < d.replicas:  # a new replica on a GPU of its own, ready once its model loads
                     gpu = simpy.Resource(self.env, 1)
                     self.gpus.append(gpu)
-                    reps.append(_Replica(self.env, gpu, self.env.now + self.hw.replica_start_s))
+                    reps.append(_Replica(gpu, self.env.now + self.hw.replica_start_s))
                 while len(reps) > d.replicas:  # the one with fewest requests goes; they rehome on their next call
                     gone = min(reps, key=lambda r: len(r.homes))
                     reps.remove(gone)

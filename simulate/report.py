@@ -118,13 +118,15 @@ def plot_sizing(result: dict, path: Path) -> None:
 
 
 def main(args) -> int:
+    """Runs the study, prints its table, writes its JSON, then its plot (if asked)."""
     from simulate import studies
 
+    plot = None
     if args.study == "validate":
         result = studies.validate(args.config, args.per_domain, args.new_tokens,
                                   tuple(int(c) for c in args.concurrencies.split(",")), args.repeats, args.port,
                                   Path(args.save_trace) if args.save_trace else None, log=_log)
-        print(validation_table(result))
+        table = validation_table(result)
     else:
         run_args = studies.app_args(args.config)
         _log(f"replaying {args.trace} with the drafters of {args.config} ...")
@@ -132,17 +134,16 @@ def main(args) -> int:
         if args.study == "reproduce":
             result = studies.reproduce(run_args, requests, args.profiles.split(","), args.prompts,
                                        online_s=args.online_s, log=_log)
-            print(reproduction_tables(result))
-            if args.plot:
-                plot_reproduction(result, Path(args.plot))
+            table, plot = reproduction_tables(result), plot_reproduction
         else:
             result = studies.size(run_args, requests, args.profile, args.rate, _floats(args.mix),
                                   tuple(int(c) for c in args.counts.split(",")), args.duration,
                                   _floats(args.prices), log=_log)
-            print(sizing_table(result))
-            if args.plot:
-                plot_sizing(result, Path(args.plot))
+            table, plot = sizing_table(result), plot_sizing
+    print(table)
     _write(result, args.json)
+    if plot is not None and getattr(args, "plot", None):
+        plot(result, Path(args.plot))
     return 0
 
 
