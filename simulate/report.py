@@ -52,12 +52,10 @@ def reproduction_tables(result: dict) -> str:
 def sizing_table(result: dict) -> str:
     out = [f"profile {result['profile']}, {result['rate']:.2f} requests/s, mix {result['mix'] or 'as traced'}, "
            f"prices {result['prices']}", "",
-           f"| system | drafter GPU | GPUs | tok/s | within {result['slo_ms']:g} ms/token | ms/token | $ per 1M tokens "
-           "| good tokens per $ |", "|---|---|---|---|---|---|---|---|"]
+           "| system | drafter GPU | GPUs | tok/s | ms/token | $ per 1M tokens | tokens per $ |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         out.append(f"| {r['system']} | {r['kind'] or '-'} | {r['gpus']} | {r['throughput_tok_s']:.0f} | "
-                   f"{r['goodput_tok_s']:.0f} | {r['latency_ms_per_token']:.1f} | {r['usd_per_million_tokens']:.2f} | "
-                   f"{r['tokens_per_usd']:.0f} |")
+                   f"{r['latency_ms_per_token']:.1f} | {r['usd_per_million_tokens']:.2f} | {r['tokens_per_usd']:.0f} |")
     b = result["best"]
     out.append(f"\nbest goodput per dollar: {b['gpus']} x {b['kind']} ({b['per_verifier_gpu']:.2f} per verifier GPU)")
     return "\n".join(out)
@@ -110,7 +108,7 @@ def plot_sizing(result: dict, path: Path) -> None:
             ax.axhline(r["tokens_per_usd"] / 1e6, ls="--", color="grey" if r["system"] == "no-spec" else "black",
                        label=r["system"])
     ax.set_xlabel("drafter GPUs per verifier (4 x A100)")
-    ax.set_ylabel(f"million tokens within {result['slo_ms']:g} ms/token per USD")
+    ax.set_ylabel("million tokens per USD")
     ax.set_title(f"{result['profile']}: {result['rate']:.2f} requests/s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -140,7 +138,7 @@ def main(args) -> int:
         else:
             result = studies.size(run_args, requests, args.profile, args.rate, _floats(args.mix),
                                   tuple(int(c) for c in args.counts.split(",")), args.duration,
-                                  _floats(args.prices), args.slo_ms, log=_log)
+                                  _floats(args.prices), log=_log)
             table, plot = sizing_table(result), plot_sizing
     print(table)
     _write(result, args.json)
@@ -185,6 +183,4 @@ def add_parser(sub, default_config: str) -> None:
             r.add_argument("--counts", default="1,2,4,7,14", help="drafter GPUs per verifier to try")
             r.add_argument("--duration", type=float, default=600.0, help="simulated seconds per point")
             r.add_argument("--prices", help="USD per GPU-hour, e.g. RTX3090=0.3,A100-80GB=2.1")
-            r.add_argument("--slo-ms", type=float, default=25.0, help="latency per token a request must meet "
-                           "to count as goodput")
     s.set_defaults(func=main)

@@ -213,9 +213,8 @@ class VerifyLoop:
     # ------------------------------------------------------------------ drafting
     def _overlap(self, rids: list[str]) -> float:
         """How long the other pipeline half's verification runs alongside these requests' drafting (0 when the
-        other half is empty, the pool is not verified in halves, or drafting shares the verifier's hardware: then
-        they take turns)."""
-        if not rids or not self._pipelined():
+        other half is empty, or drafting shares the verifier's hardware: then they take turns)."""
+        if not self.drafting_overlaps_verification or not rids:
             return 0.0
         half = self._half(rids[0])
         if not any(self._half(r) != half for r in self.engine.running):
