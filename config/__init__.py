@@ -97,9 +97,6 @@ class ControllerSpec(_Strict):
     probe_interval: int = Field(8, ge=1, description="rounds a request may sit at k = 0 before it drafts once "
                                 "(probe_k tokens) to re-measure its acceptance")
     probe_k: int = Field(2, ge=1, description="draft length of such a probe")
-    probe_budget: float = Field(0.1, gt=0, le=1, description="largest share of the verifier's time the probes may "
-                                "cost: where drafting is slow next to a step (a whole batch waits for a probe's "
-                                "round), each request probes less often than every probe_interval rounds")
     participation_probe: int = Field(32, ge=1, description="rounds after which a participation mode not chosen "
                                      "is tried once")
     verify_seed_ms: tuple[float, float] | None = Field(None, description="[a, b]: the verify step model the "

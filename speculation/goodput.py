@@ -12,9 +12,8 @@ CPU where verifying k tokens costs almost k times one.
 Acceptance is only observed where drafts are verified, so a request held at k = 0 would never learn that its
 drafter had become good (or that the prior was too pessimistic). Two things keep the estimates alive: a new request
 starts from the pool's recent acceptance rather than a fixed prior, and a request held at k = 0 for
-`probe_interval` rounds drafts `probe_k` tokens once (exploration; a probe never changes the output). A probe's
-round is waited for by the whole batch, so where drafting is slow next to a verify step (a drafter GPU queueing,
-say) requests probe less often: at most `probe_budget` of the loop's time goes to probes.
+`probe_interval` rounds drafts `probe_k` tokens once (exploration; a probe never changes the output, it only costs
+a little verify work).
 
 Participation (CoSine Alg. 2: "when the verifier is idle, more drafter nodes participate; when it is overloaded,
 fewer"): given `modes`, the controller also picks how every request drafts this round: with how many drafters, and
@@ -84,7 +83,6 @@ class SpeculationController:
     parallel_groups: bool = False
     probe_interval: int = 8
     probe_k: int = 2
-    probe_budget: float = 0.1
     modes: tuple[Participation, ...] = ()  # participation modes to choose from each round (none: not adaptive)
     participation_probe: int = 32
     acceptance: dict[str, float] = field(default_factory=dict)
@@ -182,30 +180,16 @@ class SpeculationController:
                 mode = stale  # keep every mode's acceptance and cost measured (a probe never changes the output)
             self.mode_age[mode] = 0
         self.mode = mode
-        interval = self._probe_interval(ks, groups, overlap_s)
         for r in rids:  # exploration: a request held at k = 0 for long drafts a little once
             if ks[r] > 0:
                 self.idle_rounds[r] = 0
                 continue
             self.idle_rounds[r] = self.idle_rounds.get(r, 0) + 1
             cap = min(self.k_max, (k_caps or {}).get(r, self.k_max))
-            if self.idle_rounds[r] > interval and cap > 0:
+            if self.idle_rounds[r] > self.probe_interval and cap > 0:
                 ks[r] = min(self.probe_k, cap)
                 self.idle_rounds[r] = 0
         return ks
-
-    def _probe_interval(self, ks: dict[str, int], groups: dict | None, overlap: float) -> float:
-        """Rounds between a request's probes: `probe_interval`, stretched so that the batch's probes (one every
-        interval / batch rounds) cost at most `probe_budget` of the loop's time."""
-        rids = list(ks)
-        if not rids:
-            return self.probe_interval
-        glist = [(groups or {}).get(r, 0) for r in rids]
-        base = self._time(list(ks.values()), glist, self.mode, overlap)
-        probing = list(ks.values())
-        probing[0] = max(probing[0], self.probe_k)
-        extra = self._time(probing, glist, self.mode, overlap) - base
-        return max(self.probe_interval, len(rids) * extra / max(self.probe_budget * base, 1e-9))
 
     def _acceptance_at(self, rid: str, mode: Participation | None) -> float:
         """The request's acceptance, moved to `mode` by the pool's difference between modes."""
