@@ -273,11 +273,11 @@ class Simulation:
         if not batch:
             return {}
         calls = list(self.replayer.calls)
-        t0, timeout = self.env.now, self.cfg.speculation.draft_timeout_ms / 1000
-        drafting = self.env.process(self._drafting(batch, scored, calls))
-        yield drafting | self.env.timeout(timeout)  # a late round goes on at the drafters, unwaited for
-        self.planner.observe_round(batch, modes, self.env.now - t0)  # at least the wait, when late
-        return drafts if drafting.triggered else {}
+        seconds = yield from self._drafting(batch, scored, calls)
+        if seconds > self.cfg.speculation.draft_timeout_ms / 1000:
+            return {}  # the loop stops waiting at the timeout and decodes without them
+        self.planner.observe_round(batch, modes, seconds)
+        return drafts
 
     def _group(self, g: int):
         """The verify loop for one pipeline half (or the whole pool), as speculation/loop.py runs it."""
@@ -335,10 +335,11 @@ class Simulation:
                     self.env.process(self._finish(rid))
 
     def _drafting(self, batch, scored: int, calls: list[tuple[str, str, int, int]]):
-        """A drafting round replayed, in simulated time: its calls, wave by wave (the coordinator's depths)."""
+        """Simulated time of a drafting round replayed: its calls, wave by wave (the coordinator's depths)."""
+        t0 = self.env.now
         if self.hw.draft_round is not None:  # fitted as a whole: drafters share the verifier's hardware
             yield self.env.timeout(self.hw.draft_round(max(d.k for d in batch), len(batch), scored))
-            return
+            return self.env.now - t0
         waves: dict[int, dict[str, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
         for name, rid, depth, steps in calls:
             waves[depth][name].append((rid, steps))
@@ -354,6 +355,7 @@ class Simulation:
                 for i, steps in by_replica.items():
                     calls.append(self.env.process(self._call(self.replicas[name][i], steps)))
             yield self.env.all_of(calls)
+        return self.env.now - t0
 
     def _colocated(self, items):
         with self.verifier.request() as turn:

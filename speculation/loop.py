@@ -260,8 +260,6 @@ class VerifyLoop:
         except Exception as e:  # noqa: BLE001 - late or failed drafts: decode without them
             self.stats.draft_round(None)
             logger.warning("drafts unavailable this step (%r); decoding without them", e)
-            if isinstance(e, TimeoutError):  # the round cost at least the wait: else the controller keeps asking
-                self.planner.observe_round(batch, modes, time.perf_counter() - t)
             return {}
         seconds = time.perf_counter() - t
         self.stats.draft_round(seconds)
