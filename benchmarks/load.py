@@ -56,8 +56,9 @@ def variant(base: dict, system: str) -> dict:
     cfg = copy.deepcopy(base)
     app = cfg["applications"][0]
     over = dict(SYSTEMS[system])
-    if over.pop("drafters", None) == "autoscaled":
+    if over.pop("drafters", None) == "autoscaled":  # drafters need deployments of their own to be scaled
         app["autoscaling_policy"] = dict(POLICY)
+        over["speculation"] = {"drafting_tier": "deployments"}
         for d in app["args"]["drafters"]:
             d["deployment"] = {**d.get("deployment", {}), "autoscaling_config": dict(AUTOSCALING)}
     app["args"] = _merge(app["args"], over)

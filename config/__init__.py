@@ -130,6 +130,12 @@ class SpeculationSpec(_Strict):
     drafter_timeout_ms: float = Field(5000.0, gt=0, description="a drafter call later than this drops that drafter "
                                       "from the round (the others' drafts still count)")
     controller: ControllerSpec = Field(default_factory=ControllerSpec, description="the goodput controller")
+    drafting_tier: Literal["deployments", "colocated"] = Field(
+        "deployments", description="where drafting runs. deployments: the Speculation deployment (routing, fusion) "
+        "and a deployment per drafter, each placed and scaled on its own hardware (the cluster layout; the drafter "
+        "autoscaler scales them); colocated: the coordinator and every drafter inside the verifier's replica, "
+        "called directly (no hops; for one machine, where drafters share the verifier's cores anyway). Colocated "
+        "drafters ignore their deployment options")
     record_trace: str | None = Field(None, description="a JSON-lines file (absolute path on the verifier's node) "
                                      "the verify loop appends to: every finished request's prompt and output, "
                                      "every verify step's and drafting round's timing; `cosine simulate` replays it")
@@ -208,6 +214,12 @@ class AppConfig(_Strict):
         for n in self.speculation.fixed_drafters or []:
             if n not in names:
                 raise ValueError(f"speculation.fixed_drafters names unknown drafter {n!r}; known: {sorted(names)}")
+        if self.speculation.drafting_tier == "colocated":
+            scaled = [d.name for d in self.drafters if d.deployment.autoscaling_config is not None
+                      or d.deployment.num_replicas != 1]
+            if scaled:
+                raise ValueError(f"speculation.drafting_tier: colocated runs every drafter inside the verifier's "
+                                 f"replica; drafters {scaled} ask for replicas of their own (use deployments)")
         if self.routing.drafters_per_request > max(1, len(self.drafters)):
             self.routing.drafters_per_request = max(1, len(self.drafters))
         return self

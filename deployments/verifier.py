@@ -1,5 +1,6 @@
 """The verifier deployment: a thin Serve wrapper around `speculation.loop.VerifyLoop`, with the engine the
-configuration names, the Speculation deployment's handle as the drafting tier, and Prometheus metrics."""
+configuration names, a drafting tier (the Speculation deployment's handle, or with `speculation.drafting_tier:
+colocated` the coordinator and drafters in this replica) and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ray.serve import metrics
 from config import AppConfig
 from engines.build import build_verifier_engine, cpu_threads
 from engines.sampling import SamplingParams
+from speculation.inprocess import InProcessDraftingTier
 from speculation.loop import LoopStats, VerifyLoop
 from speculation.messages import Draft, DraftRequest, SpeculationOverrides
 from speculation.signals import IntervalMeter, verifier_signals
@@ -32,6 +34,9 @@ class HandleDraftingTier:
 
     def release(self, request_ids: list[str]) -> None:
         self.handle.release.remote(request_ids)
+
+    async def stats(self) -> dict:
+        return await self.handle.stats.remote()
 
 
 class PrometheusStats(LoopStats):
@@ -117,14 +122,20 @@ class VerifierDeployment:
         v = config.verifier
         torch.set_num_threads(cpu_threads(v.threads, v.deployment.ray_actor_options.get("num_cpus")))
         self.speculation = speculation  # handle to the Speculation deployment, or None
+        drafting = None
+        if speculation is not None:
+            drafting = HandleDraftingTier(speculation)
+        elif config.speculation.mode != "off":  # speculation.drafting_tier: colocated
+            drafting = InProcessDraftingTier.from_config(config)
         loggers = None
         if v.engine == "vllm":  # vLLM's own metrics (its spec-decode counters among them) go out with ours
             from engines.vllm_hooks import ray_metrics_logger
 
             loggers = [ray_metrics_logger()]
         self.engine = build_verifier_engine(config, loggers)
-        self.loop = VerifyLoop(self.engine, config, HandleDraftingTier(speculation) if speculation else None,
-                               PrometheusStats())
+        self.loop = VerifyLoop(self.engine, config, drafting, PrometheusStats())
+        # colocated drafters compute on this replica's hardware: drafting takes its cycles from verification
+        self.loop.drafting_overlaps_verification = speculation is not None
         self.placement_checked = speculation is None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -145,8 +156,8 @@ class VerifierDeployment:
         controller = self.loop.controller_state()
         if controller is not None:
             out["controller"] = controller
-        if self.speculation is not None:
-            out.update(await self.speculation.stats.remote())
+        if self.loop.drafting is not None:
+            out.update(await self.loop.drafting.stats())
         return out
 
     def spec_decode_totals(self) -> dict:

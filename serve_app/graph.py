@@ -1,6 +1,7 @@
 """The application builder used by `serve run` / `serve deploy`: `import_path: serve_app.graph:build_app`.
 
-Ingress -> Verifier -> Speculation (router + fusion) -> Drafter-<domain> (one deployment per domain).
+Ingress -> Verifier -> Speculation (router + fusion) -> Drafter-<domain> (one deployment per domain); with
+`speculation.drafting_tier: colocated`, Ingress -> Verifier, the drafting tier inside the verifier's replica.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def verifier_options(cfg: AppConfig, drafters: list[dict]) -> dict:
 def build_app(args: dict) -> Application:
     cfg = AppConfig.model_validate(args or {})  # a bad config fails here, at deploy time, with pydantic's message
     speculation, drafter_opts = None, []
-    if cfg.speculation.mode != "off":
+    if cfg.speculation.mode != "off" and cfg.speculation.drafting_tier == "deployments":
         drafter_opts = [drafter_options(d) for d in cfg.drafters]
         drafters = {d.name: DrafterDeployment.options(**o).bind(d) for d, o in zip(cfg.drafters, drafter_opts)}
         speculation = SpeculationDeployment.options(**cfg.speculation.deployment.serve_options()).bind(cfg, drafters)

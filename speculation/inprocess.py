@@ -1,8 +1,9 @@
 """The drafting tier in one process: drafter engines behind `DrafterServer`, driven by a local coordinator.
 
 `DrafterServer` is what a drafter replica runs (deployments/drafter.py wraps it); `InProcessDraftingTier` is the
-`DraftingTier` of `VerifyLoop` without Ray, for `cosine generate`, the engine benchmark and tests: the same
-coordinator, the same messages, direct calls instead of deployment handles.
+`DraftingTier` of `VerifyLoop` without Ray, for `cosine generate`, the engine benchmark, tests and the verifier
+replica of a `speculation.drafting_tier: colocated` graph: the same coordinator, the same messages, direct calls
+instead of deployment handles.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class InProcessDraftingTier:
 
     async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]:
         return await self.coordinator.draft(batch, self._step)
+
+    async def stats(self) -> dict:
+        return dict(self.coordinator.stats)
 
     def release(self, request_ids: list[str]) -> None:
         per: dict[str, list[str]] = {}

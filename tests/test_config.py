@@ -25,6 +25,9 @@ def test_defaults_validate():
     ({"verifier": {"model": "target", "engine": "tensorrt"}}, "engine"),
     ({"verifier": {"model": "target", "max_batchsize": 4}}, "max_batchsize"),
     ({"speculation": {"deployment": {"num_replicas": 2}}}, "num_replicas: 1"),
+    ({"speculation": {"drafting_tier": "colocated"}, "drafters": [
+        {"name": "code", "model": "a", "deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}}]},
+     "replicas of their own"),
 ])
 def test_bad_configs_are_rejected_with_a_clear_message(bad, needle):
     with pytest.raises(ValidationError) as e:
