@@ -17,7 +17,7 @@ from engines.build import build_verifier_engine, cpu_threads
 from engines.sampling import SamplingParams
 from speculation.inprocess import InProcessDraftingTier
 from speculation.loop import LoopStats, VerifyLoop
-from speculation.messages import Draft, DraftRequest, SpeculationOverrides
+from speculation.messages import Draft, DraftRequest, SpeculationOverrides, TokenChunk
 from speculation.signals import IntervalMeter, verifier_signals
 
 logger = logging.getLogger("ray.serve")
@@ -146,6 +146,15 @@ class VerifierDeployment:
             await self._check_placement()
         async for chunk in self.loop.generate(prompt_ids, params, request_id, overrides):
             yield chunk
+
+    async def complete(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       overrides: SpeculationOverrides | None = None) -> TokenChunk:
+        """The whole request as one chunk: one reply instead of a message per verify step, for clients that do not
+        stream (each message costs both processes CPU the verify step's threads would have used)."""
+        out = TokenChunk([], False)
+        async for chunk in self.generate(prompt_ids, params, request_id, overrides):
+            out.extend(chunk)
+        return out
 
     def running(self) -> int:
         return len(self.loop.requests)

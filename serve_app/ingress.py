@@ -240,7 +240,6 @@ class IngressDeployment:
         created = P.now()
         self.in_flight += 1
         overrides = SpeculationOverrides(**req.speculation.model_dump()) if req.speculation else None
-        gen = self.verifier.generate.remote(prompt_ids, params, rid, overrides)
         detok = _Detokenizer(self.tokenizer, params.stop)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -249,7 +248,7 @@ class IngressDeployment:
                 if chat:
                     yield P.sse(P.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None))
                 n = 0
-                async for chunk in gen:
+                async for chunk in gen:  # a chunk per verify step that committed tokens
                     n += len(chunk.token_ids)
                     text = detok.push(chunk.token_ids, chunk.finished)
                     reason = chunk.finish_reason if chunk.finished else None
@@ -277,14 +276,11 @@ class IngressDeployment:
                 gen.cancel()
 
         if req.stream:
+            gen = self.verifier.generate.remote(prompt_ids, params, rid, overrides)
             return StreamingResponse(events(), media_type="text/event-stream")
-        try:
-            ids, reason, stats = [], None, None
-            async for chunk in gen:
-                ids.extend(chunk.token_ids)
-                if chunk.finished:
-                    reason, stats = chunk.finish_reason, chunk.usage
-                    break
+        try:  # one reply for the whole request (a client hanging up cancels the call, and the request with it)
+            whole = await self.verifier_calls.complete.remote(prompt_ids, params, rid, overrides)
+            ids, reason, stats = whole.token_ids, whole.finish_reason, whole.usage
             text = detok.push(ids, True)
         except Exception:  # noqa: BLE001 - details stay in the log, not in the response
             logger.exception("request %s failed", rid)

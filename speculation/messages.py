@@ -97,3 +97,11 @@ class TokenChunk:
     num_accepted_tokens: int = 0
     accepted_drafters: list[str] = field(default_factory=list)
     usage: dict | None = None  # with the last chunk: the request's speculation statistics
+
+    def extend(self, later: TokenChunk) -> None:
+        """Append a later chunk of the same request (a whole request's chunks become one reply)."""
+        self.token_ids += later.token_ids
+        self.finished, self.finish_reason, self.usage = later.finished, later.finish_reason, later.usage
+        self.num_draft_tokens += later.num_draft_tokens
+        self.num_accepted_tokens += later.num_accepted_tokens
+        self.accepted_drafters += later.accepted_drafters
