@@ -249,7 +249,7 @@ def main(args) -> int:
             c = stats["controller"]
             print(f"goodput controller (recent rounds): mean draft length {c['mean_k_recent']:.2f}, "
                   f"{100 * c['zero_k_share']:.0f}% plain decoding, verify fit {c['verify_fit_ms'][0]:.1f} ms + "
-                  f"{c['verify_fit_ms'][1]:.2f} ms/token, drafting per round by participation (ms + ms per depth) "
+                  f"{c['verify_fit_ms'][1]:.2f} ms/token, drafting per round by participation (ms + depth x (ms + ms per request)) "
                   f"{c['draft_round_fit_ms']}, pool acceptance {c['pool_acceptance'] or 0:.2f}, "
                   f"acceptance by participation {c['acceptance_by_participation']}, now {c['participation']}")
     except Exception:  # noqa: BLE001 - stats are optional

@@ -63,6 +63,38 @@ class LinearLatency:
         return self.a + self.b * n
 
 
+@dataclass
+class RoundLatency:
+    """A drafting round's time, t = a + depth * (b + c * requests), fitted by non-negative least squares on a
+    sliding window (seconds). A model in the depth alone priced a round for one request like the batch's rounds it
+    was fitted on: the last request of a batch, drafting alone, was held at k = 0."""
+
+    a: float = 0.0
+    b: float = 0.0
+    c: float = 0.0
+    samples: deque = field(default_factory=lambda: deque(maxlen=256))
+
+    def observe(self, depth: int, requests: int, seconds: float) -> None:
+        self.samples.append((float(depth), float(requests), float(seconds)))
+        if len(self.samples) >= 4 and len(self.samples) % 4 == 0:
+            self.refit()
+
+    def refit(self) -> None:
+        d, r, y = (np.array(col) for col in zip(*self.samples))
+        x = np.stack([np.ones_like(d), d, d * r], axis=1)
+        keep = [0, 1, 2]
+        while keep:  # a coefficient fitted below zero leaves the model, the others are refitted
+            coef = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+            if (coef >= 0).all():
+                break
+            keep.pop(int(np.argmin(coef)))
+        full = dict(zip(keep, coef)) if keep else {}
+        self.a, self.b, self.c = (float(full.get(i, 0.0)) for i in range(3))
+
+    def __call__(self, depth: int, requests: int) -> float:
+        return self.a + depth * (self.b + self.c * requests)
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     a = min(max(acceptance, 0.0), 0.999)
     return (1 - a ** (k + 1)) / (1 - a)
@@ -94,7 +126,7 @@ class SpeculationController:
     mode_counts: dict[Participation, tuple] = field(default_factory=dict)  # decayed (accepted, trials) per mode
     mode_of: dict[str, Participation] = field(default_factory=dict)  # mode a request's estimate was formed under
     mode_age: dict[Participation, int] = field(default_factory=dict)  # rounds since each mode was last used
-    mode_draft: dict[Participation, LinearLatency] = field(default_factory=dict)  # round's drafting time by depth
+    mode_draft: dict[Participation, RoundLatency] = field(default_factory=dict)  # a round's drafting time
     predicted_goodput: float = 0.0  # tokens per second the last choice expects (the model's, for operators)
 
     def observe_acceptance(self, rid: str, drafted: int, accepted: int, mode: Participation | None = None) -> None:
@@ -119,10 +151,11 @@ class SpeculationController:
             self.mode_counts[mode] = decayed(self.mode_counts.get(mode, (0.0, 0.0)), 0.95)
             self.mode_of[rid] = mode
 
-    def draft_model(self, mode: Participation) -> LinearLatency:
-        """A round's drafting time in its depth, per mode: t(k) = a + b k. Lockstep fusion pays a round trip per
-        depth (large b), one-shot drafting one call for the whole chain (the hop in a, engine steps in b)."""
-        return self.mode_draft.setdefault(mode, LinearLatency())
+    def draft_model(self, mode: Participation) -> RoundLatency:
+        """A round's drafting time in its depth and requests, per mode: t = a + k (b + c n). Lockstep fusion pays a
+        round trip per depth (large b), one-shot drafting one call for the whole chain (the hop in a, engine steps
+        in b and c)."""
+        return self.mode_draft.setdefault(mode, RoundLatency())
 
     def mode_acceptance(self, mode: Participation) -> float | None:
         s, t = self.mode_counts.get(mode, (0.0, 0.0))
@@ -144,8 +177,8 @@ class SpeculationController:
         n = mode.drafters_per_request if mode else self.drafters_per_request
         verify = self.verify(sum(1 + k * n for k in ks))
         if mode is not None:  # measured per mode, the hops included
-            depth = max(ks, default=0)
-            return verify + (max(0.0, self.draft_model(mode)(depth) - overlap) if depth else 0.0)
+            depth, drafting = max(ks, default=0), sum(1 for k in ks if k > 0)
+            return verify + (max(0.0, self.draft_model(mode)(depth, drafting) - overlap) if depth else 0.0)
         groups = groups or [0] * len(ks)
         combine = max if self.parallel_groups else sum
         model = self.draft

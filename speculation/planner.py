@@ -65,7 +65,7 @@ class DraftPlanner:
 
     def observe_round(self, batch: list[DraftRequest], modes: set[Participation | None], seconds: float) -> None:
         """Price a drafting round: per lockstep depth by the number of requests drafting, or, choosing the
-        participation, per mode in the round's depth (only a round of one mode without prompt scoring, marked
+        participation, per mode in the round's depth and requests (only a round of one mode without prompt scoring, marked
         None in `modes`, says what that mode costs)."""
         c, depth = self.controller, max(d.k for d in batch)
         if c is None:
@@ -73,7 +73,7 @@ class DraftPlanner:
         if not c.modes:
             c.draft.observe(len(batch), seconds / depth)
         elif len(modes) == 1 and None not in modes:
-            c.draft_model(next(iter(modes))).observe(depth, seconds)
+            c.draft_model(next(iter(modes))).observe(depth, len(batch), seconds)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         if self.controller:
@@ -93,7 +93,7 @@ class DraftPlanner:
         ks = list(self.recent_k)
         return {"mean_k_recent": sum(ks) / max(1, len(ks)), "zero_k_share": ks.count(0) / max(1, len(ks)),
                 "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
-                "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b] for p, m in c.mode_draft.items()},
+                "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b, 1000 * m.c] for p, m in c.mode_draft.items()},
                 "pool_acceptance": c.pool_acceptance,
                 "drafting_overlaps_verification": drafting_overlaps_verification,
                 "participation": str(c.mode) if c.mode else None,

@@ -1,3 +1,5 @@
+import pytest
+
 from speculation.goodput import LinearLatency, SpeculationController, expected_tokens
 from speculation.messages import Participation
 
@@ -168,3 +170,33 @@ def test_drafting_hidden_behind_the_other_halfs_verification_costs_nothing():
     hidden = c.choose(["a"], overlap_s=0.060)["a"]
     assert alone <= 2 and hidden >= 4
 
+
+
+def test_a_request_drafting_alone_is_priced_as_one_not_as_the_batch():
+    """Rounds measured at a batch of 6 (12 ms per depth there, 2 ms of it per request): the last request of the
+    batch, drafting alone, costs a sixth of that per depth and drafts; a model in depth alone held it at k = 0."""
+    from speculation.goodput import RoundLatency
+
+    m = RoundLatency()
+    for depth in (1, 2, 3, 4) * 3:
+        for n in (6, 5):
+            m.observe(depth, n, 0.001 + depth * 0.002 * n)
+    m.observe(2, 1, 0.001 + 2 * 0.002)
+    m.refit()
+    assert m(4, 1) == pytest.approx(0.009, rel=0.05) and m(4, 6) == pytest.approx(0.049, rel=0.05)
+    c = SpeculationController(k_max=4, drafters_per_request=2, modes=(ONE,), participation_probe=1000)
+    c.verify.a, c.verify.b = 0.030, 0.0015
+    c.mode_draft[ONE] = m
+    for _ in range(5):
+        c.observe_acceptance("last", drafted=4, accepted=3, mode=ONE)
+    assert c.choose(["last"])["last"] >= 3
+
+
+def test_round_latency_keeps_its_coefficients_non_negative():
+    from speculation.goodput import RoundLatency
+
+    m = RoundLatency()
+    for depth, n, s in [(1, 1, 0.010), (2, 1, 0.011), (3, 1, 0.012), (4, 1, 0.013), (1, 8, 0.009), (4, 8, 0.012)]:
+        m.observe(depth, n, s)
+    m.refit()
+    assert min(m.a, m.b, m.c) >= 0 and m(4, 1) == pytest.approx(0.013, abs=0.002)
