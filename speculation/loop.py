@@ -37,6 +37,9 @@ class DraftingTier(Protocol):
     def release(self, request_ids: list[str]) -> None:
         """Forget finished or aborted requests (drafters free their caches); must not block."""
 
+    async def stats(self) -> dict:
+        """The drafting tier's own timings and counters (for `speculation_stats`)."""
+
 
 @dataclass
 class _Request:
