@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from autoscale.profiling import fit_draft_latency, fit_verify_latency, step_seconds
 from config import AppConfig
-from engines.cpu_kernels import PackedLinears, pack_linear_modules
+from engines.cpu_kernels import pack_linear_modules, packing_available
 from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
@@ -155,7 +155,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
             plan.append((method, batch, lambda b, w, m=method, n=names_of, ls=lockstep, a=adaptive:
                          ours(m, b, n, ls, a, warmup=w)))
         if include_hf and batch == 1:
-            if PackedLinears(target).enabled:  # CPU: HF with our packed kernels too, for a like-for-like ratio
+            if packing_available(next(target.parameters())):  # CPU: HF with our packed kernels too, for a like-for-like ratio
                 plan.append(("HF assisted generation (same packed kernels)", 1, lambda b, w: hf(True, w)))
             plan.append(("HF assisted generation (stock kernels)", 1, lambda b, w: hf(False, w)))
     for i, (method, batch, fn) in enumerate(plan):
@@ -190,7 +190,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     return {"config": {"new_tokens": new_tokens, "k": k, "prompts": len(prompts), "prompt_len": prompt_len,
                        "threads": torch.get_num_threads(), "repeats": repeats,
                        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-                       "prepacked_cpu_linears": PackedLinears(target).enabled},
+                       "prepacked_cpu_linears": packing_available(next(target.parameters()))},
             "step_costs_ms": {str(b): {n: round(v, 2) for n, v in c.items()} for b, c in costs.items()},
             "rows": [asdict(r) for r in rows]}
 

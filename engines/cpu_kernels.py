@@ -6,9 +6,8 @@ x86 machine a 5-token step of the bench target cost 2.5x a 1-token step. oneDNN 
 blocked layout (the same op PyTorch's inductor uses when it freezes a CPU model); with packed weights the 5-token
 step costs about 1.3x the 1-token step, which is what makes speculation pay on a CPU at all.
 
-`PackedLinears` keeps packed copies next to the model (the model itself is not modified, so callers can still run
-it through transformers) and is used as `linears(module, x)` in place of `module(x)`. It switches itself off, and
-falls back to `module(x)`, where the op is missing, the model is not float32 on CPU, or a self-check disagrees.
+`Linear` holds one weight, packed where that pays, and falls back to a plain matmul where the op is missing, the
+weight is not float32 on CPU, or a self-check disagrees.
 """
 
 from __future__ import annotations
@@ -32,40 +31,55 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return y.view(*x.shape[:-1], out_features)
 
 
-class PackedLinears:
-    def __init__(self, model: nn.Module, enabled: bool = True):
-        self.packed: dict[nn.Module, torch.Tensor] = {}
-        param = next(model.parameters())
-        if not (enabled and param.device.type == "cpu" and param.dtype == torch.float32 and _op_available()):
-            return
+# Below this many weights a packed matmul loses to a plain one: oneDNN's fixed cost per call (~10 us) outweighs
+# the repacking it saves (measured on x86, 1-5 rows: 256x256 plain 6-17 us vs packed 18-22; 256x704 plain 16-50
+# vs packed 27-36; 512x512 plain 24-72 vs packed 32-47). A drafter's projections stay plain, its LM head is packed.
+PACK_MIN_WEIGHTS = 1 << 17
+
+_packing_checked: bool | None = None
+
+
+def packing_available(param: torch.Tensor) -> bool:
+    """Whether weights like `param` (float32 on CPU) can be packed here; the op is self-checked once."""
+    global _packing_checked
+    if not (param.device.type == "cpu" and param.dtype == torch.float32 and _op_available()):
+        return False
+    if _packing_checked is None:
         try:
-            for m in model.modules():
-                if isinstance(m, nn.Linear):
-                    self.packed[m] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
-            self._self_check()
+            _packing_checked = _self_check()
         except Exception as e:  # an unsupported build: plain matmuls are correct, only slower
             log.warning("prepacked CPU linears disabled: %s", e)
-            self.packed = {}
+            _packing_checked = False
+    return _packing_checked
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.packed)
 
-    @torch.no_grad()
-    def _self_check(self) -> None:
-        m = next(iter(self.packed))
-        for rows in (1, 5):
-            x = torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(rows))
-            want = F.linear(x, m.weight, m.bias)
-            got = self(m, x)
-            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-                raise RuntimeError("packed linear disagrees with F.linear")
+@torch.no_grad()
+def _self_check() -> bool:
+    w = torch.randn(512, 384, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    for rows in (1, 5):
+        x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+        want = F.linear(x, w)
+        if not torch.allclose(_packed_linear(x, packed, None, w.shape[0]), want, rtol=1e-4,
+                              atol=1e-4 * float(want.abs().max())):
+            raise RuntimeError("packed linear disagrees with F.linear")
+    return True
 
-    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed.get(module)
-        if packed is None:
-            return module(x)
-        return _packed_linear(x, packed, module.bias, module.out_features)
+
+class Linear:
+    """`x @ weight.T + bias`, through a prepacked weight where packing is available and pays (`prepack` off:
+    always plain)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
+        self.weight, self.bias, self.out_features = weight, bias, weight.shape[0]
+        self.packed = None
+        if prepack and weight.numel() >= PACK_MIN_WEIGHTS and packing_available(weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return _packed_linear(x, self.packed, self.bias, self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -84,11 +98,12 @@ class PackedLinear(nn.Module):
 
 
 def pack_linear_modules(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear of `model` (in place) with a PackedLinear; a no-op where packing is unavailable."""
-    if not PackedLinears(model).enabled:
+    """Replace every nn.Linear of `model` big enough to gain (in place) with a PackedLinear; a no-op where packing
+    is unavailable."""
+    if not packing_available(next(model.parameters())):
         return model
     for mod in list(model.modules()):
         for name, child in list(mod.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and child.weight.numel() >= PACK_MIN_WEIGHTS:
                 setattr(mod, name, PackedLinear(child))
     return model

@@ -54,7 +54,6 @@ class LlamaRunner:
     def __init__(self, model, max_slots: int = 16, max_len: int | None = None, prepack: bool = True):
         """`model`: a Llama causal LM."""
         model = model.eval()
-        self.w = LlamaWeights(model, prepack)
         self.model = model
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
@@ -64,6 +63,7 @@ class LlamaRunner:
         self.vocab_size = cfg.vocab_size
         self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_slots = max_slots
+        self.w = LlamaWeights(model, prepack, self.max_len)
         dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         shape = (self.n_layers, max_slots, self.n_kv, self.max_len, self.head_dim)
@@ -130,7 +130,10 @@ class LlamaRunner:
         total = int((lens + n_new).max())
         ids = torch.tensor([x + [0] * (N - len(x)) for x in inputs])
         steps = torch.arange(N)
-        if parents is None or all(p == chain_parents(len(p)) for p in parents):
+        if N == 1 and B == 1:
+            pos = lens[:, None]
+            mask = None  # one query over the whole prefix and itself: nothing to hide
+        elif parents is None or all(p == chain_parents(len(p)) for p in parents):
             # chains: query j sees the prefix and new tokens 0..j; padded queries see key 0 only (finite softmax)
             pos = lens[:, None] + steps
             limit = torch.where(steps < n_new[:, None], pos + 1, 1)
@@ -153,24 +156,30 @@ class LlamaRunner:
 
         contiguous = [s.slot for s in slots] == list(range(B))
         slot_idx = torch.tensor([s.slot for s in slots])
-        valid = steps < n_new[:, None]  # [B, N]: real (not padded) new tokens
-        b_idx, t_idx = valid.nonzero(as_tuple=True)
+        if N == 1:  # one new token each: nothing padded
+            b_idx, t_idx = torch.arange(B), torch.zeros(B, dtype=torch.long)
+            write_pos = lens
+        else:
+            valid = steps < n_new[:, None]  # [B, N]: real (not padded) new tokens
+            b_idx, t_idx = valid.nonzero(as_tuple=True)
+            write_pos = lens[b_idx] + t_idx
         write_slot = slot_idx[b_idx]
-        write_pos = lens[b_idx] + t_idx
         last = n_new - 1
         if self.device.type != "cpu":
-            ids, pos, mask, slot_idx, b_idx, t_idx, write_slot, write_pos, last = (
+            ids, pos, slot_idx, b_idx, t_idx, write_slot, write_pos, last = (
                 t.to(self.device, non_blocking=True) for t in
-                (ids, pos, mask, slot_idx, b_idx, t_idx, write_slot, write_pos, last))
+                (ids, pos, slot_idx, b_idx, t_idx, write_slot, write_pos, last))
+            mask = None if mask is None else mask.to(self.device, non_blocking=True)
 
         w = self.w
         h = w.embed(ids)
-        cos, sin = w.rotary(h, pos)
+        cos, sin = w.rotary(pos)
         for li in range(self.n_layers):
-            x = w.norm(li, "input_layernorm", h)
-            q = w.proj(li, "q_proj", x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
-            k = w.proj(li, "k_proj", x).view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
-            v = w.proj(li, "v_proj", x).view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
+            norm_in, norm_post = w.norms[li]
+            q, k, v = w.qkv[li](w.norm(norm_in, h)).split(w.qkv_sizes, dim=-1)
+            q = q.view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
+            k = k.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
+            v = v.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             self.k[li, write_slot, :, write_pos] = k[b_idx, :, t_idx]
             self.v[li, write_slot, :, write_pos] = v[b_idx, :, t_idx]
@@ -180,10 +189,10 @@ class LlamaRunner:
                 keys, values = self.k[li, slot_idx, :, :total], self.v[li, slot_idx, :, :total]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=w.scaling,
                                                  enable_gqa=self.n_kv != self.n_heads)
-            h = h + w.proj(li, "o_proj", out.transpose(1, 2).reshape(B, N, -1))
-            x = w.norm(li, "post_attention_layernorm", h)
-            h = h + w.proj(li, "down_proj", w.act(w.proj(li, "gate_proj", x)) * w.proj(li, "up_proj", x))
-        h = w.norm(-1, "norm", h)
+            h = h + w.o[li](out.transpose(1, 2).reshape(B, N, -1))
+            gate, up = w.gate_up[li](w.norm(norm_post, h)).split(w.inter, dim=-1)
+            h = h + w.down[li](w.act(gate) * up)
+        h = w.norm(w.final_norm, h)
         for s, x in zip(slots, inputs):
             s.pending = len(x)
         if hidden_only_last:
