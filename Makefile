@@ -4,9 +4,16 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRA ?= cpu
 
-.PHONY: setup run test bench-target bench-engine acceptance-matrix clean
+.PHONY: setup run test bench-target bench-engine acceptance-matrix clean prometheus
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed prometheus
+
+# Debian's prometheus and promtool: the tests scrape the served graph with a real Prometheus and unit-test the alert
+# rules (ops/prometheus/); installed once, where they are missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+prometheus:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # pip pulls CUDA builds of torchvision/torchaudio/torchcodec alongside vllm; they break transformers' imports
 # on CPU machines and no text model needs them, so they are removed right after the install.

@@ -14,11 +14,24 @@ from speculation.coordinator import SpeculationCoordinator
 from speculation.messages import Draft, DrafterCall, DraftRequest, Proposal
 
 
+class DrafterFailures:
+    """`cosine_drafter_failures{drafter}`: drafter calls that failed or timed out, counted by the coordinator in
+    either drafting-tier layout (its `on_failure`)."""
+
+    def __init__(self):
+        self.counter = metrics.Counter("cosine_drafter_failures", "drafter calls that failed or timed out, by "
+                                       "drafter", tag_keys=("drafter",))
+
+    def __call__(self, drafter: str) -> None:
+        self.counter.inc(tags={"drafter": drafter})
+
+
 @serve.deployment(name="Speculation")
 class SpeculationDeployment:
     def __init__(self, config: AppConfig, drafters: dict):
         self.handles = drafters  # name -> DeploymentHandle
         self.coordinator = SpeculationCoordinator.from_config(config)
+        self.coordinator.on_failure = DrafterFailures()
         self.homes: dict[tuple[str, str], str] = {}  # (drafter, request) -> the replica holding its cache
         self.timing = {"rounds": 0, "round_ms": 0.0, "drafter_calls": 0, "drafter_call_ms": 0.0,
                        "drafter_compute_ms": 0.0, "lockstep_depths": 0, "rehomed": 0}

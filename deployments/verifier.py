@@ -14,6 +14,7 @@ from ray.serve import metrics
 
 from config import AppConfig
 from engines.build import build_verifier_engine, cpu_threads
+from deployments.speculation import DrafterFailures
 from engines.sampling import SamplingParams
 from speculation.inprocess import InProcessDraftingTier
 from speculation.loop import LoopStats, VerifyLoop
@@ -127,6 +128,7 @@ class VerifierDeployment:
             drafting = HandleDraftingTier(speculation)
         elif config.speculation.mode != "off":  # speculation.drafting_tier: colocated
             drafting = InProcessDraftingTier.from_config(config)
+            drafting.coordinator.on_failure = DrafterFailures()
         loggers = None
         if v.engine == "vllm":  # vLLM's own metrics (its spec-decode counters among them) go out with ours
             from engines.vllm_hooks import ray_metrics_logger

@@ -133,6 +133,7 @@ class SpeculationCoordinator:
         self.rounds: dict[str, _Round] = {}
         self.where: dict[str, set[str]] = {}  # drafters holding a cache for the request
         self.stats = {"rounds": 0, "drafter_failures": 0, "step_seconds": 0.0}
+        self.on_failure: Callable[[str], None] | None = None  # told the drafter's name when a call fails
         self.routing_history: deque = deque(maxlen=1024)  # (rid, drafters ranked first..last) at release
 
     @classmethod
@@ -192,6 +193,8 @@ class SpeculationCoordinator:
             return await asyncio.wait_for(step_fn(name, calls), self.step_timeout_s)
         except Exception:  # noqa: BLE001 - a failed drafter only loses its proposals for this round
             self.stats["drafter_failures"] += 1
+            if self.on_failure is not None:
+                self.on_failure(name)
             return {}
 
     async def draft(self, batch: list[DraftRequest], step_fn: StepFn) -> dict[str, Draft]:

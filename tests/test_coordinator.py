@@ -28,6 +28,8 @@ def servers(models):
 async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_tokens=24, seed=0):
     emb = target.get_input_embeddings().weight.detach()
     coord = SpeculationCoordinator(NAMES, RoutingSpec(seed=seed), emb, fixed_drafters=fixed)
+    coord.failed_calls = []
+    coord.on_failure = coord.failed_calls.append
 
     async def step_fn(name, calls):
         if name in fail:
@@ -67,6 +69,9 @@ def test_a_failing_drafter_loses_nothing(target, servers, prompts):
     got, coord, _ = asyncio.run(_run(target, servers, prompts[:3], True, fail=("code", "generic", "legal")))
     want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts[:3]]
     assert got == want and coord.stats["drafter_failures"] > 0
+    # who failed is reported (the deployments export it as cosine_drafter_failures{drafter}), and no one else
+    assert set(coord.failed_calls) <= {"code", "generic", "legal"} and len(coord.failed_calls) == \
+        coord.stats["drafter_failures"]
 
 
 def test_cold_start_ranks_the_prompts_domain_drafter_first(target, servers, tokenizer, heldout):

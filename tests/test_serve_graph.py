@@ -291,3 +291,58 @@ def test_schemathesis_finds_no_server_error_and_every_response_matches_the_schem
     assert run.returncode == 0, run.stdout[-4000:]
     assert "operations" in run.stdout.lower() or "tested" in run.stdout.lower()
     assert _chat(server, "still serving?").status_code == 200
+
+
+def test_a_real_prometheus_scrapes_the_graph_evaluates_the_alerts_and_answers_the_dashboard(server, tmp_path):
+    """Debian's prometheus on a free loopback port scrapes Ray's metrics agent and the ingress's /metrics, loads
+    ops/prometheus/alerts.yml and answers every query of the Grafana dashboard."""
+    import shutil
+    import subprocess
+    import time
+    from pathlib import Path
+
+    import yaml
+
+    from tests.conftest import free_port
+    from tests.test_ops_rules import RULES, dashboard_queries
+
+    port = free_port()
+    host = server.removeprefix("http://")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [
+            {"job_name": "ray", "static_configs": [{"targets": [f"127.0.0.1:{METRICS['port']}"]}]},
+            {"job_name": "cosine-ingress", "metrics_path": "/metrics", "static_configs": [{"targets": [host]}]}]}))
+    proc = subprocess.Popen([shutil.which("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api = f"http://127.0.0.1:{port}/api/v1"
+
+    def query(q: str) -> dict:
+        return httpx.get(f"{api}/query", params={"query": q}, timeout=30).json()
+
+    try:
+        for _ in range(3):
+            assert _chat(server, "Tell me about the law.").status_code == 200
+        wanted = ["ray_cosine_drafts_total", "ray_cosine_verify_steps_total", "ray_cosine_draft_length_count",
+                  "ray_vllm_spec_decode_num_accepted_tokens_total", "ray_serve_deployment_replica_healthy",
+                  'vllm:spec_decode_num_drafts_total{job="cosine-ingress"}']
+        missing, deadline = wanted, time.time() + 120
+        while missing and time.time() < deadline:
+            time.sleep(2)
+            try:
+                missing = [w for w in wanted if not query(w).get("data", {}).get("result")]
+            except httpx.HTTPError:  # not listening yet
+                pass
+        assert not missing, missing
+        drafted = query('sum(vllm:spec_decode_num_draft_tokens_total{job="cosine-ingress"})')["data"]["result"]
+        assert float(drafted[0]["value"][1]) > 0
+        rules = httpx.get(f"{api}/rules", timeout=30).json()["data"]["groups"][0]["rules"]
+        assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), rules  # evaluated without error
+        for q in dashboard_queries():
+            assert query(q)["status"] == "success", q
+        assert query("sum(rate(ray_cosine_generated_tokens_total[1m]))")["data"]["result"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
