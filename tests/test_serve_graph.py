@@ -236,6 +236,20 @@ def test_client_disconnect_cancels_and_releases_caches(server):
     assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
 
 
+def test_client_hanging_up_on_a_non_streamed_request_frees_it_everywhere(server):
+    """A non-streamed request is one `complete` call to the verifier; a client that gives up waiting cancels it
+    there too (the loop aborts it in the engine and the drafters drop its caches), and the server goes on."""
+    body = {"model": MODEL, "prompt": "The patient presented with", "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    assert _handle("Verifier").running.remote().result() == 1  # hung up mid-generation (480 tokens take seconds)
+    assert _wait(lambda: _handle("Verifier").running.remote().result() == 0)
+    names = list(DOMAINS) + ["generic"]
+    assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
+    assert _chat(server, "still serving?").status_code == 200
+
+
 def test_routing_ranks_the_prompts_own_domain_first(server, tokenizer, heldout):
     """After 12 new tokens (cold start from prompt likelihoods, then verification feedback); measured 21/24."""
     hits = total = 0
