@@ -37,9 +37,8 @@ class DrafterDeployment:
             return reply
 
     async def release(self, rids: list[str], home: str | None = None) -> None:
-        async with self.lock:
-            self.server.release(rids)
-            self.requests_gauge.set(len(self.server.engine.states))
+        await asyncio.wrap_future(self.server.release_later(rids))  # on the engine's thread, after its steps
+        self.requests_gauge.set(len(self.server.engine.states))
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook (autoscale/policy.py reads them)."""

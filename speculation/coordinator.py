@@ -86,9 +86,12 @@ class _Drafting:
 
     def advance(self, depth: int, router: Router) -> None:
         """Fuse `depth`: after cold-start scoring keep the routed drafters, feed every drafter its next token."""
+        rid = self.req.request_id
         if depth >= self.req.k:
             return
-        rid = self.req.request_id
+        if rid not in router.requests:  # released while the round ran: nothing more to draft for it
+            self.alive = set()
+            return
         props = {n: self.ahead[n][depth] for n in self.alive if depth in self.ahead[n]}
         if depth == 0 and self.scoring:
             ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
@@ -210,16 +213,21 @@ class SpeculationCoordinator:
                 for name, call in r.calls(depth).items():
                     per_drafter.setdefault(name, []).append(call)
             names = list(per_drafter)
+            for name in names:  # a drafter may build a cache even for a call that fails or times out here
+                for call in per_drafter[name]:
+                    self.where.setdefault(call.request_id, set()).add(name)
             answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n]) for n in names))
             for name, got in zip(names, answers):
                 for call in per_drafter[name]:
                     if call.request_id in got:
                         rounds[call.request_id].receive(depth, name, got[call.request_id])
-                        self.where.setdefault(call.request_id, set()).add(name)
             for r in rounds.values():
                 r.advance(depth, self.router)
         drafts = {}
         for rid, r in rounds.items():
+            if rid not in self.router.requests:  # released while this round ran: its drafters were told already
+                self.where.pop(rid, None)
+                continue
             d = r.draft()
             if d is not None:
                 drafts[rid] = d

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from config import AppConfig, DrafterSpec
@@ -27,7 +28,14 @@ from speculation.messages import Draft, DrafterCall, DrafterReply, DraftRequest,
 class DrafterServer:
     """One drafter model serving `DrafterCall`s. A call's context is the committed context, plus the fused prefix
     where fusion overrode the drafter's own token: the engine keeps the agreeing cached prefix, so a replica that
-    never saw the request, or restarted, simply rebuilds it."""
+    never saw the request, or restarted, simply rebuilds it.
+
+    Steps and releases run on the drafter's one thread, in the order they arrive, so a caller that gives up on a
+    step (a timeout, a cancelled request) cannot have a release touch the engine while that step still runs. A call
+    for a request already released (a round that was in flight when its request ended) is dropped rather than
+    leave a cache that nobody would free."""
+
+    RELEASED_REMEMBERED = 4096  # request ids are never reused; the most recent releases are enough to catch late calls
 
     def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048, device: str | None = None,
                  threads: int = 1):
@@ -36,6 +44,7 @@ class DrafterServer:
         # steps run on one thread of their own, with the drafter's torch threads set there (they are per thread)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"drafter-{name}",
                                            initializer=set_thread_torch_threads, initargs=(threads,))
+        self.released: OrderedDict[str, None] = OrderedDict()
 
     @classmethod
     def from_spec(cls, spec: DrafterSpec, model=None, actor_cpus: float | None = None) -> DrafterServer:
@@ -55,6 +64,8 @@ class DrafterServer:
         t = time.perf_counter()
         rids = []
         for c in calls:
+            if c.request_id in self.released:
+                continue
             try:
                 self.engine.sync(c.request_id, c.context)
             except CacheFull:
@@ -73,10 +84,18 @@ class DrafterServer:
                 chains[r].extend(chain)
         return DrafterReply(chains, (time.perf_counter() - t) * 1000)
 
+    def release_later(self, rids: list[str]) -> Future:
+        """`release` on the drafter's own thread, after the steps queued before it."""
+        return self.executor.submit(self.release, rids)
+
     def release(self, rids: list[str]) -> None:
         for r in rids:
             if r in self.engine:
                 self.engine.release(r)
+            self.released[r] = None
+            self.released.move_to_end(r)
+        while len(self.released) > self.RELEASED_REMEMBERED:
+            self.released.popitem(last=False)
 
 
 class InProcessDraftingTier:
@@ -112,11 +131,7 @@ class InProcessDraftingTier:
             for name in self.coordinator.release(r):
                 per.setdefault(name, []).append(r)
         for name, rids in per.items():
-            asyncio.get_running_loop().create_task(self._release(name, rids))
-
-    async def _release(self, name: str, rids: list[str]) -> None:
-        async with self.locks[name]:
-            self.servers[name].release(rids)
+            self.servers[name].release_later(rids)
 
 
 @dataclass

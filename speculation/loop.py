@@ -14,6 +14,7 @@ engines otherwise (speculation/inprocess.py). No Ray here.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import time
@@ -184,8 +185,11 @@ class VerifyLoop:
         return None
 
     def _ensure_running(self) -> None:
+        """Start the loop's task in a context of its own: a task copies its creator's context variables, and Ray
+        Serve keeps the request in one, cancelling the calls made under a request when its client goes away; the
+        loop's calls to the drafting tier serve every request, not the one that happened to start it."""
         if self.task is None or self.task.done():
-            self.task = asyncio.get_running_loop().create_task(self._run())
+            self.task = asyncio.get_running_loop().create_task(self._run(), context=contextvars.Context())
 
     async def _drain_inbox(self, block: bool) -> None:
         released = []
@@ -306,10 +310,12 @@ class VerifyLoop:
         come (the next request starts a new task)."""
         try:
             await self._steps()
-        except Exception as e:
-            logger.exception("the verify loop failed")
+        except BaseException as e:  # cancelled too: its requests must not wait for chunks that will never come
+            stopped = isinstance(e, asyncio.CancelledError)
+            if not stopped:
+                logger.exception("the verify loop failed")
             for req in self.requests.values():
-                req.queue.put_nowait(RuntimeError(f"the verify loop failed: {e!r}"))
+                req.queue.put_nowait(RuntimeError(f"the verify loop {'stopped' if stopped else 'failed'}: {e!r}"))
             raise
 
     async def _steps(self) -> None:

@@ -63,6 +63,8 @@ def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max
     plist = params if isinstance(params, list) else [params] * len(prompts)
     overrides = [SpeculationOverrides(drafters=names, lockstep=False)] * len(prompts)
     out = asyncio.run(generate_all(loop, prompts, plist, overrides))
+    for s in loop.drafting.servers.values():  # releases run on each drafter's thread: wait for them
+        s.executor.submit(lambda: None).result()
     assert not any(s.engine.states for s in loop.drafting.servers.values())  # every drafter cache released
     return out, verifier
 

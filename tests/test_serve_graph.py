@@ -239,11 +239,16 @@ def test_client_disconnect_cancels_and_releases_caches(server):
 def test_client_hanging_up_on_a_non_streamed_request_frees_it_everywhere(server):
     """A non-streamed request is one `complete` call to the verifier; a client that gives up waiting cancels it
     there too (the loop aborts it in the engine and the drafters drop its caches), and the server goes on."""
+    from concurrent.futures import ThreadPoolExecutor
+
     body = {"model": MODEL, "prompt": "The patient presented with", "max_tokens": 480, "temperature": 0,
             "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
-    assert _handle("Verifier").running.remote().result() == 1  # hung up mid-generation (480 tokens take seconds)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{server}/v1/completions", json=body,
+                              timeout=httpx.Timeout(60, read=4.0))
+        assert _wait(lambda: _handle("Verifier").running.remote().result() == 1, timeout=30)  # generating
+        with pytest.raises(httpx.ReadTimeout):  # the client hangs up before the 480 tokens are done
+            waiting.result()
     assert _wait(lambda: _handle("Verifier").running.remote().result() == 0)
     names = list(DOMAINS) + ["generic"]
     assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))

@@ -192,7 +192,56 @@ def test_a_request_aborted_mid_draft_leaves_nothing_behind(engine, drafter_model
 
     assert asyncio.run(run()) == reference[1]
     _assert_nothing_left(engine)
+    _assert_drafters_released(tier)
+
+
+def _assert_drafters_released(tier):
+    for s in tier.servers.values():  # releases run on each drafter's thread, after its steps: wait for them
+        s.executor.submit(lambda: None).result()
     assert not any(s.engine.states for s in tier.servers.values())  # drafter caches released too
+
+
+def test_the_loop_does_not_run_under_the_request_that_started_it(engine, drafter_models, prompts, reference):
+    """Ray Serve keeps the current request in a context variable and cancels the calls made under it when its
+    client goes away. The loop's drafting calls serve every request: made under the request that started the loop,
+    that request's hang-up cancelled the loop's call in flight and ended the loop (seen on a served graph whose
+    first request was a streaming client that disconnected)."""
+    import contextvars
+
+    cfg = _cfg(draft_timeout_ms=2000)
+    tier = InProcessDraftingTier.from_config(cfg, drafter_models)
+    request = contextvars.ContextVar("request", default=None)
+    seen, drafting = [], asyncio.Event()
+
+    class Tier:
+        async def draft(self, batch):
+            seen.append(request.get())
+            drafting.set()
+            return await tier.draft(batch)
+
+        def release(self, request_ids):
+            tier.release(request_ids)
+
+    loop = VerifyLoop(engine, cfg, Tier())
+
+    async def run():
+        async def consume(name, p):
+            request.set(name)
+            return [t async for c in loop.generate(p, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+                    for t in c.token_ids]
+
+        starter = asyncio.create_task(consume("starter", prompts[0]))
+        await drafting.wait()
+        other = asyncio.create_task(consume("other", prompts[1]))
+        starter.cancel()
+        got = await other
+        await loop.stop()
+        return got
+
+    assert asyncio.run(run()) == reference[1]
+    assert seen and set(seen) == {None}  # no drafting call was made under a request
+    _assert_nothing_left(engine)
+    _assert_drafters_released(tier)
 
 
 def test_sampling_is_distributed_as_the_target(engine, drafter_models, target, tokenizer, heldout):
