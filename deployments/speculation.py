@@ -80,7 +80,7 @@ class SpeculationDeployment:
 
     def stats(self) -> dict:
         """Where a speculation round's time goes: drafter compute vs. the hops around it."""
-        return dict(self.timing, **self.coordinator.stats)
+        return dict(self.timing, **self.coordinator.state())
 
     async def release(self, rids: list[str]) -> None:
         per: dict[tuple[str, str | None], list[str]] = {}

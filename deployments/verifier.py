@@ -164,6 +164,7 @@ class VerifierDeployment:
     async def speculation_stats(self) -> dict:
         """Timings of the draft/verify loop and of the speculation rounds (for `cosine bench serve`)."""
         out = self.loop.stats.summary()
+        out["requests_in_flight"] = len(self.loop.requests)
         controller = self.loop.controller_state()
         if controller is not None:
             out["controller"] = controller

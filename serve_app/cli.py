@@ -285,10 +285,32 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--plot", help="write the plot here (needs matplotlib: pip install -e .[docs])")
     ld.set_defaults(func=_bench_load)
 
+    sk = bsub.add_parser("soak", help="a long mixed run (streaming or not, clients hanging up, bursts above "
+                         "saturation) against the served graph: errors by kind, latency, replica memory and "
+                         "leftover requests at start and end")
+    sk.add_argument("--config", default=str(REPO_ROOT / "examples" / "local.yaml"))
+    sk.add_argument("--duration", type=float, default=1800.0, help="seconds of arrivals")
+    sk.add_argument("--rate", type=float, default=1.0, help="requests/s in the calm part of each cycle")
+    sk.add_argument("--overload-rate", type=float, default=8.0, help="requests/s in the burst of each cycle")
+    sk.add_argument("--period", type=float, default=120.0, help="seconds per cycle")
+    sk.add_argument("--overload-share", type=float, default=0.25, help="share of each cycle in the burst")
+    sk.add_argument("--hang-up-share", type=float, default=0.1, help="share of clients that hang up midway")
+    sk.add_argument("--max-requests", type=int, default=20000)
+    sk.add_argument("--max-tokens", type=int, default=64)
+    sk.add_argument("--port", type=int, default=8041, help="HTTP port of the graph (+1: its dashboard)")
+    sk.add_argument("--json", default="bench_results/soak.json")
+    sk.set_defaults(func=_bench_soak)
+
     from simulate.report import add_parser as add_simulate
 
     add_simulate(sub, str(REPO_ROOT / "examples" / "local.yaml"))
     return p
+
+
+def _bench_soak(args) -> int:
+    from benchmarks.soak import main
+
+    return main(args)
 
 
 def _config_schema(args) -> int:

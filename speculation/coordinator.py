@@ -147,6 +147,10 @@ class SpeculationCoordinator:
                    step_timeout_s=spec.drafter_timeout_ms / 1000,
                    generalists={d.name for d in cfg.drafters if d.generalist})
 
+    def state(self) -> dict:
+        """Counters and timings, and how many requests drafters hold a cache for (what a soak watches)."""
+        return dict(self.stats, requests_held=len(self.where))
+
     def release(self, rid: str) -> set[str]:
         """Forget the request; returns the drafters that must free its cache."""
         if rid in self.router.requests:

@@ -123,7 +123,7 @@ class InProcessDraftingTier:
         return await self.coordinator.draft(batch, self._step)
 
     async def stats(self) -> dict:
-        return dict(self.coordinator.stats)
+        return self.coordinator.state()
 
     def release(self, request_ids: list[str]) -> None:
         per: dict[str, list[str]] = {}
