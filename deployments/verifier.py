@@ -13,8 +13,8 @@ from ray import serve
 from ray.serve import metrics
 
 from config import AppConfig
-from engines.build import build_verifier_engine, cpu_threads
 from deployments.speculation import DrafterFailures
+from engines.build import build_verifier_engine, cpu_threads
 from engines.sampling import SamplingParams
 from speculation.inprocess import InProcessDraftingTier
 from speculation.loop import LoopStats, VerifyLoop
