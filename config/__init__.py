@@ -129,6 +129,10 @@ class SpeculationSpec(_Strict):
     draft_timeout_ms: float = Field(100.0, gt=0, description="decode without drafts when they are later")
     drafter_timeout_ms: float = Field(5000.0, gt=0, description="a drafter call later than this drops that drafter "
                                       "from the round (the others' drafts still count)")
+    drafter_backoff_s: tuple[float, float] = Field(
+        (1.0, 30.0), description="[first, longest]: a drafter whose call failed or came too late (after "
+        "drafter_timeout_ms, or past the round's end at 0.8 x draft_timeout_ms) is not called for `first` seconds, "
+        "doubled at each further failure in a row up to `longest`; one answer in time clears it")
     controller: ControllerSpec = Field(default_factory=ControllerSpec, description="the goodput controller")
     drafting_tier: Literal["deployments", "colocated"] = Field(
         "deployments", description="where drafting runs. deployments: the Speculation deployment (routing, fusion) "
@@ -149,6 +153,13 @@ class SpeculationSpec(_Strict):
             raise ValueError("speculation.deployment must have num_replicas: 1 (it holds per-request routing "
                              "state); scale the verifier and the drafters instead")
         return self
+
+    @field_validator("drafter_backoff_s")
+    @classmethod
+    def _backoff(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0 < v[0] <= v[1]:
+            raise ValueError("drafter_backoff_s must be [first, longest] with 0 < first <= longest")
+        return v
 
 
 class RoutingSpec(_Strict):

@@ -14,7 +14,9 @@ deployment, a local `DrafterServer` in process). Per round:
    only called again where its token lost (then its chain no longer follows the fused prefix). Without fusion
    each drafter drafts its own chain in one call and the chains are fused one-shot (`fuse_chains`);
 4. the tree, trimmed to the request's budget, goes back to the verifier.
-A drafter that fails or times out just drops out of the round; the verifier decodes without a draft if none is left.
+A drafter that fails or is late just drops out of the round, and sits out the next rounds for a while
+(`DrafterHealth`); the verifier decodes without a draft if none is left. A round that reaches its deadline (a share
+of the verifier's `draft_timeout_ms`) returns the drafts it has so far rather than none.
 """
 
 from __future__ import annotations
@@ -30,10 +32,15 @@ import torch
 from config import AppConfig, RoutingSpec
 from engines.build import target_input_embeddings
 from speculation.fusion import FusionTree, fuse_chains
+from speculation.health import DrafterHealth
 from speculation.messages import Draft, DrafterCall, DraftRequest, Proposal
 from speculation.routing import Router, alignment
 
 StepFn = Callable[[str, list[DrafterCall]], Awaitable[dict[str, list[Proposal]]]]
+
+# a round ends at this share of the verifier's draft_timeout_ms, so that what it drafted reaches the verifier in time
+# (through the Speculation deployment's handle in the deployments layout)
+ROUND_SHARE = 0.8
 
 
 @dataclass
@@ -127,12 +134,15 @@ class _Drafting:
 class SpeculationCoordinator:
     def __init__(self, drafters: list[str], routing: RoutingSpec | None = None,
                  embeddings: torch.Tensor | None = None, fixed_drafters: list[str] | None = None,
-                 step_timeout_s: float = 5.0, generalists: set[str] | frozenset[str] = frozenset()):
+                 step_timeout_s: float = 5.0, generalists: set[str] | frozenset[str] = frozenset(),
+                 round_budget_s: float | None = None, health: DrafterHealth | None = None):
         self.drafters = list(drafters)
         self.router = Router(self.drafters, routing or RoutingSpec(), frozenset(generalists))
         self.embeddings = embeddings
         self.fixed = fixed_drafters
         self.step_timeout_s = step_timeout_s
+        self.round_budget_s = round_budget_s
+        self.health = health or DrafterHealth()
         self.rounds: dict[str, _Round] = {}
         self.where: dict[str, set[str]] = {}  # drafters holding a cache for the request
         self.stats = {"rounds": 0, "drafter_failures": 0, "step_seconds": 0.0}
@@ -145,11 +155,14 @@ class SpeculationCoordinator:
         fixed = spec.fixed_drafters or ([cfg.drafters[0].name] if spec.mode == "chain" else None)
         return cls([d.name for d in cfg.drafters], cfg.routing, target_input_embeddings(cfg), fixed_drafters=fixed,
                    step_timeout_s=spec.drafter_timeout_ms / 1000,
-                   generalists={d.name for d in cfg.drafters if d.generalist})
+                   generalists={d.name for d in cfg.drafters if d.generalist},
+                   round_budget_s=ROUND_SHARE * spec.draft_timeout_ms / 1000,
+                   health=DrafterHealth(*spec.drafter_backoff_s))
 
     def state(self) -> dict:
-        """Counters and timings, and how many requests drafters hold a cache for (what a soak watches)."""
-        return dict(self.stats, requests_held=len(self.where))
+        """Counters and timings, how many requests drafters hold a cache for (what a soak watches), and the
+        drafters sitting out after failures."""
+        return dict(self.stats, requests_held=len(self.where), drafters_sitting_out=self.health.sitting_out())
 
     def release(self, rid: str) -> set[str]:
         """Forget the request; returns the drafters that must free its cache."""
@@ -184,34 +197,42 @@ class SpeculationCoordinator:
         elif not req.ahead:
             self._feedback(rid, req.context)
         fixed = req.drafters or self.fixed
+        up = [d for d in self.drafters if self.health.available(d)]
         if fixed:
-            chosen = [d for d in fixed if d in self.drafters]
+            chosen = [d for d in fixed if d in up]
         elif req.routing == "random":
-            chosen = self.router.rng.sample(self.drafters, min(len(self.drafters), n))
+            chosen = self.router.rng.sample(up, min(len(up), n))
         elif new:
-            chosen = list(self.drafters)
+            chosen = up
         else:
-            chosen = self.router.route(rid, n)
+            chosen = self.router.route(rid, n, exclude=set(self.drafters) - set(up))
         return _Drafting(req, chosen, scoring=new and not fixed and req.routing != "random",
                          fuser=FusionTree(budget=req.budget))
 
-    async def _call(self, step_fn: StepFn, name: str, calls: list[DrafterCall]) -> dict[str, list[Proposal]]:
+    async def _call(self, step_fn: StepFn, name: str, calls: list[DrafterCall],
+                    timeout_s: float) -> dict[str, list[Proposal]]:
         try:
-            return await asyncio.wait_for(step_fn(name, calls), self.step_timeout_s)
-        except Exception:  # noqa: BLE001 - a failed drafter only loses its proposals for this round
+            got = await asyncio.wait_for(step_fn(name, calls), timeout_s)
+        except Exception as e:  # noqa: BLE001 - a failed drafter only loses its proposals for this round
             self.stats["drafter_failures"] += 1
+            self.health.failed(name, f"no answer in {timeout_s * 1000:.0f} ms" if isinstance(e, TimeoutError)
+                               else f"call failed ({type(e).__name__})")
             if self.on_failure is not None:
                 self.on_failure(name)
             return {}
+        self.health.succeeded(name)
+        return got
 
     async def draft(self, batch: list[DraftRequest], step_fn: StepFn) -> dict[str, Draft]:
         t0 = time.perf_counter()
+        deadline = t0 + self.round_budget_s if self.round_budget_s is not None else float("inf")
         rounds = {req.request_id: self._start(req) for req in batch if req.k > 0}
         if not rounds:
             return {}
         for depth in range(max(r.req.k for r in rounds.values())):
-            if not any(r.alive for r in rounds.values() if depth < r.req.k):
-                break
+            left = deadline - time.perf_counter()
+            if left <= 0 or not any(r.alive for r in rounds.values() if depth < r.req.k):
+                break  # out of time: the drafts so far
             per_drafter: dict[str, list[DrafterCall]] = {}
             for r in rounds.values():
                 for name, call in r.calls(depth).items():
@@ -220,7 +241,8 @@ class SpeculationCoordinator:
             for name in names:  # a drafter may build a cache even for a call that fails or times out here
                 for call in per_drafter[name]:
                     self.where.setdefault(call.request_id, set()).add(name)
-            answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n]) for n in names))
+            timeout = min(self.step_timeout_s, left)
+            answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n], timeout) for n in names))
             for name, got in zip(names, answers):
                 for call in per_drafter[name]:
                     if call.request_id in got:

@@ -109,11 +109,12 @@ class Router:
         st = self.requests[rid]
         return st.recent_accepted_length is not None and st.recent_accepted_length < self.config.tau
 
-    def route(self, rid: str, n: int | None = None) -> list[str]:
-        """Drafters for the next round: top-scored ones, each place taken at random with prob alpha/beta."""
-        n = min(n or self.config.drafters_per_request, len(self.drafters))
+    def route(self, rid: str, n: int | None = None, exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Drafters for the next round: top-scored ones, each place taken at random with prob alpha/beta; none
+        of `exclude` (drafters sitting out)."""
+        ranked = [d for d in self.ranking(rid) if d not in exclude]
+        n = min(n or self.config.drafters_per_request, len(ranked))
         p_random = self.config.alpha if self.exploring(rid) else self.config.beta
-        ranked = self.ranking(rid)
         chosen: list[str] = []
         for _ in range(n):
             rest = [d for d in ranked if d not in chosen]

@@ -14,6 +14,7 @@ from model_family import DOMAINS
 from model_family.distill import greedy_continue
 from speculation.coordinator import SpeculationCoordinator
 from speculation.fusion import FusionTree
+from speculation.health import DrafterHealth
 from speculation.inprocess import DrafterServer
 from speculation.messages import DrafterCall, DraftRequest, Participation
 
@@ -22,18 +23,27 @@ NAMES = list(DOMAINS) + ["generic"]
 
 @pytest.fixture(scope="module")
 def servers(models):
+    return _servers(models)
+
+
+def _servers(models):
     return {n: DrafterServer(n, str(models / f"drafter-{n}"), max_len=512) for n in NAMES}
 
 
-async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_tokens=24, seed=0):
+async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_tokens=24, seed=0, hung=(), **coord_kw):
+    """Greedy decoding of `prompts` with the coordinator's drafts; drafters in `fail` raise, those in `hung`
+    never answer (a stopped process)."""
     emb = target.get_input_embeddings().weight.detach()
-    coord = SpeculationCoordinator(NAMES, RoutingSpec(seed=seed), emb, fixed_drafters=fixed)
-    coord.failed_calls = []
+    coord = SpeculationCoordinator(NAMES, RoutingSpec(seed=seed), emb, fixed_drafters=fixed, **coord_kw)
+    coord.failed_calls, coord.calls = [], []
     coord.on_failure = coord.failed_calls.append
 
     async def step_fn(name, calls):
+        coord.calls.append(name)
         if name in fail:
             raise RuntimeError(f"drafter {name} is down")
+        if name in hung:
+            await asyncio.Event().wait()
         return servers[name].step(calls).chains
 
     verifier = TorchVerifierEngine(target, max_batch=8, max_len=512)
@@ -46,6 +56,7 @@ async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_toke
         drafts = await coord.draft(batch, step_fn)
         for o in verifier.step(drafts):
             out[o.request_id] += o.new_token_ids
+            coord.accepted = getattr(coord, "accepted", 0) + o.num_accepted_tokens
             if o.finished:
                 for n in coord.release(o.request_id):
                     servers[n].release([o.request_id])
@@ -72,6 +83,35 @@ def test_a_failing_drafter_loses_nothing(target, servers, prompts):
     # who failed is reported (the deployments export it as cosine_drafter_failures{drafter}), and no one else
     assert set(coord.failed_calls) <= {"code", "generic", "legal"} and len(coord.failed_calls) == \
         coord.stats["drafter_failures"]
+
+
+def test_a_hung_drafter_sits_out_and_the_others_still_draft(target, models, prompts):
+    """A drafter that never answers costs one round its deadline, then is not called while it sits out; the round
+    keeps the other drafters' drafts, so speculation goes on and the output is unchanged."""
+    hung = ("code", "legal")
+    # drafters of its own: the verifier engine's request ids repeat across tests, and drafters drop calls for ids
+    # they were told are released
+    got, coord, _ = asyncio.run(_run(target, _servers(models), prompts[:3], True, hung=hung, round_budget_s=0.5,
+                                            health=DrafterHealth(base_s=600)))
+    want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts[:3]]
+    assert got == want
+    assert sorted(coord.failed_calls) == sorted(hung) and [coord.calls.count(n) for n in hung] == [1, 1]
+    assert coord.state()["drafters_sitting_out"] == sorted(hung)
+    assert coord.accepted > 0
+
+
+def test_a_drafter_sits_out_longer_after_each_failure_and_one_answer_clears_it():
+    now = [0.0]
+    h = DrafterHealth(base_s=1.0, max_s=3.0, clock=lambda: now[0])
+    assert h.available("code")
+    pauses = [h.failed("code", "late") for _ in range(4)]
+    assert pauses == [1.0, 2.0, 3.0, 3.0] and not h.available("code") and h.available("legal")
+    now[0] = 2.9
+    assert not h.available("code") and h.sitting_out() == ["code"]
+    now[0] = 3.0
+    assert h.available("code")  # called again: if it answers, it is cleared
+    h.succeeded("code")
+    assert h.failed("code", "late") == 1.0
 
 
 def test_cold_start_ranks_the_prompts_domain_drafter_first(target, servers, tokenizer, heldout):
