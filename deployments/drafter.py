@@ -45,10 +45,13 @@ class DrafterDeployment:
         return drafter_signals(self.meter, len(self.server.engine.states))
 
     def placement(self) -> dict:
-        """Where this replica computes: its Ray node and device type."""
+        """Where this replica computes: its Ray node, device type and process."""
+        import os
+
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "device": self.server.engine.runner.device.type}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "device": self.server.engine.runner.device.type,
+                "pid": os.getpid()}
 
     def num_requests(self) -> int:
         """Requests holding a KV cache here (0 once every request has finished or been cancelled)."""

@@ -90,10 +90,15 @@ class SpeculationDeployment:
         for (n, home), rs in per.items():
             self.handles[n].release.remote(rs, home=home)
 
-    async def placement(self) -> dict[str, dict]:
-        """Each drafter's node and device (one replica's: replicas of a deployment share their options)."""
+    async def placement(self, timeout_s: float = 10.0) -> dict[str, dict]:
+        """Each drafter's node and device (one replica's: replicas of a deployment share their options); a drafter
+        that does not answer in time (a hung replica) is left out."""
         names = list(self.handles)
-        got = await asyncio.gather(*(self.handles[n].placement.remote() for n in names), return_exceptions=True)
+
+        async def one(n: str) -> dict:
+            return await asyncio.wait_for(self.handles[n].placement.remote(), timeout_s)
+
+        got = await asyncio.gather(*(one(n) for n in names), return_exceptions=True)
         return {n: p for n, p in zip(names, got) if isinstance(p, dict)}
 
     def routing_history(self) -> list[tuple[str, list[str]]]:

@@ -1,4 +1,5 @@
-"""Fault and overload tests of the serving graph: a drafter replica killed mid-request, and overload (429)."""
+"""Fault and overload tests of the serving graph: a drafter replica killed mid-request, one that stops answering,
+a verifier killed mid-stream, and overload (429)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,46 @@ def test_a_killed_drafter_does_not_break_the_request(server, tokenizer, target, 
         u = httpx.post(f"{server}/v1/completions", json=body, timeout=300).json()["usage"]
         return u["num_accepted_tokens"] > 0
     assert _wait(speculates, timeout=120)
+
+
+def test_a_stopped_drafter_sits_out_and_requests_finish_unchanged(server, tokenizer, target, heldout):
+    """A drafter replica that stops answering (SIGSTOP: a wedged process, not a dead one, so Serve keeps routing to
+    it): requests drafted by it alone and routed requests finish with the target's own output; after one late
+    round it sits out (its calls are not made, the other drafters' drafts still count), and once it answers
+    again it drafts again."""
+    import concurrent.futures as cf
+    import os
+    import signal
+
+    def stats() -> dict:
+        return httpx.get(f"{server}/v1/internal/speculation_stats", timeout=60).json()
+
+    prompts = [tokenizer(heldout["code"][i], add_special_tokens=False).input_ids[:48] for i in (41, 42)]
+    wants = [greedy_continue(target, torch.tensor([p]), 64)[0, len(p):].tolist() for p in prompts]
+    only_code = {"drafters": ["code"], "lockstep": False}
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True, **extra}
+              for p, extra in zip(prompts, ({"speculation": only_code}, {}))]
+    pid = _handle("Drafter-code").placement.remote().result()["pid"]
+    failures = stats()["drafter_failures"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            rs = list(pool.map(lambda b: httpx.post(f"{server}/v1/completions", json=b, timeout=300), bodies))
+        after = stats()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for r, p, want in zip(rs, prompts, wants):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    assert "code" in after["drafters_sitting_out"]
+    # calls made to it while stopped: one per pause (1, 2, 4 ... s), not one per round
+    assert 1 <= after["drafter_failures"] - failures <= 4
+    assert rs[1].json()["usage"]["num_accepted_tokens"] > 0  # the routed request drafted with the others
+
+    def code_drafts() -> bool:
+        u = httpx.post(f"{server}/v1/completions", json=bodies[0], timeout=300).json()["usage"]
+        return u["num_accepted_tokens"] > 0
+    assert _wait(code_drafts, timeout=120)
 
 
 def test_overload_gets_429_with_retry_after(server):
