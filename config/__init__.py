@@ -37,10 +37,22 @@ class DeploymentOptions(_Strict):
                                                       "autoscaling_policy: min_replicas, max_replicas, and Serve's "
                                                       "timing keys, defaulting to "
                                                       f"{DRAFTER_AUTOSCALING_DEFAULTS}")
+    # Serve's defaults stop a deployment's old replicas before starting new ones (a one-replica deployment is gone
+    # until its replacement is up: 20-40 s here, requests in flight cut) and give a replica 20 s to finish
+    max_surge_percent: int = Field(100, ge=0, le=100, description="extra replicas while a redeploy replaces this "
+                                   "deployment's, in % of its replica count: 100 keeps the old replicas serving "
+                                   "until their replacements are ready. Needs room for both; a verifier whose second "
+                                   "copy does not fit its GPUs must set 0, and then it stops serving while it "
+                                   "restarts")
+    graceful_shutdown_timeout_s: float = Field(300.0, gt=0, description="a replica being replaced or scaled down "
+                                               "finishes its requests in flight for up to this long (Serve's 20 s "
+                                               "default would cut long generations)")
 
     def serve_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"max_ongoing_requests": self.max_ongoing_requests,
-                                "ray_actor_options": dict(self.ray_actor_options)}
+                                "ray_actor_options": dict(self.ray_actor_options),
+                                "max_surge_percent": self.max_surge_percent,
+                                "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
         if self.autoscaling_config is not None:
             opts["autoscaling_config"] = dict(self.autoscaling_config)
         else:
