@@ -26,6 +26,7 @@ from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
 from model_family.samples import heldout_texts
+from speculation.goodput import SpeculationController
 from speculation.inprocess import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
 
@@ -116,7 +117,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                                  max(1, len(drafter_names("code")))})
         verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees="best chain" not in method)
         loop = build_loop(cfg, verifier, drafters)
-        if loop.controller is not None and not loop.controller.modes:
+        if isinstance(loop.controller, SpeculationController) and not loop.controller.modes:
             if batch not in seeds:
                 seeds[batch] = (fit_verify_latency(target, batch, prompt_len),
                                 fit_draft_latency(drafters["generic"], batch, prompt_len))

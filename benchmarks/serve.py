@@ -247,11 +247,14 @@ def main(args) -> int:
                   f"(compute {stats['drafter_compute_ms'] / max(1, stats['drafter_calls']):.1f} ms)")
         if stats.get("controller"):
             c = stats["controller"]
-            print(f"goodput controller (recent rounds): mean draft length {c['mean_k_recent']:.2f}, "
-                  f"{100 * c['zero_k_share']:.0f}% plain decoding, verify fit {c['verify_fit_ms'][0]:.1f} ms + "
-                  f"{c['verify_fit_ms'][1]:.2f} ms/token, drafting per round by participation (ms + depth x (ms + ms per request)) "
-                  f"{c['draft_round_fit_ms']}, pool acceptance {c['pool_acceptance'] or 0:.2f}, "
-                  f"acceptance by participation {c['acceptance_by_participation']}, now {c['participation']}")
+            recent = f"mean draft length {c['mean_k_recent']:.2f}, {100 * c['zero_k_share']:.0f}% plain decoding"
+            if c.get("kind") == "hill_climb":
+                print(f"hill-climbing controller (recent rounds): {recent}, k now {c['k']}, best {c['best_k']}")
+            else:
+                print(f"goodput controller (recent rounds): {recent}, verify fit {c['verify_fit_ms'][0]:.1f} ms + "
+                      f"{c['verify_fit_ms'][1]:.2f} ms/token, drafting per round by participation (ms + depth x (ms + ms per request)) "
+                      f"{c['draft_round_fit_ms']}, pool acceptance {c['pool_acceptance'] or 0:.2f}, "
+                      f"acceptance by participation {c['acceptance_by_participation']}, now {c['participation']}")
     except Exception:  # noqa: BLE001 - stats are optional
         pass
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

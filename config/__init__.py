@@ -101,9 +101,13 @@ class VerifierSpec(_Strict):
 
 
 class ControllerSpec(_Strict):
-    """The goodput controller (SmartSpec): per-request draft lengths and participation from fitted step-latency
-    models and acceptance estimates (speculation/goodput.py)."""
+    """The draft-length controller of adaptive speculation, one of two (`kind`). goodput (SmartSpec,
+    speculation/goodput.py): per-request draft lengths and participation from fitted step-latency models and
+    acceptance estimates; the other fields without a prefix are its. hill_climb (Minions, speculation/hill_climb.py):
+    one draft length for the batch, moved a step at a time toward higher measured goodput, model-free; the
+    `hill_climb:` fields are its."""
 
+    kind: Literal["goodput", "hill_climb"] = Field("goodput", description="which controller")
     prior_acceptance: float = Field(0.6, gt=0, lt=1, description="per-token acceptance assumed before any is seen")
     ema: float = Field(0.3, gt=0, le=1, description="weight of the newest round in a request's acceptance estimate")
     probe_interval: int = Field(8, ge=1, description="rounds a request may sit at k = 0 before it drafts once "
@@ -117,6 +121,11 @@ class ControllerSpec(_Strict):
     draft_seed_ms: tuple[float, float] | None = Field(None, description="[a, b]: the lockstep drafter step model "
                                                       "it starts from, t = a + b * requests in the step, in ms "
                                                       "(`cosine profile`); refitted online")
+    window: int = Field(32, ge=2, description="hill_climb: verify steps per goodput measurement (tokens per "
+                        "second per running request)")
+    hold: int = Field(4, ge=0, description="hill_climb: windows at the best draft length, beyond the one that "
+                      "measures it afresh, before its neighbours are probed again (from k = 0: k = 1, whether "
+                      "speculation pays again)")
 
 
 class SpeculationSpec(_Strict):
@@ -132,11 +141,12 @@ class SpeculationSpec(_Strict):
                               "verified, draft the next round from the context that step's full acceptance would "
                               "give; after the step each such draft is used for what of it still extends the "
                               "context (the other requests draft as usual), so drafting overlaps verification")
-    adaptive: bool = Field(True, description="the goodput controller picks each request's draft length 0..k every "
+    adaptive: bool = Field(True, description="the controller (controller.kind) picks the draft length 0..k every "
                            "round; false: always k")
     adaptive_drafters: bool = Field(True, description="with adaptive speculation, the goodput controller also "
                                     "picks 1..routing.drafters_per_request drafters per request each round: fewer "
-                                    "when the verifier is loaded (CoSine Alg. 2)")
+                                    "when the verifier is loaded (CoSine Alg. 2); the hill climber always uses "
+                                    "routing.drafters_per_request")
     fixed_drafters: list[str] | None = Field(None, description="bypass routing: always use these drafters")
     draft_timeout_ms: float = Field(100.0, gt=0, description="decode without drafts when they are later")
     drafter_timeout_ms: float = Field(5000.0, gt=0, description="a drafter call later than this drops that drafter "
@@ -145,7 +155,7 @@ class SpeculationSpec(_Strict):
         (1.0, 30.0), description="[first, longest]: a drafter whose call failed or came too late (after "
         "drafter_timeout_ms, or past the round's end at 0.8 x draft_timeout_ms) is not called for `first` seconds, "
         "doubled at each further failure in a row up to `longest`; one answer in time clears it")
-    controller: ControllerSpec = Field(default_factory=ControllerSpec, description="the goodput controller")
+    controller: ControllerSpec = Field(default_factory=ControllerSpec, description="the draft-length controller")
     drafting_tier: Literal["deployments", "colocated"] = Field(
         "deployments", description="where drafting runs. deployments: the Speculation deployment (routing, fusion) "
         "and a deployment per drafter, each placed and scaled on its own hardware (the cluster layout; the drafter "

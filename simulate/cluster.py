@@ -159,6 +159,7 @@ class Simulation:
         self.finished: list[Finished] = []
         self.wakeup = self.env.event()
         self.last_verify = [0.0, 0.0]
+        self.last_step_end = 0.0  # of either half
         self.steps = self.step_tokens = 0
         self.signals = defaultdict(float)  # the verifier's autoscaling signals since the last period
         self.done = self.env.event()
@@ -322,7 +323,9 @@ class Simulation:
             self.last_verify[g] = seconds
             self.steps += 1
             self.step_tokens += tokens
-            self.planner.observe_step(tokens, seconds)
+            # wall time from the last step's end (the other half's, when pipelined) or this iteration's start
+            self.planner.observe_step(tokens, seconds, self.env.now - max(t0, self.last_step_end))
+            self.last_step_end = self.env.now
             for rid in list(members):
                 st = members[rid]
                 if rid in self.prefill:

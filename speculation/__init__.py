@@ -5,4 +5,6 @@
 - `fusion`: confidence-based token fusion (Eq. 4) into a token tree, lockstep or one-shot.
 - `coordinator.SpeculationCoordinator`: the speculation cluster's central node: route, drive drafters, fuse.
 - `goodput.SpeculationController`: per-step draft lengths and participation from the goodput model (SmartSpec).
+- `hill_climb.HillClimbController`: the model-free alternative, one draft length hill-climbed on measured goodput
+  (Minions); `planner.make_controller` builds the one the configuration names.
 """

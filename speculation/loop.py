@@ -330,13 +330,17 @@ class VerifyLoop:
             if ahead is not None and not self.engine.has_unfinished():  # settle it before idling
                 await self._carried(ahead)
                 ahead = None
-            await self._drain_inbox(block=not self.engine.has_unfinished())
+            idle = not self.engine.has_unfinished()
+            await self._drain_inbox(block=idle)
+            if idle:
+                last_end = None  # idle time is not loop overhead
             if not self.engine.has_unfinished():
                 pending.clear()
-                last_end = None  # idle time is not loop overhead
                 continue
             self.engine.admit()
             t = time.perf_counter()
+            # the step's wall time (for the hill climber) runs from the last step's end, or from now after idling
+            since = t if last_end is None else last_end
             if self._pipelined():
                 members = [r for r in self.engine.running if self._half(r) == turn]
                 if not members:
@@ -377,14 +381,15 @@ class VerifyLoop:
             if self.trace:
                 self.trace.step(last_end, len(members), self.engine.last_step_tokens, self.half_verify_s[turn], wait,
                                 len(drafts))
-            self._dispatch(outs)
+            self._dispatch(outs, last_end - since)
             nxt = [r for r in self.engine.running if self._half(r) == turn] if self._pipelined() else []
             if nxt:  # this half's next drafts are produced while the other half is verified
                 pending[turn] = asyncio.get_running_loop().create_task(self._drafts(nxt))
             turn = 1 - turn
 
-    def _dispatch(self, outs) -> None:
-        self.planner.observe_step(self.engine.last_step_tokens, self.engine.last_verify_seconds)
+    def _dispatch(self, outs, wall_s: float) -> None:
+        """A verify step's outputs to their requests, and to the planner with the step's wall time `wall_s`."""
+        self.planner.observe_step(self.engine.last_step_tokens, self.engine.last_verify_seconds, wall_s)
         finished = []
         for o in outs:
             req = self.requests.get(o.request_id)

@@ -1,5 +1,5 @@
-"""Draft planning: what each running request drafts this round, from the goodput controller, the request's own
-bounds and Gamma_max."""
+"""Draft planning: what each running request drafts this round, from the controller (the goodput model's or the
+hill climber's), the request's own bounds and Gamma_max."""
 
 from __future__ import annotations
 
@@ -7,19 +7,20 @@ from collections import deque
 
 from config import AppConfig
 from speculation.goodput import SpeculationController
+from speculation.hill_climb import HillClimbController
 from speculation.messages import DraftRequest, Participation, SpeculationOverrides
 
 
 class DraftPlanner:
     def __init__(self, cfg: AppConfig):
         self.cfg = cfg
-        self.controller = goodput_controller(cfg)
+        self.controller = make_controller(cfg)
         self.recent_k: deque = deque(maxlen=128)  # the chosen depths of requests that may speculate
         self.chosen: list[int] = []  # the last round's
 
     def plan(self, contexts: dict[str, list[int]], overrides: dict[str, SpeculationOverrides],
              overlap_s: float = 0.0, ahead: bool = False) -> list[DraftRequest]:
-        """This round's draft requests: per-request depth from the goodput controller (within each request's own
+        """This round's draft requests: per-request depth from the controller (within each request's own
         bounds; `overlap_s` of verification runs beside this drafting), Gamma_max over the batch, and how each
         request drafts (participation). `ahead`: the contexts end with drafts being verified (DraftRequest.ahead)."""
         spec, rids = self.cfg.speculation, list(contexts)
@@ -68,22 +69,27 @@ class DraftPlanner:
         participation, per mode in the round's depth and requests (only a round of one mode without prompt scoring, marked
         None in `modes`, says what that mode costs)."""
         c, depth = self.controller, max(d.k for d in batch)
-        if c is None:
+        if not isinstance(c, SpeculationController):  # none, or the hill climber: it measures whole steps
             return
         if not c.modes:
             c.draft.observe(len(batch), seconds / depth)
         elif len(modes) == 1 and None not in modes:
             c.draft_model(next(iter(modes))).observe(depth, len(batch), seconds)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        if self.controller:
-            self.controller.verify.observe(tokens, seconds)
+    def observe_step(self, tokens: int, seconds: float, wall_s: float) -> None:
+        """A verify step of `tokens` took `seconds`; `wall_s` since the previous step ended (drafting included)."""
+        c = self.controller
+        if isinstance(c, HillClimbController):
+            c.observe_step(wall_s)
+        elif c is not None:
+            c.verify.observe(tokens, seconds)
 
     def observe_acceptance(self, rid: str, depth: int, accepted: int, participation: Participation | None) -> None:
         """A verified round of `rid` (depth 0: it had no draft), drafted with `participation`."""
-        if self.controller:
-            mode = participation if depth and self.controller.modes else None
-            self.controller.observe_acceptance(rid, depth, accepted, mode)
+        c = self.controller
+        if c is not None:
+            modes = isinstance(c, SpeculationController) and c.modes
+            c.observe_acceptance(rid, depth, accepted, participation if depth and modes else None)
 
     def state(self, drafting_overlaps_verification: bool) -> dict | None:
         """The controller's state for operators (`speculation_stats`)."""
@@ -91,21 +97,28 @@ class DraftPlanner:
         if c is None:
             return None
         ks = list(self.recent_k)
-        return {"mean_k_recent": sum(ks) / max(1, len(ks)), "zero_k_share": ks.count(0) / max(1, len(ks)),
-                "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
-                "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b, 1000 * m.c] for p, m in c.mode_draft.items()},
-                "pool_acceptance": c.pool_acceptance,
-                "drafting_overlaps_verification": drafting_overlaps_verification,
-                "participation": str(c.mode) if c.mode else None,
-                "acceptance_by_participation": {str(p): c.mode_acceptance(p) for p in c.mode_counts}}
+        common = {"kind": self.cfg.speculation.controller.kind, "mean_k_recent": sum(ks) / max(1, len(ks)),
+                  "zero_k_share": ks.count(0) / max(1, len(ks)),
+                  "drafting_overlaps_verification": drafting_overlaps_verification,
+                  "participation": str(c.mode) if c.mode else None}
+        if isinstance(c, HillClimbController):
+            return common | c.state()
+        return common | {
+            "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
+            "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b, 1000 * m.c] for p, m in c.mode_draft.items()},
+            "pool_acceptance": c.pool_acceptance,
+            "acceptance_by_participation": {str(p): c.mode_acceptance(p) for p in c.mode_counts}}
 
 
-def goodput_controller(cfg: AppConfig) -> SpeculationController | None:
-    """The controller the configuration asks for: none without adaptive speculation; with several drafters per
-    request, it also picks the participation: one drafter, or n fused in lockstep (if on) or one-shot."""
+def make_controller(cfg: AppConfig) -> SpeculationController | HillClimbController | None:
+    """The controller the configuration asks for: none without adaptive speculation; the hill climber (Minions)
+    for `controller.kind: hill_climb`; else the goodput controller, which with several drafters per request also
+    picks the participation: one drafter, or n fused in lockstep (if on) or one-shot."""
     spec = cfg.speculation
     if not spec.adaptive or spec.mode == "off":
         return None
+    if spec.controller.kind == "hill_climb":
+        return HillClimbController(spec.k, spec.controller.window, spec.controller.hold)
     # a multi-drafter round verifies up to drafters_per_request nodes per depth (the chain and its branches)
     per_depth = cfg.routing.drafters_per_request if spec.mode == "cosine" else 1
     modes: tuple[Participation, ...] = ()
@@ -113,9 +126,9 @@ def goodput_controller(cfg: AppConfig) -> SpeculationController | None:
         modes = (Participation(1),) + tuple(Participation(n, lockstep)
                                             for lockstep in ((True, False) if spec.lockstep else (False,))
                                             for n in range(2, per_depth + 1))
-    seeds = {"verify_seed_ms", "draft_seed_ms"}
+    not_its = {"verify_seed_ms", "draft_seed_ms", "kind", "window", "hold"}  # seeds set below; the hill climber's
     c = SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True, modes=modes,
-                              **spec.controller.model_dump(exclude=seeds))
+                              **spec.controller.model_dump(exclude=not_its))
     for model, seed in ((c.verify, spec.controller.verify_seed_ms), (c.draft, spec.controller.draft_seed_ms)):
         if seed is not None:
             model.a, model.b = seed[0] / 1000, seed[1] / 1000

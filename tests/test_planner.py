@@ -45,12 +45,12 @@ def test_the_adaptive_controller_offers_every_participation_mode():
 def test_the_controller_starts_from_profiled_step_models(tmp_path):
     """`cosine profile`'s seeds price the first rounds; the online fit replaces them."""
     from config import AppConfig
-    from speculation.planner import goodput_controller
+    from speculation.planner import make_controller
 
     cfg = AppConfig.model_validate({
         "verifier": {"model": "target"}, "drafters": [{"name": "code", "model": "drafter-code"}],
         "speculation": {"controller": {"verify_seed_ms": [30.0, 0.5], "draft_seed_ms": [2.0, 0.1]}}})
-    c = goodput_controller(cfg)
+    c = make_controller(cfg)
     assert (c.verify.a, c.verify.b, c.draft.a, c.draft.b) == (0.03, 0.0005, 0.002, 0.0001)
     for n in (1, 5, 9, 13):
         c.verify.observe(n, 0.01 + 0.001 * n)
