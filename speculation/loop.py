@@ -168,13 +168,12 @@ class VerifyLoop:
                 await self.inbox.put(("abort", rid, None, None))
 
     async def stop(self) -> None:
-        """Stop the loop's task (requests still running are abandoned)."""
-        if self.task is not None and not self.task.done():
+        """Stop the loop's task (requests still running are abandoned). Cancels until the task is done: on Python
+        3.11 `asyncio.wait_for` drops a cancellation that arrives as its inner call completes (CPython gh-86296),
+        and a task awaiting one (a drafting round) then runs on and idles forever; waiting on it hung stop()."""
+        while self.task is not None and not self.task.done():
             self.task.cancel()
-            try:
-                await self.task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait({self.task}, timeout=1.0)
 
     def controller_state(self) -> dict | None:
         return self.planner.state(self.drafting_overlaps_verification)

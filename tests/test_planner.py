@@ -55,3 +55,32 @@ def test_the_controller_starts_from_profiled_step_models(tmp_path):
     for n in (1, 5, 9, 13):
         c.verify.observe(n, 0.01 + 0.001 * n)
     assert abs(c.verify.a - 0.01) < 1e-9 and abs(c.verify.b - 0.001) < 1e-9
+
+
+def test_stopping_the_loop_outlasts_a_swallowed_cancellation():
+    """On Python 3.11 `asyncio.wait_for` drops a cancellation that arrives as its inner call completes, and a task
+    awaiting it runs on (seen as a hang of the whole suite at the end of a drafted-ahead run): `stop` cancels until
+    the task is done."""
+    import asyncio
+
+    from speculation.loop import VerifyLoop
+
+    cfg = AppConfig.model_validate({"verifier": {"model": "target"}, "speculation": {"mode": "off"}})
+    loop = VerifyLoop(None, cfg, None)
+
+    async def run() -> bool:
+        async def stubborn():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                pass  # what wait_for does on 3.11 when its call has just completed
+            await asyncio.sleep(60)  # the loop going back to wait for requests
+
+        loop.task = asyncio.get_running_loop().create_task(stubborn())
+        await asyncio.sleep(0)
+        stopping = asyncio.get_running_loop().create_task(loop.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=10)  # unlike wait_for, cancels nothing on timeout
+        loop.task.cancel()
+        return stopping in done and loop.task.cancelled()
+
+    assert asyncio.run(run())
