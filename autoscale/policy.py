@@ -18,6 +18,12 @@ calls wait for it (speculation/signals.py), and a deployment gets the replicas t
 minimum, whatever the traffic) and how long it waits for drafts (a busy drafter it waits on gets a replica more).
 Every deployment of the application with an autoscaling_config takes part; those that are not drafters keep
 Serve's default (queue-length) policy. Serve then applies each deployment's bounds and up/down delays.
+
+Zero replicas (`min_replicas: 0`): a drafter goes to zero only when no drafting is asked of it for a reason the
+verifier states, speculation off or no traffic at all, and comes back (Serve skips the upscale delay from zero) as
+soon as the verifier has requests to speculate for. While it speculates for traffic every drafter keeps a replica:
+the speculation node does not call a drafter at zero, so its demand could never show and it would stay out of the
+domain mix for good.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingContext
 
 from config import AutoscalerSpec
-from speculation.signals import DRAFTER_BUSY, DRAFTER_QUEUED, VERIFIER_DRAFT_WAIT, VERIFIER_SPECULATING
+from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, VERIFIER_DRAFT_WAIT, VERIFIER_ROUNDS,
+                                 VERIFIER_SPECULATING)
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,12 +57,17 @@ class DrafterLoad:
 class VerifierLoad:
     draft_wait: float  # share of the verifier's time spent waiting for drafts
     speculating: float  # share of request rounds given drafts
+    rounds: float | None = None  # request rounds per second; 0: no traffic (None: not reported)
+
+    @property
+    def idle(self) -> bool:
+        return self.rounds is not None and self.rounds < 1e-9
 
 
 @dataclass
 class Decision:
     replicas: int
-    kind: str  # demand | draft_wait | speculation_off | hold | no_signals
+    kind: str  # demand | draft_wait | speculation_off | idle | speculating | hold | no_signals
     reason: str
     demand: float  # smoothed replicas' worth of drafting wanted
 
@@ -69,19 +81,26 @@ class ReplicaPlanner:
     def decide(self, load: DrafterLoad | None, verifier: VerifierLoad | None, current: int, low: int, high: int,
                previous_demand: float | None) -> Decision:
         s = self.spec
+        idle = verifier is not None and verifier.idle
+        # a drafter at zero replicas is not called: while the verifier speculates for traffic, keep one
+        floor = min(max(low, 0 if idle else 1), high)
+
+        def clamp(n: int) -> int:
+            return min(max(n, floor), high)
+
+        if verifier is not None and not idle and verifier.speculating < s.speculation_off_below:
+            return Decision(low, "speculation_off", f"speculation is off: the verifier drafts "
+                            f"{verifier.speculating:.0%} of its request rounds", previous_demand or 0.0)
+        if idle:
+            return Decision(low, "idle", "the verifier has no requests", previous_demand or 0.0)
         if load is None:
-            return Decision(min(max(current, low), high), "no_signals", "no signals from its replicas yet",
-                            previous_demand or 0.0)
+            if current == 0 and verifier is not None:
+                return Decision(clamp(1), "speculating", f"the verifier speculates in {verifier.speculating:.0%} "
+                                "of its request rounds", previous_demand or 0.0)
+            return Decision(clamp(current), "no_signals", "no signals from its replicas yet", previous_demand or 0.0)
         raw = load.busy + load.queued
         demand = raw if previous_demand is None else s.smoothing * raw + (1 - s.smoothing) * previous_demand
         u = s.target_utilization
-
-        def clamp(n: int) -> int:
-            return min(max(n, low), high)
-
-        if verifier is not None and verifier.speculating < s.speculation_off_below:
-            return Decision(low, "speculation_off", f"speculation is off: the verifier drafts "
-                            f"{verifier.speculating:.0%} of its request rounds", demand)
         need = math.ceil(demand / u - 1e-9)
         if need > current:
             return Decision(clamp(need), "demand", f"drafting {demand:.2f} replicas' worth, at most {u:.0%} each",
@@ -116,7 +135,9 @@ def verifier_load(ctx: AutoscalingContext | None) -> VerifierLoad | None:
     wait, spec = metrics.get(VERIFIER_DRAFT_WAIT), metrics.get(VERIFIER_SPECULATING)
     if not wait or not spec:
         return None
-    return VerifierLoad(sum(wait.values()) / len(wait), sum(spec.values()) / len(spec))
+    rounds = metrics.get(VERIFIER_ROUNDS)
+    return VerifierLoad(sum(wait.values()) / len(wait), sum(spec.values()) / len(spec),
+                        sum(rounds.values()) if rounds else None)
 
 
 class DrafterAutoscaler:

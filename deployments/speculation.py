@@ -4,6 +4,8 @@ holding handles to the drafter deployments."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import time
 
 from ray import serve
@@ -12,6 +14,8 @@ from ray.serve import metrics
 from config import AppConfig
 from speculation.coordinator import SpeculationCoordinator
 from speculation.messages import Draft, DrafterCall, DraftRequest, Proposal
+
+logger = logging.getLogger("ray.serve")
 
 
 class DrafterFailures:
@@ -31,6 +35,11 @@ class SpeculationDeployment:
     def __init__(self, config: AppConfig, drafters: dict):
         self.handles = drafters  # name -> DeploymentHandle
         self.coordinator = SpeculationCoordinator.from_config(config)
+        # drafters the autoscaler may take to zero replicas: a call to one at zero would wait at its handle until
+        # the round's deadline, so those at zero are parked (not called) until Serve runs a replica again
+        self.may_park = [d.name for d in config.drafters
+                         if (d.deployment.autoscaling_config or {}).get("min_replicas", 1) == 0]
+        self.watch: asyncio.Task | None = None
         self.coordinator.on_failure = DrafterFailures()
         self.homes: dict[tuple[str, str], str] = {}  # (drafter, request) -> the replica holding its cache
         self.timing = {"rounds": 0, "round_ms": 0.0, "drafter_calls": 0, "drafter_call_ms": 0.0,
@@ -70,7 +79,37 @@ class SpeculationDeployment:
         self.compute_ms.observe(reply.compute_ms, tags={"drafter": name})
         return reply
 
+    async def _watch_replicas(self, period_s: float = 1.0) -> None:
+        app = serve.get_replica_context().app_name
+        while True:
+            try:
+                deployments = (await asyncio.to_thread(serve.status)).applications[app].deployments
+                running = {n for n in self.may_park if deployments[f"Drafter-{n}"].replica_states.get("RUNNING")}
+                # Serve's status sees a new replica before this handle's router does: a drafter comes back once a
+                # call through the handle reaches it, not before (a round would wait for it at the handle)
+                back = [n for n in running if n in self.coordinator.parked]
+                reached = await asyncio.gather(*(self._reaches(n, period_s) for n in back))
+                parked = (set(self.may_park) - running) | {n for n, ok in zip(back, reached) if not ok}
+                for n in parked ^ self.coordinator.parked:
+                    logger.info("drafter %s %s", n, "has no replica: parked" if n in parked else "is back")
+                self.coordinator.parked = parked
+            except Exception as e:  # noqa: BLE001 - keep the last view; Serve's status answers again later
+                logger.warning("drafter replicas unknown (%r); keeping the last view", e)
+            await asyncio.sleep(period_s)
+
+    async def _reaches(self, name: str, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self.handles[name].placement.remote(), timeout_s)
+            return True
+        except Exception:  # noqa: BLE001 - not yet
+            return False
+
+    def _ensure_watch(self) -> None:
+        if self.may_park and self.watch is None:  # the loop's own context: not cancelled with the calling request
+            self.watch = asyncio.get_running_loop().create_task(self._watch_replicas(), context=contextvars.Context())
+
     async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]:
+        self._ensure_watch()
         t = time.perf_counter()
         drafts = await self.coordinator.draft(batch, self._step)
         self.timing["rounds"] += 1
@@ -88,12 +127,14 @@ class SpeculationDeployment:
             for n in self.coordinator.release(r):
                 per.setdefault((n, self.homes.pop((n, r), None)), []).append(r)
         for (n, home), rs in per.items():
-            self.handles[n].release.remote(rs, home=home)
+            if n not in self.coordinator.parked:  # a parked drafter's caches went with its replicas
+                self.handles[n].release.remote(rs, home=home)
 
     async def placement(self, timeout_s: float = 10.0) -> dict[str, dict]:
         """Each drafter's node and device (one replica's: replicas of a deployment share their options); a drafter
         that does not answer in time (a hung replica) is left out."""
-        names = list(self.handles)
+        self._ensure_watch()
+        names = [n for n in self.handles if n not in self.coordinator.parked]
 
         async def one(n: str) -> dict:
             return await asyncio.wait_for(self.handles[n].placement.remote(), timeout_s)

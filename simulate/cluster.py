@@ -395,7 +395,7 @@ class Simulation:
             yield self.env.timeout(a.period_s)
             s = self.signals
             verifier = VerifierLoad(s["draft_wait_s"] / a.period_s,
-                                    s["speculated"] / s["rounds"] if s["rounds"] else 1.0)
+                                    s["speculated"] / s["rounds"] if s["rounds"] else 1.0, s["rounds"] / a.period_s)
             self.signals = defaultdict(float)
             for name, reps in self.replicas.items():
                 live = [r for r in reps if r.ready_at <= self.env.now]

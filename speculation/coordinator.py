@@ -143,6 +143,7 @@ class SpeculationCoordinator:
         self.step_timeout_s = step_timeout_s
         self.round_budget_s = round_budget_s
         self.health = health or DrafterHealth()
+        self.parked: set[str] = set()  # drafters scaled to zero replicas: not called until they are back
         self.rounds: dict[str, _Round] = {}
         self.where: dict[str, set[str]] = {}  # drafters holding a cache for the request
         self.stats = {"rounds": 0, "drafter_failures": 0, "step_seconds": 0.0}
@@ -161,8 +162,9 @@ class SpeculationCoordinator:
 
     def state(self) -> dict:
         """Counters and timings, how many requests drafters hold a cache for (what a soak watches), and the
-        drafters sitting out after failures."""
-        return dict(self.stats, requests_held=len(self.where), drafters_sitting_out=self.health.sitting_out())
+        drafters sitting out after failures or parked at zero replicas."""
+        return dict(self.stats, requests_held=len(self.where), drafters_sitting_out=self.health.sitting_out(),
+                    drafters_parked=sorted(self.parked))
 
     def release(self, rid: str) -> set[str]:
         """Forget the request; returns the drafters that must free its cache."""
@@ -197,7 +199,7 @@ class SpeculationCoordinator:
         elif not req.ahead:
             self._feedback(rid, req.context)
         fixed = req.drafters or self.fixed
-        up = [d for d in self.drafters if self.health.available(d)]
+        up = [d for d in self.drafters if d not in self.parked and self.health.available(d)]
         if fixed:
             chosen = [d for d in fixed if d in up]
         elif req.routing == "random":

@@ -15,6 +15,7 @@ DRAFTER_REQUESTS = "requests"  # requests holding a KV cache here (what removing
 VERIFIER_DRAFT_WAIT = "draft_wait"  # share of wall time the verifier waited for drafts
 VERIFIER_SPECULATING = "speculating"  # share of request rounds the controller gave drafts (k > 0); 1 when idle
 VERIFIER_MEAN_K = "mean_k"  # mean chosen draft length over those rounds
+VERIFIER_ROUNDS = "rounds"  # request rounds per second (0: no traffic)
 
 
 class IntervalMeter:
@@ -46,4 +47,4 @@ def verifier_signals(meter: IntervalMeter) -> dict[str, float]:
     rounds = sums["rounds"]
     return {VERIFIER_DRAFT_WAIT: sums["draft_wait_s"] / elapsed,
             VERIFIER_SPECULATING: sums["speculated"] / rounds if rounds else 1.0,
-            VERIFIER_MEAN_K: sums["k"] / rounds if rounds else 0.0}
+            VERIFIER_MEAN_K: sums["k"] / rounds if rounds else 0.0, VERIFIER_ROUNDS: rounds / elapsed}

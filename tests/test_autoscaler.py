@@ -13,7 +13,8 @@ from ray.serve.request_router import ReplicaID
 from autoscale.policy import DrafterAutoscaler, DrafterLoad, ReplicaPlanner, VerifierLoad
 from config import AutoscalerSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, DRAFTER_REQUESTS, VERIFIER_DRAFT_WAIT,
-                                 VERIFIER_SPECULATING, IntervalMeter, drafter_signals, verifier_signals)
+                                 VERIFIER_ROUNDS, VERIFIER_SPECULATING, IntervalMeter, drafter_signals,
+                                 verifier_signals)
 
 SPEC = AutoscalerSpec(target_utilization=0.6, hysteresis=0.25, smoothing=1.0)
 CALM = VerifierLoad(draft_wait=0.05, speculating=0.9)
@@ -41,9 +42,27 @@ def test_scales_down_when_drafters_idle_or_speculation_is_off():
     assert (d.replicas, d.kind) == (1, "demand")
     off = decide(busy=1.5, replicas=3, verifier=VerifierLoad(draft_wait=0.0, speculating=0.01), low=1)
     assert (off.replicas, off.kind) == (1, "speculation_off")
-    assert decide(busy=0.0, replicas=2, low=0).replicas == 0
+    assert decide(busy=0.0, replicas=2, low=0).replicas == 1  # traffic: a drafter at zero would never be called
     no_signals = ReplicaPlanner(SPEC).decide(None, CALM, 3, 1, 4, None)
     assert (no_signals.replicas, no_signals.kind) == (3, "no_signals")
+
+
+def test_goes_to_zero_only_when_speculation_is_off_or_there_is_no_traffic_and_returns_with_speculation():
+    off = VerifierLoad(draft_wait=0.0, speculating=0.01, rounds=40.0)
+    idle = VerifierLoad(draft_wait=0.0, speculating=1.0, rounds=0.0)
+    busy = VerifierLoad(draft_wait=0.1, speculating=0.9, rounds=40.0)
+    assert (decide(busy=1.5, replicas=2, verifier=off, low=0).replicas,
+            decide(busy=1.5, replicas=2, verifier=off, low=0).kind) == (0, "speculation_off")
+    assert (decide(busy=0.0, replicas=1, verifier=idle, low=0).replicas,
+            decide(busy=0.0, replicas=1, verifier=idle, low=0).kind) == (0, "idle")
+    assert decide(busy=0.0, replicas=3, verifier=idle, low=1).replicas == 1  # min_replicas still holds
+    planner = ReplicaPlanner(SPEC)
+    # at zero a drafter reports nothing: the verifier's signals alone bring it back, or keep it at zero
+    back = planner.decide(None, busy, 0, 0, 4, 0.3)
+    assert (back.replicas, back.kind) == (1, "speculating")
+    assert planner.decide(None, off, 0, 0, 4, 0.3).replicas == 0
+    assert planner.decide(None, idle, 0, 0, 4, 0.3).replicas == 0
+    assert planner.decide(None, busy, 0, 0, 0, None).replicas == 0  # max_replicas 0 wins
 
 
 def test_follows_a_domain_mix_shift():
@@ -85,21 +104,23 @@ def test_signals_are_rates_over_the_reporting_interval():
         v.add("k", k)
     v.add("draft_wait_s", 2.0)
     now[0] = 20.0
-    assert verifier_signals(v) == {VERIFIER_DRAFT_WAIT: 0.2, VERIFIER_SPECULATING: 0.5, "mean_k": 1.75}
-    assert verifier_signals(v)[VERIFIER_SPECULATING] == 1.0  # idle: nothing says speculation is off
+    assert verifier_signals(v) == {VERIFIER_DRAFT_WAIT: 0.2, VERIFIER_SPECULATING: 0.5, "mean_k": 1.75,
+                                   VERIFIER_ROUNDS: 0.4}
+    idle = verifier_signals(v)
+    assert idle[VERIFIER_SPECULATING] == 1.0 and idle[VERIFIER_ROUNDS] == 0.0  # idle: not "speculation off"
 
 
 def _context(name: str, replicas: int, metrics: dict[str, list[float]], state: dict | None = None,
-             ongoing: float = 0.0) -> tuple[DeploymentID, AutoscalingContext]:
+             ongoing: float = 0.0, low: int = 1) -> tuple[DeploymentID, AutoscalingContext]:
     dep = DeploymentID(name=name, app_name="cosine")
     ids = [ReplicaID(f"{name}-{i}", dep) for i in range(replicas)]
     ctx = AutoscalingContext(
         deployment_id=dep, deployment_name=name, app_name="cosine", current_num_replicas=replicas,
         target_num_replicas=replicas, running_replicas=ids, total_num_requests=ongoing, total_queued_requests=0.0,
         aggregated_metrics={m: dict(zip(ids, vals)) for m, vals in metrics.items()}, raw_metrics=None,
-        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state=state or {},
+        capacity_adjusted_min_replicas=low, capacity_adjusted_max_replicas=4, policy_state=state or {},
         last_scale_up_time=None, last_scale_down_time=None, current_time=0.0,
-        config=AutoscalingConfig(min_replicas=1, max_replicas=4))
+        config=AutoscalingConfig(min_replicas=low, max_replicas=4))
     return dep, ctx
 
 
@@ -118,6 +139,23 @@ def test_the_serve_policy_reads_every_replica_and_keeps_its_state():
     assert by_name["Drafter-legal"] == 1 and by_name["Drafter-new"] == 1
     assert {d.name: s.get("demand") for d, s in state.items()}["Drafter-code"] == pytest.approx(1.3)
     assert by_name["Verifier"] == pytest.approx(1.5)  # Serve's queue-length policy: 3 ongoing, target 2 per replica
+
+
+def test_the_serve_policy_brings_a_drafter_back_from_zero_when_the_verifier_speculates_for_traffic():
+    policy = DrafterAutoscaler()
+
+    def decisions(speculating: float, rounds: float) -> dict[str, int]:
+        contexts = dict([
+            _context("Verifier", 1, {VERIFIER_DRAFT_WAIT: [0.0], VERIFIER_SPECULATING: [speculating],
+                                     VERIFIER_ROUNDS: [rounds]}),
+            _context("Drafter-code", 0, {}, low=0),
+            _context("Drafter-legal", 1, {DRAFTER_BUSY: [0.2], DRAFTER_QUEUED: [0.0], DRAFTER_REQUESTS: [2]},
+                     low=0)])
+        return {d.name: n for d, n in policy(contexts)[0].items() if d.name.startswith("Drafter-")}
+
+    assert decisions(speculating=0.8, rounds=30.0) == {"Drafter-code": 1, "Drafter-legal": 1}
+    assert decisions(speculating=0.0, rounds=30.0) == {"Drafter-code": 0, "Drafter-legal": 0}
+    assert decisions(speculating=1.0, rounds=0.0) == {"Drafter-code": 0, "Drafter-legal": 0}
 
 
 def test_policy_kwargs_are_validated():

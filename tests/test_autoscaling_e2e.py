@@ -9,6 +9,7 @@ the small test models (drafting costs little next to verification here), not for
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -24,9 +25,9 @@ DRAFTERS = ("code", "legal", "generic")
 NEW = 48
 
 
-def serve_config(port: int) -> dict:
-    scaling = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 0.5, "look_back_period_s": 2.0,
-               "upscale_delay_s": 1.0, "downscale_delay_s": 4.0}
+def serve_config(port: int, low: int = 1, high: int = 2) -> dict:
+    scaling = {"min_replicas": low, "max_replicas": high, "initial_replicas": 1, "metrics_interval_s": 0.5,
+               "look_back_period_s": 2.0, "upscale_delay_s": 1.0, "downscale_delay_s": 4.0}
     args = {
         "ingress": {"model_name": MODEL, "max_queued_requests": 32},
         "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 384, "kv_cache_gib": 1},
@@ -68,31 +69,65 @@ async def _load(base: str, prompts: list[list[int]], concurrency: int, until, re
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
 
-def test_a_load_ramp_scales_drafters_up_and_down_without_changing_any_output(tokenizer, target, heldout):
+def _prompts(tokenizer, heldout) -> list[list[int]]:
+    return [tokenizer(heldout[d][i][:300], add_special_tokens=False).input_ids
+            for d in ("code", "legal", "literature") for i in range(3)]
+
+
+def _deploy(config: dict, metrics_port: int) -> None:
+    """A local Ray cluster, the application deployed through Serve's REST API (as `serve deploy` does), and its
+    first answer."""
     import ray
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
     from serve_app.launch import serve_env
     from tests.conftest import RAY_TMP, free_port
 
-    port, dash, metrics_port = free_port(), free_port(), free_port()
-    prompts = [tokenizer(heldout[d][i][:300], add_special_tokens=False).input_ids
-               for d in ("code", "legal", "literature") for i in range(3)]
-    ctx = ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dash,
+    ctx = ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
                    log_to_driver=False, _temp_dir=RAY_TMP, runtime_env={"env_vars": serve_env()},
                    _metrics_export_port=metrics_port)
+    ServeSubmissionClient(f"http://{ctx.dashboard_url}").deploy_applications(config)
+    base = f"http://127.0.0.1:{config['http_options']['port']}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+                          timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("the application did not answer in 300 s")
+
+
+def _shutdown() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _check_outputs(results: list, target, tokenizer) -> None:
+    """Every request answered 200 with the target's own greedy continuation."""
+    assert results and all(status == 200 for _, status, _ in results), [r for r in results if r[1] != 200][:3]
+    reference = {}
+    for prompt, _, body in results:
+        key = tuple(prompt)
+        if key not in reference:
+            want = greedy_continue(target, torch.tensor([prompt]), NEW)[0, len(prompt):].tolist()
+            reference[key] = tokenizer.decode(want, skip_special_tokens=True)
+        assert body["choices"][0]["text"] == reference[key]
+
+
+def test_a_load_ramp_scales_drafters_up_and_down_without_changing_any_output(tokenizer, target, heldout):
+    from tests.conftest import free_port
+
+    port, metrics_port = free_port(), free_port()
+    prompts = _prompts(tokenizer, heldout)
     try:
-        ServeSubmissionClient(f"http://{ctx.dashboard_url}").deploy_applications(serve_config(port))
+        _deploy(serve_config(port), metrics_port)
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
-                              timeout=30).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
         assert _drafter_replicas() == {f"Drafter-{d}": 1 for d in DRAFTERS}
 
         results: list = []
@@ -117,14 +152,7 @@ def test_a_load_ramp_scales_drafters_up_and_down_without_changing_any_output(tok
         assert _drafter_replicas() == {f"Drafter-{d}": 1 for d in DRAFTERS}, f"did not scale down: {trace}"
         asyncio.run(_load(base, prompts, 2, stop_at(time.time() - t0 + 4), results))  # after scaling down
 
-        assert results and all(status == 200 for _, status, _ in results), [r for r in results if r[1] != 200][:3]
-        reference = {}
-        for prompt, _, body in results:
-            key = tuple(prompt)
-            if key not in reference:
-                want = greedy_continue(target, torch.tensor([prompt]), NEW)[0, len(prompt):].tolist()
-                reference[key] = tokenizer.decode(want, skip_special_tokens=True)
-            assert body["choices"][0]["text"] == reference[key]
+        _check_outputs(results, target, tokenizer)
         stats = httpx.get(f"{base}/v1/internal/speculation_stats", timeout=30).json()
         assert stats["drafter_failures"] == 0
 
@@ -137,7 +165,55 @@ def test_a_load_ramp_scales_drafters_up_and_down_without_changing_any_output(tok
             time.sleep(2)
         assert all(w in text for w in wanted), [w for w in wanted if w not in text]
     finally:
-        from ray import serve
+        _shutdown()
 
-        serve.shutdown()
-        ray.shutdown()
+
+def test_drafters_go_to_zero_without_traffic_and_come_back_for_it_without_changing_any_output(tokenizer, target,
+                                                                                               heldout):
+    """min_replicas: 0. With no requests the verifier reports no rounds and every drafter goes to zero; the
+    speculation node parks them (no call waits at an empty deployment). Requests then run without drafts while
+    the verifier's signal brings one replica of each back (Serve skips the upscale delay from zero), after which
+    they draft again; every output is the target's own."""
+    from tests.conftest import free_port
+
+    port, metrics_port = free_port(), free_port()
+    prompts = _prompts(tokenizer, heldout)
+    base = f"http://127.0.0.1:{port}"
+
+    def stats() -> dict:
+        return httpx.get(f"{base}/v1/internal/speculation_stats", timeout=30).json()
+
+    def wait_for(what, seconds: float = 90):
+        deadline = time.time() + seconds
+        while time.time() < deadline and not what():
+            time.sleep(0.5)
+        return what()
+
+    try:
+        _deploy(serve_config(port, low=0, high=1), metrics_port)
+        zero = {f"Drafter-{d}": 0 for d in DRAFTERS}
+        assert wait_for(lambda: _drafter_replicas() == zero), f"idle drafters stayed: {_drafter_replicas()}"
+        # the speculation node sees it within its poll period (until then a call would wait at the empty handle)
+        assert wait_for(lambda: set(stats()["drafters_parked"]) == set(DRAFTERS), 10)
+        calls_before = stats()["drafter_calls"]  # the first answer's, before they went
+        results: list = []
+        done = threading.Event()
+        load = threading.Thread(target=lambda: asyncio.run(_load(base, prompts, 2, done.is_set, results)))
+        load.start()
+        try:
+            assert wait_for(lambda: len(results) >= 2, 60)  # answered while the drafters were at zero
+            st = stats()  # one read: while every drafter is still parked, none was called
+            assert set(st["drafters_parked"]) != set(DRAFTERS) or st["drafter_calls"] == calls_before
+            back = {f"Drafter-{d}": 1 for d in DRAFTERS}
+            assert wait_for(lambda: _drafter_replicas() == back), f"drafters did not come back: {_drafter_replicas()}"
+            assert wait_for(lambda: not stats()["drafters_parked"], 10)
+            answered = len(results)
+            assert wait_for(lambda: len(results) >= answered + 4, 60)  # drafting again
+        finally:
+            done.set()
+            load.join()
+        after = stats()
+        assert after["drafter_calls"] > calls_before and after["drafter_failures"] == 0
+        _check_outputs(results, target, tokenizer)
+    finally:
+        _shutdown()

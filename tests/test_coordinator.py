@@ -30,13 +30,15 @@ def _servers(models):
     return {n: DrafterServer(n, str(models / f"drafter-{n}"), max_len=512) for n in NAMES}
 
 
-async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_tokens=24, seed=0, hung=(), **coord_kw):
+async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_tokens=24, seed=0, hung=(), parked=(),
+               **coord_kw):
     """Greedy decoding of `prompts` with the coordinator's drafts; drafters in `fail` raise, those in `hung`
-    never answer (a stopped process)."""
+    never answer (a stopped process), those `parked` have no replica (scaled to zero)."""
     emb = target.get_input_embeddings().weight.detach()
     coord = SpeculationCoordinator(NAMES, RoutingSpec(seed=seed), emb, fixed_drafters=fixed, **coord_kw)
     coord.failed_calls, coord.calls = [], []
     coord.on_failure = coord.failed_calls.append
+    coord.parked = set(parked)
 
     async def step_fn(name, calls):
         coord.calls.append(name)
@@ -98,6 +100,17 @@ def test_a_hung_drafter_sits_out_and_the_others_still_draft(target, models, prom
     assert sorted(coord.failed_calls) == sorted(hung) and [coord.calls.count(n) for n in hung] == [1, 1]
     assert coord.state()["drafters_sitting_out"] == sorted(hung)
     assert coord.accepted > 0
+
+
+def test_drafters_at_zero_replicas_are_not_called_and_the_others_draft(target, models, prompts):
+    """Drafters scaled to zero are parked: no call (it would wait at their handle until the round's deadline),
+    neither to score a new request's prompt nor routed; the rest draft, and the output is unchanged."""
+    parked = ("code", "legal", "generic")
+    got, coord, _ = asyncio.run(_run(target, _servers(models), prompts[:3], True, fail=parked, parked=parked))
+    want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts[:3]]
+    assert got == want
+    assert not set(coord.calls) & set(parked) and coord.failed_calls == []
+    assert coord.state()["drafters_parked"] == sorted(parked) and coord.accepted > 0
 
 
 def test_a_drafter_sits_out_longer_after_each_failure_and_one_answer_clears_it():
