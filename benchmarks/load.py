@@ -1,8 +1,9 @@
 """`cosine bench load`: Poisson arrivals from light load to beyond saturation, through the real HTTP endpoint.
 
 Each system is a variant of one Serve config (default examples/bench.yaml, the bench target): fixed draft lengths k =
-0 (speculation off), 2, 4, 6; the goodput controller (the default); the hill-climbing controller (Minions); and the
-goodput controller with the drafter autoscaler. Every system is deployed with `cosine serve` on loopback ports of its
+0 (speculation off), 2, 4, 6; the goodput controller (the default); the hill-climbing controller (Minions); the
+goodput controller with a deployment per drafter (one replica each); and the same with the drafter autoscaler
+(0-3 replicas each). Every system is deployed with `cosine serve` on loopback ports of its
 own, warmed up, then driven at each rate for `duration` seconds with Poisson arrivals of held-out mixed-domain prompts
 (greedy, streamed, so time to first token and time per output token are measured at the client; bounded in requests
 and time). Reported per system and rate: mean and p99 time per output token, mean time to first token, goodput (output
@@ -30,7 +31,7 @@ import yaml
 
 from benchmarks.anchors import _Served
 
-AUTOSCALING = {"min_replicas": 1, "max_replicas": 3, "initial_replicas": 1, "metrics_interval_s": 1.0,
+AUTOSCALING = {"min_replicas": 0, "max_replicas": 3, "initial_replicas": 1, "metrics_interval_s": 1.0,
                "look_back_period_s": 5.0, "upscale_delay_s": 3.0, "downscale_delay_s": 15.0}
 POLICY = {"policy_function": "autoscale.policy:DrafterAutoscaler"}
 SYSTEMS = {
@@ -40,6 +41,8 @@ SYSTEMS = {
     "k=6": {"speculation": {"adaptive": False, "k": 6}},
     "hill_climb": {"speculation": {"controller": {"kind": "hill_climb"}}},
     "goodput": {},
+    # the autoscaler's layout (a deployment per drafter, one replica each) without it: what the autoscaler changes
+    "goodput+deployments": {"speculation": {"drafting_tier": "deployments"}},
     "goodput+autoscaler": {"drafters": "autoscaled"},
 }
 
@@ -207,12 +210,13 @@ def run(config: str, systems: list[str], rates: list[float], duration: float, re
                                                 seed=rep * 1000 + int(rate * 100))
                         samples = [x for x in poller.samples if x[0] >= t0]
                         row = summarize(results, window, samples)
+                        stats = httpx.get(f"{served.url}/v1/internal/speculation_stats", timeout=30).json()
+                        row["mean_k"] = (stats.get("controller") or {}).get("mean_k_recent")
+                        row["replica_trace"] = [(round(t - t0, 1), n) for t, n in samples]
                         runs.setdefault((s, rate), []).append(row)
                         log(f"    rate {rate}/s: {row['goodput_tok_s']:.1f} tok/s, TPOT {row['tpot_ms_mean']:.1f} ms "
                             f"(p99 {row['tpot_ms_p99']:.1f}), {row['errors']} errors, "
-                            f"{row['drafter_replica_s']:.0f} drafter replica-s")
-                stats = httpx.get(f"{served.url}/v1/internal/speculation_stats", timeout=30).json()
-                runs[(s, rates[-1])][-1]["mean_k_recent"] = (stats.get("controller") or {}).get("mean_k_recent")
+                            f"{row['drafter_replica_s']:.0f} drafter replica-s, mean k {row['mean_k']}")
             finally:
                 served.stop()
     rows = []
@@ -221,6 +225,9 @@ def run(config: str, systems: list[str], rates: list[float], duration: float, re
         for key in ("goodput_tok_s", "tpot_ms_mean", "tpot_ms_p99", "ttft_ms_mean", "drafter_replica_s", "errors"):
             vals = [r[key] for r in rs]
             row[key], row[key + "_min"], row[key + "_max"] = statistics.median(vals), min(vals), max(vals)
+        ks = [r["mean_k"] for r in rs if r.get("mean_k") is not None]
+        row["mean_k"] = statistics.median(ks) if ks else None  # the controller's recent mean k (adaptive systems)
+        row["replica_traces"] = [r["replica_trace"] for r in rs]
         rows.append(row)
     return {"config": {"base": config, "rates": rates, "duration_s": duration, "repeats": repeats,
                        "max_tokens": max_tokens, "prompts": len(prompts)}, "rows": rows}
@@ -228,11 +235,12 @@ def run(config: str, systems: list[str], rates: list[float], duration: float, re
 
 def format_table(result: dict) -> str:
     lines = ["| system | rate req/s | goodput tok/s | TPOT mean ms | TPOT p99 ms | TTFT mean ms | drafter replica-s "
-             "| errors |", "|---|---|---|---|---|---|---|---|"]
+             "| mean k | errors |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["rows"], key=lambda r: (r["rate"], r["system"])):
+        k = "" if r.get("mean_k") is None else f"{r['mean_k']:.2f}"
         lines.append(f"| {r['system']} | {r['rate']} | {r['goodput_tok_s']:.1f} ({r['goodput_tok_s_min']:.1f}-"
                      f"{r['goodput_tok_s_max']:.1f}) | {r['tpot_ms_mean']:.1f} | {r['tpot_ms_p99']:.1f} "
-                     f"| {r['ttft_ms_mean']:.0f} | {r['drafter_replica_s']:.0f} | {r['errors']:.0f} |")
+                     f"| {r['ttft_ms_mean']:.0f} | {r['drafter_replica_s']:.0f} | {k} | {r['errors']:.0f} |")
     return "\n".join(lines)
 
 

@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     ld = bsub.add_parser("load", help="Poisson arrivals light load to saturation through HTTP: fixed k, "
                          "the controllers, the autoscaler (goodput, TPOT, drafter replica-seconds per rate)")
     ld.add_argument("--config", default=str(REPO_ROOT / "examples" / "bench.yaml"))
-    ld.add_argument("--systems", default="k=0,k=2,k=4,k=6,hill_climb,goodput,goodput+autoscaler")
+    ld.add_argument("--systems", default="k=0,k=2,k=4,k=6,hill_climb,goodput,goodput+deployments,goodput+autoscaler")
     ld.add_argument("--rates", default="0.25,0.5,1,2", help="requests/s, comma-separated")
     ld.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     ld.add_argument("--repeats", type=int, default=3)

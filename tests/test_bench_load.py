@@ -39,5 +39,8 @@ def test_every_system_is_a_valid_variant_of_the_bench_config():
     auto = variant(base, "goodput+autoscaler")["applications"][0]
     assert auto["autoscaling_policy"]["policy_function"] == "autoscale.policy:DrafterAutoscaler"
     assert all(d["deployment"]["autoscaling_config"]["max_replicas"] == 3 for d in auto["args"]["drafters"])
+    assert auto["args"]["speculation"]["drafting_tier"] == "deployments"
+    assert variant(base, "goodput+deployments")["applications"][0]["args"]["speculation"]["drafting_tier"] == \
+        "deployments"
     assert variant(base, "k=6")["applications"][0]["args"]["speculation"]["k"] == 6
     assert "autoscaling_policy" not in base["applications"][0]  # the base is left alone
