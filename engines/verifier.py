@@ -148,6 +148,10 @@ class TorchVerifierEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def draftable(self) -> list[str]:
+        """The requests the next step decodes (admitted ones)."""
+        return list(self.running)
+
     def context(self, rid: str) -> list[int]:
         r = self.running.get(rid) or self.waiting[rid]
         return r.prompt + r.generated

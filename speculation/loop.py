@@ -355,7 +355,7 @@ class VerifyLoop:
                 if ahead is not None:
                     drafts.update(await self._carried(ahead))
                     ahead = None
-                drafts.update(await self._drafts([r for r in members if r not in drafts]))
+                drafts.update(await self._drafts([r for r in self.engine.draftable() if r not in drafts]))
             drafts = {r: d for r, d in drafts.items() if r in self.engine.running}
             wait = time.perf_counter() - t
             self.stats.draft_wait(wait)
