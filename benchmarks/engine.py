@@ -13,6 +13,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -72,22 +73,40 @@ def _step_cost_ms(model, batch: int, context: int, new: int) -> float:
     return step_seconds(model, batch, context, new, repeats=7) * 1000
 
 
-# Our configurations: (name, drafters of a prompt's request, lockstep, adaptive). One drafter drafts a chain;
-# two draft a tree (their chains fused one-shot, or in lockstep).
-def _methods(k: int) -> list[tuple[str, object, bool, bool]]:
-    return [("target-only (our engine)", lambda d: [], False, False),
-            (f"ours: chain, domain drafter, k={k}", lambda d: [d], False, False),
-            (f"ours: tree, domain + generic drafters, k={k}", lambda d: [d, "generic"], False, False),
-            (f"ours: chain, goodput-adaptive k<={2 * k}", lambda d: [d], False, True),
-            (f"ours: full CoSine (routing, fusion, adaptive), k<={2 * k}", None, True, True),
+@dataclass(frozen=True)
+class Method:
+    """One of our configurations. `drafters`: a prompt's drafters given its domain (one drafts a chain, two a
+    tree: their chains fused one-shot, or in lockstep), None for routing (cosine) or every voter (vote)."""
+
+    name: str
+    drafters: Callable[[str], list[str]] | None
+    lockstep: bool = False
+    adaptive: bool = False
+    mode: str = "cosine"
+    vote_per_request: bool = False
+
+
+def _methods(k: int) -> list[Method]:
+    return [Method("target-only (our engine)", lambda d: [], mode="off"),
+            Method(f"ours: chain, domain drafter, k={k}", lambda d: [d]),
+            Method(f"ours: chain, generic drafter, k={k}", lambda d: ["generic"]),
+            Method(f"ours: tree, domain + generic drafters, k={k}", lambda d: [d, "generic"]),
+            Method(f"ours: chain, goodput-adaptive k<={2 * k}", lambda d: [d], adaptive=True),
+            Method(f"ours: full CoSine (routing, fusion, adaptive), k<={2 * k}", None, True, True),
             # the same, each fused tree verified as its best chain: what the vLLM engine verifies
-            (f"ours: full CoSine, best chain of each tree, k<={2 * k}", None, True, True)]
+            Method(f"ours: full CoSine, best chain of each tree, k<={2 * k}", None, True, True),
+            # Minions: every drafter drafts, the weighted majority chain is verified
+            Method(f"ours: Minions vote of all 7 drafters, k={k}", None, mode="vote"),
+            Method(f"ours: Minions vote of all 7 drafters, per-request weights, k={k}", None, mode="vote",
+                   vote_per_request=True)]
 
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
-        prompt_len: int = 64, include_hf: bool = True, repeats: int = 3, device: str = "cpu", log=print) -> dict:
+        prompt_len: int = 64, include_hf: bool = True, repeats: int = 3, device: str = "cpu", log=print,
+        only: list[str] | None = None) -> dict:
     """Every method at every batch size, warmed up, then `repeats` times round-robin; the median run counts.
-    `device`: where every model runs ("cuda" on a GPU)."""
+    `device`: where every model runs ("cuda" on a GPU). `only`: the methods whose names contain one of these
+    (target-only always runs: it is the reference)."""
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
     bench_dir = models_dir / "bench-target"
     if not (bench_dir / "config.json").exists():
@@ -105,16 +124,16 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     max_len = prompt_len + new_tokens + 16
     seeds = {}  # fitted step-latency models that seed the goodput controller, per batch size
 
-    def ours(method: str, batch: int, drafter_names, lockstep: bool, adaptive: bool, warmup: bool = False) -> Row:
+    def ours(m: Method, batch: int, warmup: bool = False) -> Row:
         """All prompts through one `VerifyLoop` (continuous batching up to `batch`)."""
         cfg = AppConfig(verifier={"model": str(bench_dir), "max_batch": batch, "max_len": max_len},
                         drafters=[{"name": n, "model": f"drafter-{n}", "max_len": max_len,
                                    "max_requests": 2 * batch, "generalist": n == "generic"} for n in names],
-                        speculation={"mode": "off" if method.startswith("target-only") else "cosine",
-                                     "k": 2 * k if adaptive else k, "tree_budget": 2 * k, "lockstep": lockstep,
-                                     "adaptive": adaptive, "draft_timeout_ms": 600_000},
-                        routing={"drafters_per_request": 2 if drafter_names is None else
-                                 max(1, len(drafter_names("code")))})
+                        speculation={"mode": m.mode, "k": 2 * k if m.adaptive else k, "tree_budget": 2 * k,
+                                     "lockstep": m.lockstep, "adaptive": m.adaptive, "draft_timeout_ms": 600_000,
+                                     "vote": {"per_request": m.vote_per_request}},
+                        routing={"drafters_per_request": 2 if m.drafters is None else max(1, len(m.drafters("code")))})
+        method = m.name
         verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees="best chain" not in method)
         loop = build_loop(cfg, verifier, drafters)
         if isinstance(loop.controller, SpeculationController) and not loop.controller.modes:
@@ -122,7 +141,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                 seeds[batch] = (fit_verify_latency(target, batch, prompt_len),
                                 fit_draft_latency(drafters["generic"], batch, prompt_len))
             loop.controller.verify, loop.controller.draft = seeds[batch]
-        overrides = [SpeculationOverrides(drafters=drafter_names(d)) if drafter_names else None for d, _ in prompts]
+        overrides = [SpeculationOverrides(drafters=m.drafters(d)) if m.drafters else None for d, _ in prompts]
         todo = [p for _, p in prompts]
         if warmup:
             todo, overrides = todo[:2], overrides[:2]
@@ -152,10 +171,11 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
 
     plan = []
     for batch in batches:
-        for method, names_of, lockstep, adaptive in _methods(k):
-            plan.append((method, batch, lambda b, w, m=method, n=names_of, ls=lockstep, a=adaptive:
-                         ours(m, b, n, ls, a, warmup=w)))
-        if include_hf and batch == 1:
+        for m in _methods(k):
+            if only and m.mode != "off" and not any(o in m.name for o in only):
+                continue
+            plan.append((m.name, batch, lambda b, w, m=m: ours(m, b, warmup=w)))
+        if include_hf and batch == 1 and not only:
             if packing_available(next(target.parameters())):  # CPU: HF with our packed kernels too, for a like-for-like ratio
                 plan.append(("HF assisted generation (same packed kernels)", 1, lambda b, w: hf(True, w)))
             plan.append(("HF assisted generation (stock kernels)", 1, lambda b, w: hf(False, w)))
@@ -244,7 +264,8 @@ def main(args) -> int:
     from model_family.paths import models_dir
 
     result = run(models_dir(), per_domain=args.per_domain, new_tokens=args.new_tokens, k=args.k,
-                 batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device)
+                 batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device,
+                 only=args.methods)
     print(format_table(result))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))

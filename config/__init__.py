@@ -128,9 +128,40 @@ class ControllerSpec(_Strict):
                       "speculation pays again)")
 
 
+class VoteSpec(_Strict):
+    """Minions' majority-voted speculator (`speculation.mode: vote`, speculation/voting.py): every voter drafts its
+    own chain, the chains are merged into a token trie weighted by the voters' weights, and the heaviest path is
+    verified. A voter's weight is multiplied by reward_factor while its acceptance rate over its last `window`
+    rounds is above reward_threshold, by punish_factor while below punish_threshold, then renormalised and clipped.
+    Pick it over cosine when the drafters are alike in quality and disagree on few tokens (several general drafters,
+    say): agreement then outvotes one drafter's slip, and the verifier checks one chain, not a tree. With domain
+    specialists and mixed traffic, routing (cosine) picks the right drafter per request for a fraction of the cost:
+    voting runs every voter on every request."""
+
+    drafters: list[str] | None = Field(None, description="the voters; null: every configured drafter")
+    per_request: bool = Field(False, description="weights per request, from equal at its first round (for "
+                              "drafters specialised by domain); false: one set of weights for all requests (Minions)")
+    window: int = Field(32, ge=1, description="a voter's recent rounds over which its acceptance rate is taken")
+    reward_threshold: float = Field(0.6, ge=0, le=1, description="acceptance rate above which a voter gains weight")
+    punish_threshold: float = Field(0.3, ge=0, le=1, description="acceptance rate below which a voter loses weight")
+    reward_factor: float = Field(1.2, ge=1, description="a rewarded voter's weight is multiplied by this")
+    punish_factor: float = Field(0.8, gt=0, le=1, description="a punished voter's weight is multiplied by this")
+    min_weight: float = Field(0.02, ge=0, le=1, description="a voter's weight (of 1 in all) is kept at least this")
+    max_weight: float = Field(0.6, gt=0, le=1, description="and at most this")
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.punish_threshold > self.reward_threshold:
+            raise ValueError("vote.punish_threshold must be <= vote.reward_threshold")
+        if self.min_weight > self.max_weight:
+            raise ValueError("vote.min_weight must be <= vote.max_weight")
+        return self
+
+
 class SpeculationSpec(_Strict):
-    mode: Literal["cosine", "chain", "off"] = Field("cosine", description="cosine: routed drafters, fused; chain: "
-                                                    "one fixed drafter's chain; off: target-only decoding")
+    mode: Literal["cosine", "chain", "vote", "off"] = Field(
+        "cosine", description="cosine: routed drafters, fused; chain: one fixed drafter's chain; vote: Minions' "
+        "majority vote of several drafters' chains (see `vote`); off: target-only decoding")
     k: int = Field(4, ge=0, le=32, description="draft steps per round (the maximum when adaptive)")
     gamma_max: int = Field(64, ge=1, description="total draft tokens verified per step (CoSine's Gamma_max)")
     tree_budget: int = Field(8, ge=1, description="draft nodes per request and round")
@@ -156,6 +187,7 @@ class SpeculationSpec(_Strict):
         "drafter_timeout_ms, or past the round's end at 0.8 x draft_timeout_ms) is not called for `first` seconds, "
         "doubled at each further failure in a row up to `longest`; one answer in time clears it")
     controller: ControllerSpec = Field(default_factory=ControllerSpec, description="the draft-length controller")
+    vote: VoteSpec = Field(default_factory=VoteSpec, description="mode vote: the voters and their weights")
     drafting_tier: Literal["deployments", "colocated"] = Field(
         "deployments", description="where drafting runs. deployments: the Speculation deployment (routing, fusion) "
         "and a deployment per drafter, each placed and scaled on its own hardware (the cluster layout; the drafter "
@@ -247,6 +279,13 @@ class AppConfig(_Strict):
         for n in self.speculation.fixed_drafters or []:
             if n not in names:
                 raise ValueError(f"speculation.fixed_drafters names unknown drafter {n!r}; known: {sorted(names)}")
+        if self.speculation.mode == "vote":
+            voters = self.speculation.vote.drafters or sorted(names)
+            unknown = sorted(set(voters) - names)
+            if unknown:
+                raise ValueError(f"speculation.vote.drafters names unknown drafters {unknown}; known: {sorted(names)}")
+            if len(set(voters)) < 2:
+                raise ValueError("speculation.mode: vote needs at least two voters (with one, use mode: chain)")
         if self.speculation.drafting_tier == "colocated":
             scaled = [d.name for d in self.drafters if d.deployment.autoscaling_config is not None
                       or d.deployment.num_replicas != 1]

@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--repeats", type=int, default=3, help="timed runs of every method, interleaved; the median "
                                                          "counts (after one warm-up run each)")
     e.add_argument("--device", default="cpu", help="where the models run: cpu, or cuda on a GPU machine")
+    e.add_argument("--methods", nargs="+", help="run only the methods whose names contain one of these (and "
+                   "target-only, the reference), e.g. 'Minions' 'chain, generic'; HF is then skipped")
     e.add_argument("--json", default="bench_results/engine.json")
     e.set_defaults(func=_bench_engine)
     sv = bsub.add_parser("serve", help="the running application: speculation variants side by side")

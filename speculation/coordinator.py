@@ -9,7 +9,8 @@ deployment, a local `DrafterServer` in process). Per round:
    (Eq. 1-2) and update the router (accepted length and per-drafter scores);
 2. routing: the request's drafters (Eq. 3), or all drafters on a request's first round, which score the prompt
    (mean log-likelihood) for the cold start;
-3. drafting: with lockstep fusion, at each depth every chosen drafter proposes and the most confident token is fed
+3. drafting: in `vote` mode (Minions) every voter drafts its own chain and the weighted majority path is the
+   draft (`MajorityVote`; feedback updates the voters' weights instead of routing scores). With lockstep fusion, at each depth every chosen drafter proposes and the most confident token is fed
    back to all of them (Eq. 4), losers become branches; a drafter returns its whole chain from one call, and is
    only called again where its token lost (then its chain no longer follows the fused prefix). Without fusion
    each drafter drafts its own chain in one call and the chains are fused one-shot (`fuse_chains`);
@@ -35,6 +36,7 @@ from speculation.fusion import FusionTree, fuse_chains
 from speculation.health import DrafterHealth
 from speculation.messages import Draft, DrafterCall, DraftRequest, Proposal
 from speculation.routing import Router, alignment
+from speculation.voting import MajorityVote
 
 StepFn = Callable[[str, list[DrafterCall]], Awaitable[dict[str, list[Proposal]]]]
 
@@ -65,6 +67,7 @@ class _Drafting:
     chosen: list[str]
     scoring: bool  # first round: every drafter scores the prompt, most are dropped after
     fuser: FusionTree
+    vote: MajorityVote | None = None  # mode vote: the chains are voted on rather than fused
     chains: dict[str, list[Proposal]] = field(default_factory=dict)  # every drafter's proposals, in order
     ahead: dict[str, dict[int, Proposal]] = field(default_factory=dict)  # drafter -> depth -> proposal received
     path: dict[str, list[int]] = field(default_factory=dict)  # drafter -> tokens fed after the context
@@ -119,7 +122,10 @@ class _Drafting:
                 self.ahead[n] = {}  # its chain went on from its own token: call it again
 
     def draft(self) -> Draft | None:
-        if self.lockstep:
+        if self.vote is not None:
+            d = self.vote.vote({n: [(p.token, p.prob) for p in ch] for n, ch in self.chains.items()},
+                               self.req.request_id)
+        elif self.lockstep:
             d = self.fuser.build() if self.fuser.chain else None
         else:  # each drafter followed its own tokens: fuse the chains one-shot
             d = fuse_chains({n: [(p.token, p.prob) for p in ch] for n, ch in self.chains.items()},
@@ -135,8 +141,11 @@ class SpeculationCoordinator:
     def __init__(self, drafters: list[str], routing: RoutingSpec | None = None,
                  embeddings: torch.Tensor | None = None, fixed_drafters: list[str] | None = None,
                  step_timeout_s: float = 5.0, generalists: set[str] | frozenset[str] = frozenset(),
-                 round_budget_s: float | None = None, health: DrafterHealth | None = None):
+                 round_budget_s: float | None = None, health: DrafterHealth | None = None,
+                 vote: MajorityVote | None = None):
+        """`vote`: Minions' majority vote of its voters' chains instead of routing and fusion."""
         self.drafters = list(drafters)
+        self.vote = vote
         self.router = Router(self.drafters, routing or RoutingSpec(), frozenset(generalists))
         self.embeddings = embeddings
         self.fixed = fixed_drafters
@@ -154,23 +163,32 @@ class SpeculationCoordinator:
     def from_config(cls, cfg: AppConfig) -> SpeculationCoordinator:
         spec = cfg.speculation
         fixed = spec.fixed_drafters or ([cfg.drafters[0].name] if spec.mode == "chain" else None)
+        vote = None
+        if spec.mode == "vote":
+            voters = spec.vote.drafters or [d.name for d in cfg.drafters]
+            vote = MajorityVote(voters, **spec.vote.model_dump(exclude={"drafters"}))
         return cls([d.name for d in cfg.drafters], cfg.routing, target_input_embeddings(cfg), fixed_drafters=fixed,
                    step_timeout_s=spec.drafter_timeout_ms / 1000,
                    generalists={d.name for d in cfg.drafters if d.generalist},
                    round_budget_s=ROUND_SHARE * spec.draft_timeout_ms / 1000,
-                   health=DrafterHealth(*spec.drafter_backoff_s))
+                   health=DrafterHealth(*spec.drafter_backoff_s), vote=vote)
 
     def state(self) -> dict:
         """Counters and timings, how many requests drafters hold a cache for (what a soak watches), and the
         drafters sitting out after failures or parked at zero replicas."""
-        return dict(self.stats, requests_held=len(self.where), drafters_sitting_out=self.health.sitting_out(),
-                    drafters_parked=sorted(self.parked))
+        out = dict(self.stats, requests_held=len(self.where), drafters_sitting_out=self.health.sitting_out(),
+                   drafters_parked=sorted(self.parked))
+        if self.vote is not None and not self.vote.per_request:
+            out["vote_weights"] = dict(self.vote.weights_of(""))
+        return out
 
     def release(self, rid: str) -> set[str]:
         """Forget the request; returns the drafters that must free its cache."""
         if rid in self.router.requests:
             self.routing_history.append((rid, self.router.ranking(rid)))
         self.router.release(rid)
+        if self.vote is not None:
+            self.vote.release(rid)
         self.rounds.pop(rid, None)
         return self.where.pop(rid, set())
 
@@ -180,6 +198,9 @@ class SpeculationCoordinator:
             return
         committed = context[rnd.start:]
         if not committed:
+            return
+        if self.vote is not None:
+            self.vote.observe(rid, committed, {n: [t for t, _ in props] for n, props in rnd.proposals.items()})
             return
         scores = {}
         for name, props in rnd.proposals.items():
@@ -198,7 +219,7 @@ class SpeculationCoordinator:
             self.router.add_request(rid)
         elif not req.ahead:
             self._feedback(rid, req.context)
-        fixed = req.drafters or self.fixed
+        fixed = req.drafters or self.fixed or (self.vote.voters if self.vote is not None else None)
         up = [d for d in self.drafters if d not in self.parked and self.health.available(d)]
         if fixed:
             chosen = [d for d in fixed if d in up]
@@ -209,7 +230,7 @@ class SpeculationCoordinator:
         else:
             chosen = self.router.route(rid, n, exclude=set(self.drafters) - set(up))
         return _Drafting(req, chosen, scoring=new and not fixed and req.routing != "random",
-                         fuser=FusionTree(budget=req.budget))
+                         fuser=FusionTree(budget=req.budget), vote=self.vote)
 
     async def _call(self, step_fn: StepFn, name: str, calls: list[DrafterCall],
                     timeout_s: float) -> dict[str, list[Proposal]]:

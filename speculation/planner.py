@@ -49,6 +49,8 @@ class DraftPlanner:
         spec, mode = self.cfg.speculation, self.controller.mode if self.controller else None
         if o.drafters:
             n = len(o.drafters)
+        elif spec.mode == "vote":  # every voter drafts (one-shot); one chain is verified
+            n = len(spec.vote.drafters or self.cfg.drafters)
         elif spec.mode != "cosine":
             n = 1
         else:

@@ -17,6 +17,7 @@ from speculation.fusion import FusionTree
 from speculation.health import DrafterHealth
 from speculation.inprocess import DrafterServer
 from speculation.messages import DrafterCall, DraftRequest, Participation
+from speculation.voting import MajorityVote
 
 NAMES = list(DOMAINS) + ["generic"]
 
@@ -31,7 +32,7 @@ def _servers(models):
 
 
 async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_tokens=24, seed=0, hung=(), parked=(),
-               **coord_kw):
+               participation=None, **coord_kw):
     """Greedy decoding of `prompts` with the coordinator's drafts; drafters in `fail` raise, those in `hung`
     never answer (a stopped process), those `parked` have no replica (scaled to zero)."""
     emb = target.get_input_embeddings().weight.detach()
@@ -53,7 +54,8 @@ async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_toke
     out = {r: [] for r in rids}
     while verifier.has_unfinished():
         verifier.admit()
-        batch = [DraftRequest(r, verifier.context(r), 4, budget=8, participation=Participation(2, lockstep))
+        batch = [DraftRequest(r, verifier.context(r), 4, budget=8,
+                              participation=participation or Participation(2, lockstep))
                  for r in verifier.running]
         drafts = await coord.draft(batch, step_fn)
         for o in verifier.step(drafts):
@@ -76,6 +78,24 @@ def test_routed_fused_speculation_is_lossless(target, servers, prompts, lockstep
     want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts]
     assert got == want
     assert coord.stats["rounds"] > 0
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+def test_majority_vote_is_lossless_calls_every_voter_and_weights_the_right_ones(target, models, prompts, per_request):
+    voters = ["code", "legal", "generic"]
+    vote = MajorityVote(voters, per_request=per_request)
+    # fresh drafters: the shared ones drop calls for request ids an earlier test released
+    got, coord, _ = asyncio.run(_run(target, _servers(models), prompts[:4], False, vote=vote,
+                                     participation=Participation(3)))
+    want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts[:4]]
+    assert got == want
+    assert set(coord.calls) == set(voters) and coord.accepted > 0
+    assert len({coord.calls.count(n) for n in voters}) == 1  # every voter drafts every round, once
+    if per_request:
+        assert vote.weights == {}  # freed with the requests
+    else:
+        w = coord.state()["vote_weights"]
+        assert set(w) == set(voters) and len(set(w.values())) > 1  # the observed acceptance moved the weights
 
 
 def test_a_failing_drafter_loses_nothing(target, servers, prompts):

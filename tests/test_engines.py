@@ -48,14 +48,14 @@ def reference(target, mixed_prompts) -> list[list[int]]:
     return [greedy_continue(target, torch.tensor([p]), NEW_TOKENS)[0, len(p):].tolist() for p in mixed_prompts]
 
 
-def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max_len=512, trees=True):
-    """Every prompt through the loop, each drafted by all `drafters` (one-shot fusion of their chains when several).
-    `params`: one SamplingParams for all, or one per prompt."""
+def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max_len=512, trees=True, mode="cosine"):
+    """Every prompt through the loop, each drafted by all `drafters` (one-shot fusion of their chains when several,
+    or their majority vote in mode vote). `params`: one SamplingParams for all, or one per prompt."""
     names = [f"d{i}" for i in range(len(drafters))]
     cfg = AppConfig(verifier={"model": "target", "max_batch": batch, "max_len": max_len},
                     drafters=[{"name": n, "model": n, "max_len": max_len} for n in names],
-                    speculation={"k": k, "adaptive": False, "tree_budget": tree_budget or k * len(drafters),
-                                 "draft_timeout_ms": 600_000},
+                    speculation={"mode": mode, "k": k, "adaptive": False,
+                                 "tree_budget": tree_budget or k * len(drafters), "draft_timeout_ms": 600_000},
                     routing={"drafters_per_request": len(drafters)})
     verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees=trees)
     loop = build_loop(cfg, verifier, dict(zip(names, drafters)))
@@ -102,6 +102,13 @@ def test_greedy_best_chain_of_each_tree_equals_target(target, drafter_models, mi
     assert all(o.stats["num_draft_tokens"] <= 4 * o.stats["num_drafts"] for o in out)  # chains of at most k
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_majority_vote_equals_target(target, drafter_models, mixed_prompts, reference, batch):
+    out, _ = _run(target, list(drafter_models.values()), mixed_prompts, k=4, batch=batch, mode="vote")
+    assert [o.token_ids for o in out] == reference
+    assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
+
+
 def test_speculation_actually_accepts_tokens(target, drafter_models, mixed_prompts):
     out, verifier = _run(target, [drafter_models["generic"]], mixed_prompts, k=4, batch=8)
     accepted = sum(o.stats["num_accepted_tokens"] for o in out)
@@ -144,13 +151,17 @@ def test_kv_cache_after_rollbacks_and_interleaved_joins_equals_fresh_forward(tar
         assert torch.allclose(logits, want, atol=1e-4), r
 
 
-def test_sampling_through_the_engines_matches_the_target(target, drafter_models, tokenizer, heldout):
-    """End to end: speculative sampling's first two tokens follow the target's joint distribution."""
+@pytest.mark.parametrize("mode", ["cosine", "vote"])
+def test_sampling_through_the_engines_matches_the_target(target, drafter_models, tokenizer, heldout, mode):
+    """End to end: speculative sampling's first two tokens follow the target's joint distribution, with fused
+    drafts and with Minions' majority vote (its chain is a selection among the drafters' chains)."""
     prompt = tokenizer(heldout["literature"][5], add_special_tokens=False).input_ids[:40]
     params = dict(max_tokens=2, temperature=1.0, top_k=4, ignore_eos=True)
     n = 1200
-    out, _ = _run(target, [drafter_models["literature"], drafter_models["code"]], [prompt] * n, k=2, batch=16,
-                  params=[SamplingParams(seed=i, **params) for i in range(n)], max_len=256)
+    voters = [drafter_models["literature"], drafter_models["code"]] + ([drafter_models["generic"]] if mode == "vote"
+                                                                       else [])
+    out, _ = _run(target, voters, [prompt] * n, k=2, batch=16,
+                  params=[SamplingParams(seed=i, **params) for i in range(n)], max_len=256, mode=mode)
     pairs = [tuple(o.token_ids) for o in out]
     sp = SamplingParams(**params)
     with torch.no_grad():
