@@ -279,11 +279,11 @@ class AppConfig(_Strict):
         for n in self.speculation.fixed_drafters or []:
             if n not in names:
                 raise ValueError(f"speculation.fixed_drafters names unknown drafter {n!r}; known: {sorted(names)}")
+        voters = self.speculation.vote.drafters or sorted(names)
+        unknown = sorted(set(voters) - names)
+        if unknown:
+            raise ValueError(f"speculation.vote.drafters names unknown drafters {unknown}; known: {sorted(names)}")
         if self.speculation.mode == "vote":
-            voters = self.speculation.vote.drafters or sorted(names)
-            unknown = sorted(set(voters) - names)
-            if unknown:
-                raise ValueError(f"speculation.vote.drafters names unknown drafters {unknown}; known: {sorted(names)}")
             if len(set(voters)) < 2:
                 raise ValueError("speculation.mode: vote needs at least two voters (with one, use mode: chain)")
         if self.speculation.drafting_tier == "colocated":

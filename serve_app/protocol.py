@@ -57,6 +57,10 @@ class SpeculationOverride(_Strict):
                                   "one-shot (each drafts its own chain in one call); default: the controller's choice")
     drafters_per_request: int | None = Field(None, ge=1, le=8, description="routed drafters every round "
                                              "(overrides the controller's adaptive participation)")
+    mode: Literal["cosine", "vote"] | None = Field(None, description="vote: Minions' majority vote of the voters "
+                                                   "(speculation.vote.drafters, or `drafters`); cosine: routing and "
+                                                   "fusion; default: the server's speculation.mode. Both are "
+                                                   "lossless, so a request may pick either")
 
 
 # OpenAI fields this server accepts only at the value that changes nothing (anything else is a 400, never ignored)

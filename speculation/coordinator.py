@@ -36,7 +36,7 @@ from speculation.fusion import FusionTree, fuse_chains
 from speculation.health import DrafterHealth
 from speculation.messages import Draft, DrafterCall, DraftRequest, Proposal
 from speculation.routing import Router, alignment
-from speculation.voting import MajorityVote
+from speculation.voting import GLOBAL, MajorityVote
 
 StepFn = Callable[[str, list[DrafterCall]], Awaitable[dict[str, list[Proposal]]]]
 
@@ -52,6 +52,7 @@ class _Round:
     start: int  # committed context length when the round was drafted
     proposals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # drafter -> [(token, conf)]
     fused: bool = True  # were the drafters fed the fused token (Eq. 4) or their own?
+    voted: bool = False  # a majority vote (its feedback goes to the voters' weights, not to routing)
 
 
 @dataclass
@@ -134,7 +135,8 @@ class _Drafting:
 
     def record(self) -> _Round:
         return _Round(len(self.req.context), {n: [(p.token, p.prob) for p in ch]
-                                              for n, ch in self.chains.items() if ch}, self.lockstep)
+                                              for n, ch in self.chains.items() if ch}, self.lockstep,
+                      self.vote is not None)
 
 
 class SpeculationCoordinator:
@@ -143,9 +145,9 @@ class SpeculationCoordinator:
                  step_timeout_s: float = 5.0, generalists: set[str] | frozenset[str] = frozenset(),
                  round_budget_s: float | None = None, health: DrafterHealth | None = None,
                  vote: MajorityVote | None = None):
-        """`vote`: Minions' majority vote of its voters' chains instead of routing and fusion."""
+        """`vote`: Minions' majority vote, for the requests drafting by vote (default: every drafter votes)."""
         self.drafters = list(drafters)
-        self.vote = vote
+        self.vote = vote or MajorityVote(self.drafters)
         self.router = Router(self.drafters, routing or RoutingSpec(), frozenset(generalists))
         self.embeddings = embeddings
         self.fixed = fixed_drafters
@@ -163,10 +165,8 @@ class SpeculationCoordinator:
     def from_config(cls, cfg: AppConfig) -> SpeculationCoordinator:
         spec = cfg.speculation
         fixed = spec.fixed_drafters or ([cfg.drafters[0].name] if spec.mode == "chain" else None)
-        vote = None
-        if spec.mode == "vote":
-            voters = spec.vote.drafters or [d.name for d in cfg.drafters]
-            vote = MajorityVote(voters, **spec.vote.model_dump(exclude={"drafters"}))
+        vote = MajorityVote(spec.vote.drafters or [d.name for d in cfg.drafters],
+                            **spec.vote.model_dump(exclude={"drafters"}))
         return cls([d.name for d in cfg.drafters], cfg.routing, target_input_embeddings(cfg), fixed_drafters=fixed,
                    step_timeout_s=spec.drafter_timeout_ms / 1000,
                    generalists={d.name for d in cfg.drafters if d.generalist},
@@ -178,8 +178,8 @@ class SpeculationCoordinator:
         drafters sitting out after failures or parked at zero replicas."""
         out = dict(self.stats, requests_held=len(self.where), drafters_sitting_out=self.health.sitting_out(),
                    drafters_parked=sorted(self.parked))
-        if self.vote is not None and not self.vote.per_request:
-            out["vote_weights"] = dict(self.vote.weights_of(""))
+        if GLOBAL in self.vote.weights:
+            out["vote_weights"] = dict(self.vote.weights[GLOBAL])
         return out
 
     def release(self, rid: str) -> set[str]:
@@ -187,8 +187,7 @@ class SpeculationCoordinator:
         if rid in self.router.requests:
             self.routing_history.append((rid, self.router.ranking(rid)))
         self.router.release(rid)
-        if self.vote is not None:
-            self.vote.release(rid)
+        self.vote.release(rid)
         self.rounds.pop(rid, None)
         return self.where.pop(rid, set())
 
@@ -199,7 +198,7 @@ class SpeculationCoordinator:
         committed = context[rnd.start:]
         if not committed:
             return
-        if self.vote is not None:
+        if rnd.voted:
             self.vote.observe(rid, committed, {n: [t for t, _ in props] for n, props in rnd.proposals.items()})
             return
         scores = {}
@@ -219,7 +218,8 @@ class SpeculationCoordinator:
             self.router.add_request(rid)
         elif not req.ahead:
             self._feedback(rid, req.context)
-        fixed = req.drafters or self.fixed or (self.vote.voters if self.vote is not None else None)
+        vote = req.participation.vote
+        fixed = req.drafters or (self.vote.voters if vote else self.fixed)
         up = [d for d in self.drafters if d not in self.parked and self.health.available(d)]
         if fixed:
             chosen = [d for d in fixed if d in up]
@@ -230,7 +230,7 @@ class SpeculationCoordinator:
         else:
             chosen = self.router.route(rid, n, exclude=set(self.drafters) - set(up))
         return _Drafting(req, chosen, scoring=new and not fixed and req.routing != "random",
-                         fuser=FusionTree(budget=req.budget), vote=self.vote)
+                         fuser=FusionTree(budget=req.budget), vote=self.vote if vote else None)
 
     async def _call(self, step_fn: StepFn, name: str, calls: list[DrafterCall],
                     timeout_s: float) -> dict[str, list[Proposal]]:

@@ -23,12 +23,16 @@ __all__ = ["Draft", "DraftRequest", "DrafterCall", "DrafterReply", "Participatio
 @dataclass(frozen=True)
 class Participation:
     """How a request drafts a round: how many routed drafters, and whether they are fused in lockstep (the fused
-    token fed back to every drafter at every depth) or one-shot (each drafter's own chain, fused after)."""
+    token fed back to every drafter at every depth) or one-shot (each drafter's own chain, fused after), or vote
+    (Minions: each voter's own chain, the weighted-majority chain verified)."""
 
     drafters_per_request: int = 1
     lockstep: bool = False
+    vote: bool = False
 
     def __str__(self) -> str:
+        if self.vote:
+            return f"{self.drafters_per_request} vote"
         if self.drafters_per_request == 1:
             return "1"
         return f"{self.drafters_per_request} {'lockstep' if self.lockstep else 'one-shot'}"
@@ -44,6 +48,7 @@ class SpeculationOverrides:
     routing: Literal["router", "random"] = "router"
     lockstep: bool | None = None
     drafters_per_request: int | None = None
+    mode: Literal["cosine", "vote"] | None = None  # None: the server's speculation.mode
 
 
 @dataclass

@@ -47,10 +47,10 @@ class DraftPlanner:
         """How a request drafts this round: the controller's choice unless the request fixes its drafters, their
         number or lockstep (then lockstep is the configured one, or the controller's where the number matches)."""
         spec, mode = self.cfg.speculation, self.controller.mode if self.controller else None
+        if (o.mode or spec.mode) == "vote":  # every voter drafts its own chain; one chain is verified
+            return Participation(len(o.drafters or spec.vote.drafters or self.cfg.drafters), vote=True)
         if o.drafters:
             n = len(o.drafters)
-        elif spec.mode == "vote":  # every voter drafts (one-shot); one chain is verified
-            n = len(spec.vote.drafters or self.cfg.drafters)
         elif spec.mode != "cosine":
             n = 1
         else:

@@ -52,11 +52,19 @@ class MajorityVote:
             self.history[scope] = {v: deque(maxlen=self.window) for v in self.voters}
         return self.weights[scope]
 
+    def _with(self, scope: str, names) -> dict[str, float]:
+        """The scope's weights, with a drafter a request chose beyond the configured voters at a new voter's."""
+        w = self.weights_of(scope)
+        for n in names:
+            if n not in w:
+                w[n], self.history[scope][n] = 1 / len(self.voters), deque(maxlen=self.window)
+        return w
+
     def vote(self, chains: dict[str, list[tuple[int, float]]], rid: str) -> Draft | None:
         """The heaviest root-to-leaf path of the voters' chains [(token, confidence), ...]; each node is credited
         to the heaviest voter through it. None when no voter drafted anything."""
-        w = self.weights_of(self.scope(rid))
-        alive = {n: ch for n, ch in chains.items() if ch and n in w}
+        w = self._with(self.scope(rid), chains)
+        alive = {n: ch for n, ch in chains.items() if ch}
         tokens: list[int] = []
         drafters: list[str] = []
         probs: list[float] = []
@@ -69,7 +77,7 @@ class MajorityVote:
             for n, ch in here.items():
                 weight[ch[depth][0]] = weight.get(ch[depth][0], 0.0) + w[n]
             # ties go to the token of the heaviest voter among them, then to the earlier voter in the list
-            rank = {n: (w[n], -self.voters.index(n)) for n in here}
+            rank = {n: (w[n], -list(w).index(n)) for n in here}
             tok = max(weight, key=lambda t: (weight[t], max(rank[n] for n, ch in here.items() if ch[depth][0] == t)))
             alive = {n: ch for n, ch in here.items() if ch[depth][0] == tok}
             lead = max(alive, key=rank.get)
@@ -85,10 +93,10 @@ class MajorityVote:
         """A round's chains against what the target committed after them: each voter's acceptance rate over the
         positions that can be checked (its chain and the committed tokens both reach them), then the update."""
         scope = self.scope(rid)
-        w, hist = self.weights_of(scope), self.history[scope]
+        w, hist = self._with(scope, chains), self.history[scope]
         for n, toks in chains.items():
             checked = min(len(toks), len(committed))
-            if n not in w or not checked:
+            if not checked:
                 continue
             matched = 0
             while matched < checked and toks[matched] == committed[matched]:

@@ -86,7 +86,7 @@ def test_majority_vote_is_lossless_calls_every_voter_and_weights_the_right_ones(
     vote = MajorityVote(voters, per_request=per_request)
     # fresh drafters: the shared ones drop calls for request ids an earlier test released
     got, coord, _ = asyncio.run(_run(target, _servers(models), prompts[:4], False, vote=vote,
-                                     participation=Participation(3)))
+                                     participation=Participation(3, vote=True)))
     want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts[:4]]
     assert got == want
     assert set(coord.calls) == set(voters) and coord.accepted > 0

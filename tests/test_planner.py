@@ -30,6 +30,10 @@ def test_participation_follows_the_request_then_the_configuration():
     assert planner.participation(SpeculationOverrides(drafters_per_request=3, lockstep=True)) == Participation(3, True)
     chain = DraftPlanner(_cfg(mode="chain"))
     assert chain.participation(SpeculationOverrides(lockstep=True)) == Participation(1)
+    # a vote: every voter (all drafters unless the request or speculation.vote names them), whatever the server mode
+    assert planner.participation(SpeculationOverrides(mode="vote")) == Participation(len(planner.cfg.drafters),
+                                                                                     vote=True)
+    assert chain.participation(SpeculationOverrides(mode="vote", drafters=["a", "b"])) == Participation(2, vote=True)
     # the tree budget: up to n nodes per depth
     [d] = planner.plan({"r": [1]}, {"r": SpeculationOverrides(drafters_per_request=3)})
     assert d.budget == min(8, 3 * 4) and d.participation.drafters_per_request == 3

@@ -90,7 +90,8 @@ def test_greedy_through_the_graph_equals_target_only(server, tokenizer, target, 
 
 @pytest.mark.parametrize("override", [{"drafters_per_request": 3}, {"lockstep": False}, {"drafters": ["legal"]},
                                       {"drafters_per_request": 2, "lockstep": True},
-                                      {"drafters_per_request": 2, "lockstep": False}])
+                                      {"drafters_per_request": 2, "lockstep": False},
+                                      {"mode": "vote"}, {"mode": "vote", "drafters": ["legal", "generic", "code"]}])
 def test_speculation_overrides_stay_lossless(server, tokenizer, target, heldout, override):
     ids = tokenizer(heldout["legal"][11][:300], add_special_tokens=False).input_ids
     r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 20, "temperature": 0,
@@ -106,8 +107,10 @@ def test_the_controller_reports_its_modes_and_that_drafters_share_this_cpu(serve
     c = httpx.get(f"{server}/v1/internal/speculation_stats", timeout=30).json()["controller"]
     # one machine, every drafter on the verifier's CPU: drafting takes its cycles from verification
     assert c["drafting_overlaps_verification"] is False
-    assert {"2 lockstep", "2 one-shot"} <= set(c["acceptance_by_participation"])  # the overrides above
-    assert c["participation"] in {"1", "2 lockstep", "2 one-shot"}
+    assert {"2 lockstep", "2 one-shot", "7 vote", "3 vote"} <= set(c["acceptance_by_participation"])  # the overrides
+    assert c["participation"] in {"1", "2 lockstep", "2 one-shot"}  # a request's vote is never the controller's pick
+    weights = httpx.get(f"{server}/v1/internal/speculation_stats", timeout=30).json()["vote_weights"]
+    assert set(weights) == {*DOMAINS, "generic"} and sum(weights.values()) == pytest.approx(1.0, abs=0.3)
 
 
 def test_chat_non_streamed_and_streamed_agree(server):
