@@ -84,6 +84,7 @@ class Method:
     adaptive: bool = False
     mode: str = "cosine"
     vote_per_request: bool = False
+    levels: bool = False  # SpecRouter's chains: the target's 10M original as a drafter, alone or assisted
 
 
 def _methods(k: int) -> list[Method]:
@@ -98,7 +99,15 @@ def _methods(k: int) -> list[Method]:
             # Minions: every drafter drafts, the weighted majority chain is verified
             Method(f"ours: Minions vote of all 7 drafters, k={k}", None, mode="vote"),
             Method(f"ours: Minions vote of all 7 drafters, per-request weights, k={k}", None, mode="vote",
-                   vote_per_request=True)]
+                   vote_per_request=True),
+            # SpecRouter: the bench target's 10M original drafts (2 levels), or a domain drafter drafts for it (3)
+            Method(f"ours: 2-level chain, 10M original, k={k}", lambda d: ["original"], levels=True),
+            Method(f"ours: 3-level chain, domain drafter -> 10M original, k={k}", lambda d: [f"3level-{d}"],
+                   levels=True),
+            Method(f"ours: 2-level chain, 10M original, goodput-adaptive k<={2 * k}", lambda d: ["original"],
+                   adaptive=True, levels=True),
+            Method(f"ours: 3-level chain, domain drafter -> 10M original, goodput-adaptive k<={2 * k}",
+                   lambda d: [f"3level-{d}"], adaptive=True, levels=True)]
 
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
@@ -117,6 +126,10 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     target = _load(bench_dir, device=device)
     names = list(DOMAINS) + ["generic"]
     drafters = {d: _load(models_dir / f"drafter-{d}", device=device) for d in names}
+    drafters["original"] = _load(models_dir / "target", device=device)
+    levels = [{"name": "original", "model": "target"}] + [
+        {"name": f"3level-{d}", "model": "target", "assistant": str(models_dir / f"drafter-{d}")} for d in DOMAINS]
+    drafters |= {f"3level-{d}": drafters["original"] for d in DOMAINS}
     prompts = _prompts(tok, per_domain, prompt_len)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     outputs: dict[tuple[str, int], list[list[int]]] = {}
@@ -128,7 +141,8 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         """All prompts through one `VerifyLoop` (continuous batching up to `batch`)."""
         cfg = AppConfig(verifier={"model": str(bench_dir), "max_batch": batch, "max_len": max_len},
                         drafters=[{"name": n, "model": f"drafter-{n}", "max_len": max_len,
-                                   "max_requests": 2 * batch, "generalist": n == "generic"} for n in names],
+                                   "max_requests": 2 * batch, "generalist": n == "generic"} for n in names]
+                        + [{**d, "max_len": max_len, "max_requests": 2 * batch} for d in levels if m.levels],
                         speculation={"mode": m.mode, "k": 2 * k if m.adaptive else k, "tree_budget": 2 * k,
                                      "lockstep": m.lockstep, "adaptive": m.adaptive, "draft_timeout_ms": 600_000,
                                      "vote": {"per_request": m.vote_per_request}},

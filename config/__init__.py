@@ -65,6 +65,13 @@ class DrafterSpec(_Strict):
     model: str = Field(..., description="the drafter model")
     generalist: bool = Field(False, description="trained on every domain (a fallback drafter), not one: routing's "
                              "cold start ranks it first only where no domain drafter explains the prompt")
+    assistant: str | None = Field(None, description="a smaller model that drafts this drafter's own chains for it "
+                                  "(SpecRouter's multi-level chain: assistant -> this drafter -> target; the chains "
+                                  "are this drafter's, in fewer of its forward passes). Pays for a drafter close to "
+                                  "the target but slow, e.g. the target's small original as drafter of the bench "
+                                  "target, assisted by a domain drafter")
+    assistant_k: int = Field(4, ge=1, le=16, description="the assistant's tokens checked per forward pass of this "
+                             "drafter")
     max_requests: int = Field(64, ge=1, description="requests holding a KV cache in one replica")
     max_len: int = Field(2048, ge=64, description="longest context (tokens) a replica drafts for")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs; auto: a GPU if the "

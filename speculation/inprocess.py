@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from config import AppConfig, DrafterSpec
 from engines.build import build_verifier_engine, cpu_threads, set_thread_torch_threads
+from engines.cascade import CascadeDrafterEngine
 from engines.drafter import DrafterEngine
 from engines.runner import CacheFull
 from engines.sampling import SamplingParams
@@ -38,9 +39,14 @@ class DrafterServer:
     RELEASED_REMEMBERED = 4096  # request ids are never reused; the most recent releases are enough to catch late calls
 
     def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048, device: str | None = None,
-                 threads: int = 1):
+                 threads: int = 1, assistant=None, assistant_k: int = 4):
+        """`assistant`: a smaller model that drafts this drafter's chains for it (`CascadeDrafterEngine`)."""
         self.name = name
-        self.engine = DrafterEngine(model, name=name, max_requests=max_requests, max_len=max_len, device=device)
+        if assistant is None:
+            self.engine = DrafterEngine(model, name=name, max_requests=max_requests, max_len=max_len, device=device)
+        else:
+            self.engine = CascadeDrafterEngine(model, assistant, name=name, assistant_k=assistant_k,
+                                               max_requests=max_requests, max_len=max_len, device=device)
         # steps run on one thread of their own, with the drafter's torch threads set there (they are per thread)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"drafter-{name}",
                                            initializer=set_thread_torch_threads, initargs=(threads,))
@@ -50,9 +56,11 @@ class DrafterServer:
     def from_spec(cls, spec: DrafterSpec, model=None, actor_cpus: float | None = None) -> DrafterServer:
         """The configured drafter; a loaded `model` replaces loading it from its path (and stays where it is)."""
         threads = cpu_threads(spec.threads, actor_cpus)
+        assistant = str(model_path(spec.assistant)) if spec.assistant else None
         if model is None:
-            return cls(spec.name, str(model_path(spec.model)), spec.max_requests, spec.max_len, spec.device, threads)
-        return cls(spec.name, model, spec.max_requests, spec.max_len, None, threads)
+            return cls(spec.name, str(model_path(spec.model)), spec.max_requests, spec.max_len, spec.device, threads,
+                       assistant, spec.assistant_k)
+        return cls(spec.name, model, spec.max_requests, spec.max_len, None, threads, assistant, spec.assistant_k)
 
     async def run(self, calls: list[DrafterCall]) -> DrafterReply:
         """`step` on the drafter's own thread (the event loop goes on meanwhile)."""
