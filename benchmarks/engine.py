@@ -100,6 +100,7 @@ def _methods(k: int) -> list[Method]:
             Method(f"ours: Minions vote of all 7 drafters, k={k}", None, mode="vote"),
             Method(f"ours: Minions vote of all 7 drafters, per-request weights, k={k}", None, mode="vote",
                    vote_per_request=True),
+            Method(f"ours: Minions vote of domain + generic drafters, k={k}", lambda d: [d, "generic"], mode="vote"),
             # SpecRouter: the bench target's 10M original drafts (2 levels), or a domain drafter drafts for it (3)
             Method(f"ours: 2-level chain, 10M original, k={k}", lambda d: ["original"], levels=True),
             Method(f"ours: 3-level chain, domain drafter -> 10M original, k={k}", lambda d: [f"3level-{d}"],
