@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from model_family import DOMAINS
+from benchmarks.metrics import save_json
 
 K = 4
 TARGET_ONLY = "vLLM target-only"
@@ -409,9 +410,7 @@ def main(args) -> int:
                  concurrencies=tuple(args.concurrency), repeats=args.repeats, served=not args.no_served,
                  port=args.port)
     print(format_table(result))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
+    save_json(result, args.json)
     return 0
 
 

@@ -10,7 +10,6 @@ speed-up a system with free drafting and no overhead would reach with the measur
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from model_family.samples import heldout_texts
 from speculation.goodput import SpeculationController
 from speculation.inprocess import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
+from benchmarks.metrics import save_json
 
 
 @dataclass
@@ -282,7 +282,5 @@ def main(args) -> int:
                  batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device,
                  only=args.methods)
     print(format_table(result))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
+    save_json(result, args.json)
     return 0

@@ -30,6 +30,7 @@ import httpx
 import yaml
 
 from benchmarks.anchors import _Served
+from benchmarks.metrics import save_json
 
 AUTOSCALING = {"min_replicas": 0, "max_replicas": 3, "initial_replicas": 1, "metrics_interval_s": 1.0,
                "look_back_period_s": 5.0, "upscale_delay_s": 3.0, "downscale_delay_s": 15.0}
@@ -273,9 +274,7 @@ def main(args) -> int:
     result = run(args.config, args.systems.split(","), [float(r) for r in args.rates.split(",")], args.duration,
                  args.repeats, args.max_tokens, args.port)
     print(format_table(result))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
+    save_json(result, args.json)
     if args.plot:
         plot(result, Path(args.plot))
     return 0

@@ -8,6 +8,7 @@ PNG plots: throughput, acceptance per drafter, verify and drafter step latency, 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import defaultdict
@@ -15,6 +16,13 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+
+def save_json(result: dict, path: str) -> None:
+    """A benchmark's result as JSON at `path` (its folder made), and where it went."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

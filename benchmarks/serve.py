@@ -13,7 +13,6 @@ output token, mean accepted length and target forward passes per token.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
@@ -219,7 +218,7 @@ def _loop_line(s: dict) -> str:
 def main(args) -> int:
     from contextlib import nullcontext
 
-    from benchmarks.metrics import MetricsSampler
+    from benchmarks.metrics import MetricsSampler, save_json
 
     with (MetricsSampler(args.metrics_url) if args.metrics_url else nullcontext()) as sampler:
         result = run(args.url, args.model, args.per_domain, args.new_tokens, tuple(args.concurrency),
@@ -257,7 +256,5 @@ def main(args) -> int:
                       f"acceptance by participation {c['acceptance_by_participation']}, now {c['participation']}")
     except Exception:  # noqa: BLE001 - stats are optional
         pass
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
+    save_json(result, args.json)
     return 0

@@ -28,6 +28,7 @@ import httpx
 
 from benchmarks.anchors import _Served
 from benchmarks.load import arrivals
+from benchmarks.metrics import save_json
 
 
 @dataclass(frozen=True)
@@ -200,15 +201,12 @@ def format_report(result: dict) -> str:
 
 
 def main(args) -> int:
-    from pathlib import Path
-
     result = run(args.config, args.duration, args.rate, args.overload_rate, args.period, args.overload_share,
                  args.hang_up_share, args.max_requests, args.max_tokens, args.port)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
+    save_json(result, args.json)
     print(format_report(result))
     ok = result["summary"]["failed"] == 0 and not result["end"]["requests_in_flight"] \
         and not result["end"]["drafter_requests_held"]
-    print(f"\nwrote {args.json}; {'nothing lost, nothing left behind' if ok else 'FAILURES or leftovers: see above'}")
+    print(f"\n{'nothing lost, nothing left behind' if ok else 'FAILURES or leftovers: see above'}")
     return 0 if ok else 1
 
