@@ -32,6 +32,8 @@ VARIANTS = {
     "routing + lockstep fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "lockstep": True},
     "routing + one-shot fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "lockstep": False},
     "full CoSine (routing + fusion + adaptive)": lambda d: {},
+    # Minions: every drafter drafts, the weighted-majority chain is verified (speculation.mode: vote per request)
+    "Minions vote of every drafter": lambda d: {"mode": "vote"},
 }
 
 
