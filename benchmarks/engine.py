@@ -148,8 +148,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                                      "lockstep": m.lockstep, "adaptive": m.adaptive, "draft_timeout_ms": 600_000,
                                      "vote": {"per_request": m.vote_per_request}},
                         routing={"drafters_per_request": 2 if m.drafters is None else max(1, len(m.drafters("code")))})
-        method = m.name
-        verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees="best chain" not in method)
+        verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees="best chain" not in m.name)
         loop = build_loop(cfg, verifier, drafters)
         if isinstance(loop.controller, SpeculationController) and not loop.controller.modes:
             if batch not in seeds:
@@ -163,7 +162,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         t = time.perf_counter()
         res = asyncio.run(generate_all(loop, todo, [params] * len(todo), overrides))
         dt = time.perf_counter() - t
-        outputs[(method, batch)] = [r.token_ids for r in res]
+        outputs[(m.name, batch)] = [r.token_ids for r in res]
         tokens = sum(len(r.token_ids) for r in res)
         drafts = sum(r.stats["num_drafts"] for r in res)
         accepted = sum(r.stats["num_accepted_tokens"] for r in res)
@@ -172,7 +171,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         t_verify = verifier.runner.forward_seconds
         # drafting overlaps the other pipeline half's verification: what costs is the time the loop waited for it
         t_wait = loop.stats.totals["draft_wait_s"]
-        return Row(method, batch, tokens, round(dt, 2), round(tokens / dt, 1),
+        return Row(m.name, batch, tokens, round(dt, 2), round(tokens / dt, 1),
                    round(mal, 3) if mal else None, round(rounds / tokens, 3), rounds,
                    round(t_verify, 3), round(1000 * t_wait / rounds, 2),
                    round(1000 * t_verify / rounds, 2), round(1000 * (dt - t_verify - t_wait) / rounds, 2))

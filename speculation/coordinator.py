@@ -10,8 +10,9 @@ deployment, a local `DrafterServer` in process). Per round:
 2. routing: the request's drafters (Eq. 3), or all drafters on a request's first round, which score the prompt
    (mean log-likelihood) for the cold start;
 3. drafting: in `vote` mode (Minions) every voter drafts its own chain and the weighted majority path is the
-   draft (`MajorityVote`; feedback updates the voters' weights instead of routing scores). With lockstep fusion, at each depth every chosen drafter proposes and the most confident token is fed
-   back to all of them (Eq. 4), losers become branches; a drafter returns its whole chain from one call, and is
+   draft (`MajorityVote`; feedback updates the voters' weights instead of routing scores). With lockstep fusion,
+   at each depth every chosen drafter proposes and the most confident token is fed back to all of them (Eq. 4),
+   losers become branches; a drafter returns its whole chain from one call, and is
    only called again where its token lost (then its chain no longer follows the fused prefix). Without fusion
    each drafter drafts its own chain in one call and the chains are fused one-shot (`fuse_chains`);
 4. the tree, trimmed to the request's budget, goes back to the verifier.

@@ -42,11 +42,9 @@ class DrafterServer:
                  threads: int = 1, assistant=None, assistant_k: int = 4):
         """`assistant`: a smaller model that drafts this drafter's chains for it (`CascadeDrafterEngine`)."""
         self.name = name
-        if assistant is None:
-            self.engine = DrafterEngine(model, name=name, max_requests=max_requests, max_len=max_len, device=device)
-        else:
-            self.engine = CascadeDrafterEngine(model, assistant, name=name, assistant_k=assistant_k,
-                                               max_requests=max_requests, max_len=max_len, device=device)
+        kw = dict(name=name, max_requests=max_requests, max_len=max_len, device=device)
+        self.engine = DrafterEngine(model, **kw) if assistant is None else \
+            CascadeDrafterEngine(model, assistant, assistant_k=assistant_k, **kw)
         # steps run on one thread of their own, with the drafter's torch threads set there (they are per thread)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"drafter-{name}",
                                            initializer=set_thread_torch_threads, initargs=(threads,))
@@ -57,10 +55,9 @@ class DrafterServer:
         """The configured drafter; a loaded `model` replaces loading it from its path (and stays where it is)."""
         threads = cpu_threads(spec.threads, actor_cpus)
         assistant = str(model_path(spec.assistant)) if spec.assistant else None
-        if model is None:
-            return cls(spec.name, str(model_path(spec.model)), spec.max_requests, spec.max_len, spec.device, threads,
-                       assistant, spec.assistant_k)
-        return cls(spec.name, model, spec.max_requests, spec.max_len, None, threads, assistant, spec.assistant_k)
+        loaded = model is not None
+        return cls(spec.name, model if loaded else str(model_path(spec.model)), spec.max_requests, spec.max_len,
+                   None if loaded else spec.device, threads, assistant, spec.assistant_k)
 
     async def run(self, calls: list[DrafterCall]) -> DrafterReply:
         """`step` on the drafter's own thread (the event loop goes on meanwhile)."""
