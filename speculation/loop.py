@@ -64,7 +64,8 @@ class LoopStats:
         self.step_intervals: deque = deque(maxlen=128)  # per step: from one verify's end to the next one's start
         self.recent_accepted: dict[str, deque] = {}  # drafter -> accepted length (bonus included) per draft
         self.totals = {"steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0,  # since start, for benchmarks
-                       "drafted_ahead": 0, "ahead_used": 0}
+                       "drafted_ahead": 0, "ahead_used": 0,
+                       "requests_aborted": 0}  # cancelled (a client hanging up) or failed before finishing
         # since start, vLLM's speculative-decoding counters (the ingress exports them under vLLM's names)
         self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                             "num_accepted_tokens_per_pos": []}
@@ -119,7 +120,8 @@ class LoopStats:
         return {"verify_steps": len(self.verify_seconds), "draft_fallbacks": self.draft_failures,
                 "verify_ms_recent": mean_ms(self.verify_seconds), "draft_round_ms_recent": mean_ms(self.draft_seconds),
                 "draft_wait_ms_recent": mean_ms(self.wait_seconds),
-                "between_steps_ms_recent": mean_ms(self.step_intervals)}
+                "between_steps_ms_recent": mean_ms(self.step_intervals),
+                "requests_aborted": self.totals["requests_aborted"]}
 
 
 class VerifyLoop:
@@ -204,6 +206,7 @@ class VerifyLoop:
                         req.queue.put_nowait(e)
             else:
                 self.engine.abort(rid)
+                self.stats.totals["requests_aborted"] += 1
                 released.append(rid)
         self._release(released)
 

@@ -224,7 +224,12 @@ def _wait(pred, timeout=60.0):
     return False
 
 
+def _aborted() -> int:
+    return _handle("Verifier").speculation_stats.remote().result()["requests_aborted"]
+
+
 def test_client_disconnect_cancels_and_releases_caches(server):
+    before = _aborted()
     body = {"model": MODEL, "prompt": "The court held that", "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as r:
@@ -234,25 +239,33 @@ def test_client_disconnect_cancels_and_releases_caches(server):
                 chunks += 1
             if chunks >= 3:
                 break  # hang up mid-generation
-    assert _wait(lambda: _handle("Verifier").running.remote().result() == 0)
+    assert _wait(lambda: _aborted() == before + 1)  # counted once the loop has aborted it in the engine
+    assert _handle("Verifier").running.remote().result() == 0
     names = list(DOMAINS) + ["generic"]
     assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
 
 
 def test_client_hanging_up_on_a_non_streamed_request_frees_it_everywhere(server):
     """A non-streamed request is one `complete` call to the verifier; a client that gives up waiting cancels it
-    there too (the loop aborts it in the engine and the drafters drop its caches), and the server goes on."""
-    from concurrent.futures import ThreadPoolExecutor
+    there too (the loop aborts it in the engine and the drafters drop its caches), and the server goes on. The
+    client is a raw socket, closed once the verifier is generating: a client-side timeout would race the
+    generation (480 tokens take a few seconds here, less on a faster machine)."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
 
-    body = {"model": MODEL, "prompt": "The patient presented with", "max_tokens": 480, "temperature": 0,
-            "ignore_eos": True}
-    with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(httpx.post, f"{server}/v1/completions", json=body,
-                              timeout=httpx.Timeout(60, read=4.0))
+    url = urlsplit(server)
+    body = json.dumps({"model": MODEL, "prompt": "The patient presented with", "max_tokens": 480,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    before = _aborted()
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(head + body)
         assert _wait(lambda: _handle("Verifier").running.remote().result() == 1, timeout=30)  # generating
-        with pytest.raises(httpx.ReadTimeout):  # the client hangs up before the 480 tokens are done
-            waiting.result()
-    assert _wait(lambda: _handle("Verifier").running.remote().result() == 0)
+    # hung up before the 480 tokens are done: the loop aborts the request rather than finishing it
+    assert _wait(lambda: _aborted() == before + 1)  # counted once the loop has aborted it in the engine
+    assert _handle("Verifier").running.remote().result() == 0
     names = list(DOMAINS) + ["generic"]
     assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
     assert _chat(server, "still serving?").status_code == 200
