@@ -82,6 +82,29 @@ class DrafterSpec(_Strict):
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
 
 
+class CollaborationSpec(_Strict):
+    """CoS collaborative decoding (engines/collaborative.py): every output token follows a combination of the
+    target's next-token distribution and a partner model's, computed with speculation (the partner drafts inside the
+    verifier's replica, the target verifies against the combination). For operators who serve the combination
+    itself, e.g. a general model steered by a domain model (ensemble), or a large model's output sharpened against a
+    small one's (contrastive). It changes what the deployment outputs, so it is a deployment's choice, not a
+    request's."""
+
+    partner: str = Field(..., description="the partner model (the same vocabulary as the target); it runs beside "
+                         "the target, in the verifier's replica")
+    combine: Literal["ensemble", "contrastive"] = Field("ensemble", description="ensemble: weight * partner + "
+                                                        "(1 - weight) * target, each processed by temperature/top-k/"
+                                                        "top-p first; contrastive: softmax((target logits - mu * "
+                                                        "partner logits) / temperature), the partner the amateur")
+    weight: float = Field(0.5, ge=0, le=1, description="ensemble: the partner's weight")
+    mu: float = Field(0.1, ge=0, description="contrastive: the partner's logits' coefficient")
+    k: int = Field(4, ge=0, le=16, description="tokens the partner drafts per cycle; 0: token-by-token "
+                   "collaborative decoding (a pass of each model per token, no speculation)")
+    alternate: bool = Field(True, description="CoS's alternate proposal framework: after a full accept the target "
+                            "proposes the next token and the partner checks it in its next pass (up to k + 1 tokens "
+                            "per cycle); false: naive CoS")
+
+
 class VerifierSpec(_Strict):
     engine: Literal["torch", "vllm"] = Field("torch", description="the target's engine. vllm: the drafts are "
                                             "verified inside a vLLM engine (its paged KV cache, continuous batching, "
@@ -105,6 +128,9 @@ class VerifierSpec(_Strict):
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vllm: more vLLM engine arguments "
                                           "(e.g. gpu_memory_utilization, enable_prefix_caching)")
+    collaboration: CollaborationSpec | None = Field(None, description="torch engine: serve CoS collaborative "
+                                                    "decoding of the target and a partner model instead of the "
+                                                    "target alone (needs speculation.mode: off: the partner drafts)")
 
 
 class ControllerSpec(_Strict):
@@ -281,6 +307,13 @@ class AppConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self):
         names = {d.name for d in self.drafters}
+        if self.verifier.collaboration is not None:
+            if self.verifier.engine != "torch":
+                raise ValueError("verifier.collaboration runs in the torch engine (vLLM cannot sample from a "
+                                 "combination of two models): set verifier.engine: torch")
+            if self.speculation.mode != "off":
+                raise ValueError("verifier.collaboration drafts with its partner inside the verifier: set "
+                                 "speculation.mode: off (the drafting tier's drafts would be ignored)")
         if self.speculation.mode != "off" and not self.drafters:
             raise ValueError("speculation is on but no drafters are configured (set speculation.mode: off)")
         for n in self.speculation.fixed_drafters or []:

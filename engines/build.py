@@ -16,6 +16,13 @@ def build_verifier_engine(cfg: AppConfig, stat_loggers: list | None = None):
     """The configured verifier engine; `stat_loggers`: more vLLM stat logger factories (vLLM engine only)."""
     v = cfg.verifier
     tokenizer = load_tokenizer(cfg)
+    if v.engine == "torch" and v.collaboration is not None:
+        from engines.collaborative import Combination, CollaborativeEngine
+
+        c = v.collaboration
+        return CollaborativeEngine(str(model_path(v.model)), str(model_path(c.partner)),
+                                   Combination(c.combine, c.weight, c.mu), k=c.k, alternate=c.alternate,
+                                   max_batch=v.max_batch, max_len=v.max_len, tokenizer=tokenizer, device=v.device)
     if v.engine == "torch":
         from engines.verifier import TorchVerifierEngine
 

@@ -71,3 +71,18 @@ def verify_sampling(draft: Draft | None, probs_at: Callable[[int], torch.Tensor]
             return path, int(torch.multinomial(r, 1, generator=gen))
         path.append(accepted)
         cur = accepted
+
+
+def verify_token(x: int, d: torch.Tensor, r: torch.Tensor, gen: torch.Generator | None) -> tuple[bool, int]:
+    """One proposal x drawn from d, checked against a target distribution r that need not be any model's (CoS's
+    combined distributions): accept with min(1, r(x) / d(x)), else draw from norm(max(0, r - d)); the output is
+    distributed as r. `gen` None: greedy, where r is one-hot and x is accepted if it is r's argmax."""
+    if gen is None:
+        want = int(r.argmax())
+        return x == want, want
+    dx = float(d[x])
+    if dx > 0 and float(torch.rand((), generator=gen)) < min(1.0, float(r[x]) / dx):
+        return True, x
+    rest = torch.clamp(r - d, min=0.0)
+    total = float(rest.sum())
+    return False, int(torch.multinomial(rest / total if total > EPS else r, 1, generator=gen))

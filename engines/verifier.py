@@ -224,25 +224,36 @@ class TorchVerifierEngine:
             keep = [0] + [j + 1 for j in path]  # the root and the accepted nodes join the KV cache
             self.runner.commit(rid, x, keep)
             committed = [draft.tokens[j] for j in path] + [extra] if draft else [extra]
-            emitted = req.stop.feed(committed)
-            req.generated.extend(emitted)
             req.last_token = extra
-            req.verified(len(draft) if draft else 0, len(path), (draft.drafters or []) if draft else [])
-            finished = req.stop.finished
-            reason = req.stop.finish_reason
-            if not finished and self.runner.length(rid) + 1 >= self.max_len:
-                finished, reason = True, "length"
-            outputs.append(StepOutput(
-                rid, emitted, len(draft) if draft else 0, len(path),
-                [draft.drafters[j] if draft and draft.drafters else None for j in path],
-                finished, reason, req.stop.text if req.params.stop else None,
-                max(tree_depths(draft.parents)) + 1 if draft else 0))
-            if finished:
-                req.stop.finish_reason = reason
-                self.running.pop(rid)
-                self.runner.release(rid)
-                self._finished_stats[rid] = req.stats()
+            outputs.append(self._emit(rid, committed, len(draft) if draft else 0, len(path),
+                                      [draft.drafters[j] if draft and draft.drafters else None for j in path],
+                                      max(tree_depths(draft.parents)) + 1 if draft else 0))
         return outputs
+
+    def _emit(self, rid: str, committed: list[int], drafted: int, accepted: int, drafters: list[str | None],
+              depth: int, out_of_room: bool = False) -> StepOutput:
+        """A request's step result: its committed tokens through the stop checks, its counters, and its end
+        (`out_of_room`: it cannot go on, and ends for its length if nothing else ended it)."""
+        req = self.running[rid]
+        emitted = req.stop.feed(committed)
+        req.generated.extend(emitted)
+        req.verified(drafted, accepted, drafters)
+        finished = req.stop.finished
+        reason = req.stop.finish_reason
+        if not finished and (out_of_room or self.runner.length(rid) + 1 >= self.max_len):
+            finished, reason = True, "length"
+        out = StepOutput(rid, emitted, drafted, accepted, drafters, finished, reason,
+                         req.stop.text if req.params.stop else None, depth)
+        if finished:
+            req.stop.finish_reason = reason
+            self._retire(rid)
+            self._finished_stats[rid] = req.stats()
+        return out
+
+    def _retire(self, rid: str) -> None:
+        """Free a finished request's resources."""
+        self.running.pop(rid)
+        self.runner.release(rid)
 
     def finished_stats(self, rid: str) -> dict | None:
         """Speculation statistics of a finished request (returned once)."""
