@@ -244,6 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "target-only, the reference), e.g. 'Minions' 'chain, generic'; HF is then skipped")
     e.add_argument("--json", default="bench_results/engine.json")
     e.set_defaults(func=_bench_engine)
+    co = bsub.add_parser("collaborative", help="CoS vs token-by-token collaborative decoding (ensemble, "
+                         "contrastive)")
+    co.add_argument("--per-domain", type=int, default=1, help="held-out prompts per domain")
+    co.add_argument("--new-tokens", type=int, default=96)
+    co.add_argument("--k", type=int, default=4, help="the partner's draft length")
+    co.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    co.add_argument("--repeats", type=int, default=3, help="timed runs of every configuration, interleaved; the "
+                    "median counts (after one warm-up run each)")
+    co.add_argument("--partner", default="drafter-generic", help="the partner model of the bench target")
+    co.add_argument("--json", default="bench_results/collaborative.json")
+    co.set_defaults(func=_bench_collaborative)
     sv = bsub.add_parser("serve", help="the running application: speculation variants side by side")
     sv.add_argument("--url", default="http://127.0.0.1:8000")
     sv.add_argument("--model", default="cosine-target")
@@ -400,6 +411,12 @@ def _bench_load(args) -> int:
 
 def _bench_serve(args) -> int:
     from benchmarks.serve import main as bench_main
+
+    return bench_main(args)
+
+
+def _bench_collaborative(args) -> int:
+    from benchmarks.collaborative import main as bench_main
 
     return bench_main(args)
 
