@@ -6,6 +6,7 @@ import shutil
 import socket
 import tempfile
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,28 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free loopback port below the ephemeral range")
+
+
+@contextmanager
+def local_serve(app_args: dict, **ray_init):
+    """The application on a local Ray cluster, its actors run as under `cosine serve`; yields its URL and shuts
+    Serve and Ray down after. `ray_init`: more `ray.init` arguments."""
+    import ray
+    from ray import serve
+
+    from serve_app.graph import build_app
+    from serve_app.launch import serve_env
+
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP,
+             runtime_env={"env_vars": serve_env()}, **ray_init)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(app_args), name="cosine", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -30,21 +30,10 @@ def app_args() -> dict:
 
 @pytest.fixture(scope="module")
 def server(app_args):
-    import ray
-    from ray import serve
+    from tests.conftest import local_serve
 
-    from serve_app.graph import build_app
-    from serve_app.launch import serve_env
-    from tests.conftest import RAY_TMP, free_port
-
-    port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP,
-             runtime_env={"env_vars": serve_env()})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(app_args), name="cosine", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(app_args) as url:
+        yield url
 
 
 def test_served_greedy_output_is_the_combinations(server, app_args, target, models, tokenizer, heldout):

@@ -20,12 +20,7 @@ MODEL = "cosine-target"
 
 @pytest.fixture(scope="module")
 def server():
-    import ray
-    from ray import serve
-
-    from serve_app.graph import build_app
-    from serve_app.launch import serve_env
-    from tests.conftest import RAY_TMP, free_port
+    from tests.conftest import local_serve
 
     cfg = {
         "ingress": {"model_name": MODEL},
@@ -34,14 +29,8 @@ def server():
         "drafters": [{"name": d, "model": f"drafter-{d}"} for d in DOMAINS]
         + [{"name": "generic", "model": "drafter-generic", "generalist": True}],
     }
-    port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP,
-             runtime_env={"env_vars": serve_env()})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(cfg), name="cosine", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(cfg) as url:
+        yield url
 
 
 def test_the_graph_is_ingress_and_verifier_only(server):

@@ -37,26 +37,12 @@ METRICS: dict[str, int] = {}  # the port of Ray's metrics agent (Prometheus text
 
 @pytest.fixture(scope="module")
 def server():
-    import ray
-    from ray import serve
+    from tests.conftest import free_port, local_serve
 
-    from serve_app.graph import build_app
-
-    from tests.conftest import RAY_TMP, free_port
-
-    port = free_port()
     METRICS["port"] = free_port()
-
-    from serve_app.launch import serve_env
-
     # the Serve actors run as under `cosine serve` (make run)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP,
-             runtime_env={"env_vars": serve_env()}, _metrics_export_port=METRICS["port"])
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(app_config()), name="cosine", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(app_config(), _metrics_export_port=METRICS["port"]) as url:
+        yield url
 
 
 def _chat(server, content, **kw):
