@@ -85,6 +85,7 @@ class Method:
     mode: str = "cosine"
     vote_per_request: bool = False
     levels: bool = False  # SpecRouter's chains: the target's 10M original as a drafter, alone or assisted
+    chain_choice: bool = False  # SpecRouter's choice among every chain (routing.chain_choice: latency)
 
 
 def _methods(k: int) -> list[Method]:
@@ -108,7 +109,9 @@ def _methods(k: int) -> list[Method]:
             Method(f"ours: 2-level chain, 10M original, goodput-adaptive k<={2 * k}", lambda d: ["original"],
                    adaptive=True, levels=True),
             Method(f"ours: 3-level chain, domain drafter -> 10M original, goodput-adaptive k<={2 * k}",
-                   lambda d: [f"3level-{d}"], adaptive=True, levels=True)]
+                   lambda d: [f"3level-{d}"], adaptive=True, levels=True),
+            # SpecRouter's choice per request and round among all of them: domain, generic, 2- and 3-level chains
+            Method(f"ours: SpecRouter chain choice among all chains, k={k}", None, levels=True, chain_choice=True)]
 
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
@@ -147,7 +150,9 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                         speculation={"mode": m.mode, "k": 2 * k if m.adaptive else k, "tree_budget": 2 * k,
                                      "lockstep": m.lockstep, "adaptive": m.adaptive, "draft_timeout_ms": 600_000,
                                      "vote": {"per_request": m.vote_per_request}},
-                        routing={"drafters_per_request": 2 if m.drafters is None else max(1, len(m.drafters("code")))})
+                        routing={"drafters_per_request": 1 if m.chain_choice else 2 if m.drafters is None
+                                 else max(1, len(m.drafters("code"))),
+                                 "chain_choice": "latency" if m.chain_choice else "score"})
         verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees="best chain" not in m.name)
         loop = build_loop(cfg, verifier, drafters)
         if isinstance(loop.controller, SpeculationController) and not loop.controller.modes:

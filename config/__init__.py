@@ -266,6 +266,12 @@ class RoutingSpec(_Strict):
     generalist_margin: float = Field(0.5, ge=0, description="nats per prompt token by which a generalist drafter "
                                      "must out-explain every domain drafter to lead a new request's ranking")
     seed: int = Field(0, description="seed of the router's random picks")
+    chain_choice: Literal["score", "latency"] = Field(
+        "score", description="a request drafting with one drafter (one chain): score: the top routing score; "
+        "latency: SpecRouter's choice, the drafter with the least predicted time per accepted token from the "
+        "request's measured acceptance of each drafter, each drafter's measured time per token (an assisted "
+        "drafter, a multi-level chain, is cheaper per token) and the measured verify cycle (speculation/chains.py); "
+        "the router's own pick with probability beta")
 
     @model_validator(mode="after")
     def _alpha_above_beta(self):

@@ -8,7 +8,8 @@ deployment, a local `DrafterServer` in process). Per round:
 1. feedback: compare each drafter's proposals of the previous round with what the target committed since
    (Eq. 1-2) and update the router (accepted length and per-drafter scores);
 2. routing: the request's drafters (Eq. 3), or all drafters on a request's first round, which score the prompt
-   (mean log-likelihood) for the cold start;
+   (mean log-likelihood) for the cold start; with `routing.chain_choice: latency`, a request drafting with one
+   drafter takes the one with the least predicted time per accepted token (SpecRouter, `ChainCosts`);
 3. drafting: in `vote` mode (Minions) every voter drafts its own chain and the weighted majority path is the
    draft (`MajorityVote`; feedback updates the voters' weights instead of routing scores). With lockstep fusion,
    at each depth every chosen drafter proposes and the most confident token is fed back to all of them (Eq. 4),
@@ -33,6 +34,7 @@ import torch
 
 from config import AppConfig, RoutingSpec
 from engines.build import target_input_embeddings
+from speculation.chains import ChainCosts
 from speculation.fusion import FusionTree, fuse_chains
 from speculation.health import DrafterHealth
 from speculation.messages import Draft, DrafterCall, DraftRequest, Proposal
@@ -54,6 +56,7 @@ class _Round:
     proposals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # drafter -> [(token, conf)]
     fused: bool = True  # were the drafters fed the fused token (Eq. 4) or their own?
     voted: bool = False  # a majority vote (its feedback goes to the voters' weights, not to routing)
+    scored: dict[str, int] = field(default_factory=dict)  # first round: every drafter's first token (chain choice)
 
 
 @dataclass
@@ -74,6 +77,7 @@ class _Drafting:
     ahead: dict[str, dict[int, Proposal]] = field(default_factory=dict)  # drafter -> depth -> proposal received
     path: dict[str, list[int]] = field(default_factory=dict)  # drafter -> tokens fed after the context
     alive: set[str] = field(default_factory=set)  # drafters still in the round
+    scored: dict[str, int] = field(default_factory=dict)  # first round: every scoring drafter's first token
 
     def __post_init__(self):
         for n in self.chosen:
@@ -107,6 +111,7 @@ class _Drafting:
         props = {n: self.ahead[n][depth] for n in self.alive if depth in self.ahead[n]}
         if depth == 0 and self.scoring:
             ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
+            self.scored = {n: p.token for n, p in props.items()}
             if ll:
                 router.add_request(rid, ll)
                 keep = router.route(rid, self.req.participation.drafters_per_request)
@@ -137,7 +142,7 @@ class _Drafting:
     def record(self) -> _Round:
         return _Round(len(self.req.context), {n: [(p.token, p.prob) for p in ch]
                                               for n, ch in self.chains.items() if ch}, self.lockstep,
-                      self.vote is not None)
+                      self.vote is not None, self.scored)
 
 
 class SpeculationCoordinator:
@@ -161,6 +166,8 @@ class SpeculationCoordinator:
         self.stats = {"rounds": 0, "drafter_failures": 0, "step_seconds": 0.0}
         self.on_failure: Callable[[str], None] | None = None  # told the drafter's name when a call fails
         self.routing_history: deque = deque(maxlen=1024)  # (rid, drafters ranked first..last) at release
+        self.costs = ChainCosts() if self.router.config.chain_choice == "latency" else None
+        self.round_end: dict[str, float] = {}  # request -> when its last round ended (the verify cycle's start)
 
     @classmethod
     def from_config(cls, cfg: AppConfig) -> SpeculationCoordinator:
@@ -181,6 +188,9 @@ class SpeculationCoordinator:
                    drafters_parked=sorted(self.parked))
         if GLOBAL in self.vote.weights:
             out["vote_weights"] = dict(self.vote.weights[GLOBAL])
+        if self.costs is not None:
+            out["chain_token_ms"] = {n: round(1000 * t, 3) for n, t in self.costs.token_s.items()}
+            out["chain_cycle_ms"] = None if self.costs.cycle_s is None else round(1000 * self.costs.cycle_s, 3)
         return out
 
     def release(self, rid: str) -> set[str]:
@@ -189,6 +199,9 @@ class SpeculationCoordinator:
             self.routing_history.append((rid, self.router.ranking(rid)))
         self.router.release(rid)
         self.vote.release(rid)
+        if self.costs is not None:
+            self.costs.release(rid)
+        self.round_end.pop(rid, None)
         self.rounds.pop(rid, None)
         return self.where.pop(rid, set())
 
@@ -199,6 +212,10 @@ class SpeculationCoordinator:
         committed = context[rnd.start:]
         if not committed:
             return
+        if self.costs is not None:  # the drafters dropped after the first round's scoring count with their token
+            chains = {n: [t] for n, t in rnd.scored.items()} | {n: [t for t, _ in p] for n, p in rnd.proposals.items()}
+            for name, toks in chains.items():
+                self.costs.observe_acceptance(rid, name, _accepted_prefix(committed, toks), len(toks))
         if rnd.voted:
             self.vote.observe(rid, committed, {n: [t for t, _ in props] for n, props in rnd.proposals.items()})
             return
@@ -219,6 +236,8 @@ class SpeculationCoordinator:
             self.router.add_request(rid)
         elif not req.ahead:
             self._feedback(rid, req.context)
+            if self.costs is not None and rid in self.round_end:
+                self.costs.observe_cycle(time.perf_counter() - self.round_end[rid])
         vote = req.participation.vote
         fixed = req.drafters or (self.vote.voters if vote else self.fixed)
         up = [d for d in self.drafters if d not in self.parked and self.health.available(d)]
@@ -230,11 +249,14 @@ class SpeculationCoordinator:
             chosen = up
         else:
             chosen = self.router.route(rid, n, exclude=set(self.drafters) - set(up))
+            if self.costs is not None and n == 1 and self.router.rng.random() >= self.router.config.beta:
+                chosen = [self.costs.best(rid, up, req.k) or chosen[0]] if chosen else chosen
         return _Drafting(req, chosen, scoring=new and not fixed and req.routing != "random",
                          fuser=FusionTree(budget=req.budget), vote=self.vote if vote else None)
 
     async def _call(self, step_fn: StepFn, name: str, calls: list[DrafterCall],
                     timeout_s: float) -> dict[str, list[Proposal]]:
+        t0 = time.perf_counter()
         try:
             got = await asyncio.wait_for(step_fn(name, calls), timeout_s)
         except Exception as e:  # noqa: BLE001 - a failed drafter only loses its proposals for this round
@@ -245,6 +267,8 @@ class SpeculationCoordinator:
                 self.on_failure(name)
             return {}
         self.health.succeeded(name)
+        if self.costs is not None:
+            self.costs.observe_call(name, time.perf_counter() - t0, max(c.steps for c in calls))
         return got
 
     async def draft(self, batch: list[DraftRequest], step_fn: StepFn) -> dict[str, Draft]:
@@ -283,13 +307,18 @@ class SpeculationCoordinator:
                 drafts[rid] = d
             if not r.req.ahead or rid not in self.rounds:
                 self.rounds[rid] = r.record()
+            self.round_end[rid] = time.perf_counter()
         self.stats["rounds"] += 1
         self.stats["step_seconds"] += time.perf_counter() - t0
         return drafts
 
 
-def _exact_alignment(committed: list[int], drafted: list[int]) -> float:
+def _accepted_prefix(committed: list[int], drafted: list[int]) -> int:
     n = 0
     while n < min(len(committed), len(drafted)) and committed[n] == drafted[n]:
         n += 1
-    return n / max(1, len(drafted))
+    return n
+
+
+def _exact_alignment(committed: list[int], drafted: list[int]) -> float:
+    return _accepted_prefix(committed, drafted) / max(1, len(drafted))

@@ -1,0 +1,72 @@
+"""SpecRouter's chain choice (`routing.chain_choice: latency`), as a plain class.
+
+A request drafting with one drafter drafts with one chain: a drafter alone (drafter -> target) or a drafter with an
+assistant (assistant -> drafter -> target, engines/cascade.py). SpecRouter picks, per request and round, the chain
+with the least predicted time per token the target accepts (its Eq. 7, read as the digest recommends):
+
+    T_eff(d) = (k * t_d + t_cycle) / E(a_rd, k),    E(a, k) = (1 - a^(k+1)) / (1 - a)
+
+t_d is the drafter's measured time per drafted token (its calls, hops included: an assisted drafter is cheaper
+per token than the same drafter alone); t_cycle the measured time a request spends between two of its rounds
+(verification, the loop); a_rd the request's per-token acceptance of drafter d, from the drafters' proposals
+scored against what the target committed (every drafter scores on a request's first round, the one that drafted
+since then on each later one). E is the expected tokens per target pass with i.i.d. acceptance, bonus included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens per target pass for a chain of k drafts, each accepted with probability a (bonus included)."""
+    a = min(max(a, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass
+class ChainCosts:
+    ema: float = 0.3  # weight of the newest measurement
+    prior_acceptance: float = 0.6  # a drafter's acceptance for a request before it was scored on it
+
+    def __post_init__(self):
+        self.token_s: dict[str, float] = {}  # drafter -> seconds per drafted token
+        self.acceptance: dict[str, dict[str, float]] = {}  # request -> drafter -> per-token acceptance
+        self.cycle_s: float | None = None
+
+    def _blend(self, old: float | None, new: float) -> float:
+        return new if old is None else self.ema * new + (1 - self.ema) * old
+
+    def observe_call(self, name: str, seconds: float, tokens: int) -> None:
+        if tokens > 0:
+            self.token_s[name] = self._blend(self.token_s.get(name), seconds / tokens)
+
+    def observe_cycle(self, seconds: float) -> None:
+        self.cycle_s = self._blend(self.cycle_s, seconds)
+
+    def observe_acceptance(self, rid: str, name: str, accepted: int, drafted: int) -> None:
+        """A drafter's chain against the committed tokens: `accepted` of its `drafted` tokens matched. The
+        per-token estimate counts the rejection that ended a partly accepted chain as a trial (smoothed by 1/2)."""
+        if drafted <= 0:
+            return
+        trials = accepted + 1 if accepted < drafted else drafted
+        per = self.acceptance.setdefault(rid, {})
+        per[name] = self._blend(per.get(name, self.prior_acceptance), (accepted + 0.5) / (trials + 1))
+
+    def release(self, rid: str) -> None:
+        self.acceptance.pop(rid, None)
+
+    def seconds_per_token(self, rid: str, name: str, k: int) -> float | None:
+        """T_eff of drafting k with `name` for this request; None until the drafter's latency is measured."""
+        t = self.token_s.get(name)
+        if t is None or k <= 0:
+            return None
+        a = self.acceptance.get(rid, {}).get(name, self.prior_acceptance)
+        return (k * t + (self.cycle_s or 0.0)) / expected_tokens(a, k)
+
+    def best(self, rid: str, candidates: list[str], k: int) -> str | None:
+        """The candidate with the least T_eff; None if any candidate is unmeasured (then routing decides)."""
+        costs = {n: self.seconds_per_token(rid, n, k) for n in candidates}
+        if not costs or any(c is None for c in costs.values()):
+            return None
+        return min(costs, key=costs.get)

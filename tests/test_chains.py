@@ -1,0 +1,68 @@
+"""SpecRouter's chain choice (speculation/chains.py): the least predicted time per accepted token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from config import RoutingSpec
+from speculation.chains import ChainCosts, expected_tokens
+from speculation.coordinator import SpeculationCoordinator
+from speculation.messages import DraftRequest, Proposal
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=0.01)  # clipped just below 1
+
+
+def test_a_slow_accurate_chain_wins_only_when_its_acceptance_pays_for_its_time():
+    costs = ChainCosts(ema=1.0)
+    costs.observe_cycle(0.030)  # a 30 ms verify cycle
+    costs.observe_call("small", 0.004, 4)  # 1 ms per token
+    costs.observe_call("original", 0.048, 4)  # 12 ms per token
+    costs.observe_call("assisted", 0.016, 4)  # the same chains as original, 4 ms per token
+    for name, acc in (("small", 1), ("original", 4), ("assisted", 4)):
+        costs.observe_acceptance("r", name, acc, 4)
+    # per-token acceptance 0.5 (1 of 4, then a rejection) and 0.9 (4 of 4): 1.94 and 4.10 tokens per target pass
+    assert costs.best("r", ["small", "original"], 4) == "small"  # (4 + 30) / 1.94 < (48 + 30) / 4.10
+    assert costs.best("r", ["small", "original", "assisted"], 4) == "assisted"  # (16 + 30) / 4.10 is least
+    costs.observe_cycle(0.300)  # verification dominates: acceptance is all that counts
+    assert costs.best("r", ["small", "original"], 4) == "original"
+    assert costs.best("r", ["small", "unmeasured"], 4) is None
+    costs.release("r")
+    assert "r" not in costs.acceptance
+
+
+def test_the_coordinator_drafts_with_the_cheapest_chain_per_accepted_token():
+    """Two drafters propose what the target commits, one taking 20 ms a token, the other 1 ms; a third is quick
+    and always wrong. Once measured, the quick accurate one is chosen, and the wrong one never after the first
+    round (where every drafter scores)."""
+    truth = list(range(100, 200))
+
+    async def step(name, calls):
+        steps = max(c.steps for c in calls)  # a forward pass per drafted token
+        await asyncio.sleep({"good-slow": 0.02, "good-quick": 0.001, "wrong-quick": 0.001}[name] * steps)
+        out = {}
+        for c in calls:
+            at = len(c.context) - 3  # three prompt tokens
+            toks = [truth[at + i] if name.startswith("good") else 7 for i in range(c.steps)]
+            ll = -1.0 if c.score_context else None  # every drafter explains the prompt equally
+            out[c.request_id] = [Proposal(t, 0.9, [t], [0.9], ll if i == 0 else None) for i, t in enumerate(toks)]
+        return out
+
+    names = ["good-slow", "good-quick", "wrong-quick"]
+    coord = SpeculationCoordinator(names, RoutingSpec(drafters_per_request=1, chain_choice="latency", beta=0.0))
+    context = [1, 2, 3]
+    used = []
+    for _ in range(6):
+        drafts = asyncio.run(coord.draft([DraftRequest("r", list(context), 4, 8)], step))
+        d = drafts["r"]
+        used.append(d.drafters[0])
+        context += truth[len(context) - 3:len(context) - 3 + len(d) + 1]  # all accepted, plus the bonus
+    assert used[-1] == "good-quick" and "wrong-quick" not in used[1:], used
+    state = coord.state()
+    assert state["chain_token_ms"]["good-slow"] > 5 * state["chain_token_ms"]["good-quick"]
+    assert state["chain_cycle_ms"] is not None
