@@ -9,8 +9,9 @@ with the least predicted time per token the target accepts (its Eq. 7, read as t
 t_d is the drafter's measured time per drafted token (its calls, hops included: an assisted drafter is cheaper
 per token than the same drafter alone); t_cycle the measured time a request spends between two of its rounds
 (verification, the loop); a_rd the request's per-token acceptance of drafter d, from the drafters' proposals
-scored against what the target committed (every drafter scores on a request's first round, the one that drafted
-since then on each later one). E is the expected tokens per target pass with i.i.d. acceptance, bonus included.
+scored against what the target committed, each round it drafts for the request. The candidates of a round are
+the router's pick (its ranking and exploration bring new chains in, at the prior acceptance) and the chains the
+request has already drafted with. E is the expected tokens per target pass with i.i.d. acceptance, bonus included.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class ChainCosts:
             return
         trials = accepted + 1 if accepted < drafted else drafted
         per = self.acceptance.setdefault(rid, {})
-        per[name] = self._blend(per.get(name, self.prior_acceptance), (accepted + 0.5) / (trials + 1))
+        per[name] = self._blend(per.get(name), (accepted + 0.5) / (trials + 1))
 
     def release(self, rid: str) -> None:
         self.acceptance.pop(rid, None)

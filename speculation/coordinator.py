@@ -56,7 +56,6 @@ class _Round:
     proposals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # drafter -> [(token, conf)]
     fused: bool = True  # were the drafters fed the fused token (Eq. 4) or their own?
     voted: bool = False  # a majority vote (its feedback goes to the voters' weights, not to routing)
-    scored: dict[str, int] = field(default_factory=dict)  # first round: every drafter's first token (chain choice)
 
 
 @dataclass
@@ -77,7 +76,6 @@ class _Drafting:
     ahead: dict[str, dict[int, Proposal]] = field(default_factory=dict)  # drafter -> depth -> proposal received
     path: dict[str, list[int]] = field(default_factory=dict)  # drafter -> tokens fed after the context
     alive: set[str] = field(default_factory=set)  # drafters still in the round
-    scored: dict[str, int] = field(default_factory=dict)  # first round: every scoring drafter's first token
 
     def __post_init__(self):
         for n in self.chosen:
@@ -111,7 +109,6 @@ class _Drafting:
         props = {n: self.ahead[n][depth] for n in self.alive if depth in self.ahead[n]}
         if depth == 0 and self.scoring:
             ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
-            self.scored = {n: p.token for n, p in props.items()}
             if ll:
                 router.add_request(rid, ll)
                 keep = router.route(rid, self.req.participation.drafters_per_request)
@@ -142,7 +139,7 @@ class _Drafting:
     def record(self) -> _Round:
         return _Round(len(self.req.context), {n: [(p.token, p.prob) for p in ch]
                                               for n, ch in self.chains.items() if ch}, self.lockstep,
-                      self.vote is not None, self.scored)
+                      self.vote is not None)
 
 
 class SpeculationCoordinator:
@@ -212,9 +209,9 @@ class SpeculationCoordinator:
         committed = context[rnd.start:]
         if not committed:
             return
-        if self.costs is not None:  # the drafters dropped after the first round's scoring count with their token
-            chains = {n: [t] for n, t in rnd.scored.items()} | {n: [t for t, _ in p] for n, p in rnd.proposals.items()}
-            for name, toks in chains.items():
+        if self.costs is not None:
+            for name, props in rnd.proposals.items():
+                toks = [t for t, _ in props]
                 self.costs.observe_acceptance(rid, name, _accepted_prefix(committed, toks), len(toks))
         if rnd.voted:
             self.vote.observe(rid, committed, {n: [t for t, _ in props] for n, props in rnd.proposals.items()})
@@ -249,8 +246,9 @@ class SpeculationCoordinator:
             chosen = up
         else:
             chosen = self.router.route(rid, n, exclude=set(self.drafters) - set(up))
-            if self.costs is not None and n == 1 and self.router.rng.random() >= self.router.config.beta:
-                chosen = [self.costs.best(rid, up, req.k) or chosen[0]] if chosen else chosen
+            if self.costs is not None and n == 1 and chosen:  # the routed chain, or a tried one that is cheaper
+                tried = [d for d in self.costs.acceptance.get(rid, {}) if d in up]
+                chosen = [self.costs.best(rid, list(dict.fromkeys(chosen + tried)), req.k) or chosen[0]]
         return _Drafting(req, chosen, scoring=new and not fixed and req.routing != "random",
                          fuser=FusionTree(budget=req.budget), vote=self.vote if vote else None)
 
