@@ -270,8 +270,8 @@ class RoutingSpec(_Strict):
         "score", description="a request drafting with one drafter (one chain): score: the top routing score; "
         "latency: SpecRouter's choice, the drafter with the least predicted time per accepted token from the "
         "request's measured acceptance of each drafter, each drafter's measured time per token (an assisted "
-        "drafter, a multi-level chain, is cheaper per token) and the measured verify cycle (speculation/chains.py); "
-        "the router's own pick with probability beta")
+        "drafter, a multi-level chain, is cheaper per token) and the measured verify cycle (speculation/chains.py), "
+        "among the router's pick and the chains the request has already drafted with")
 
     @model_validator(mode="after")
     def _alpha_above_beta(self):

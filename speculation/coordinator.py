@@ -248,7 +248,9 @@ class SpeculationCoordinator:
             chosen = self.router.route(rid, n, exclude=set(self.drafters) - set(up))
             if self.costs is not None and n == 1 and chosen:  # the routed chain, or a tried one that is cheaper
                 tried = [d for d in self.costs.acceptance.get(rid, {}) if d in up]
-                chosen = [self.costs.best(rid, list(dict.fromkeys(chosen + tried)), req.k) or chosen[0]]
+                last = self.rounds.get(rid)
+                current = next(iter(last.proposals)) if last is not None and len(last.proposals) == 1 else None
+                chosen = [self.costs.best(rid, list(dict.fromkeys(chosen + tried)), req.k, current) or chosen[0]]
         return _Drafting(req, chosen, scoring=new and not fixed and req.routing != "random",
                          fuser=FusionTree(budget=req.budget), vote=self.vote if vote else None)
 

@@ -20,7 +20,7 @@ def test_expected_tokens():
 
 
 def test_a_slow_accurate_chain_wins_only_when_its_acceptance_pays_for_its_time():
-    costs = ChainCosts(ema=1.0)
+    costs = ChainCosts(ema=1.0, switch_margin=0.0)
     costs.observe_cycle(0.030)  # a 30 ms verify cycle
     costs.observe_call("small", 0.004, 4)  # 1 ms per token
     costs.observe_call("original", 0.048, 4)  # 12 ms per token
@@ -32,6 +32,10 @@ def test_a_slow_accurate_chain_wins_only_when_its_acceptance_pays_for_its_time()
     assert costs.best("r", ["small", "original", "assisted"], 4) == "assisted"  # (16 + 30) / 4.10 is least
     costs.observe_cycle(0.300)  # verification dominates: acceptance is all that counts
     assert costs.best("r", ["small", "original"], 4) == "original"
+    costs.switch_margin = 1.0  # original is predicted 1.85x faster: within a margin of 100%, small is kept
+    assert costs.best("r", ["small", "original"], 4, current="small") == "small"
+    costs.switch_margin = 0.5
+    assert costs.best("r", ["small", "original"], 4, current="small") == "original"
     assert costs.best("r", ["small", "unmeasured"], 4) is None
     costs.release("r")
     assert "r" not in costs.acceptance
@@ -60,7 +64,7 @@ def test_the_coordinator_drafts_with_the_cheapest_chain_per_accepted_token():
     context = [1, 2, 3]
     used = []
     for _ in range(16):
-        time.sleep(0.03)  # the verify cycle
+        time.sleep(0.01)  # the verify cycle
         drafts = asyncio.run(coord.draft([DraftRequest("r", list(context), 4, 8)], step))
         d = drafts["r"]
         used.append(d.drafters[0])
