@@ -67,8 +67,10 @@ class _Cycle:
     """A request's collaborative state between steps."""
 
     pending: list[int]  # committed tokens not yet in the partner's cache
-    bonus: tuple[int, torch.Tensor] | None = None  # APF: the target's proposed token and the logits it came from
-    drafts: list[int] = field(default_factory=list)  # this step's partner drafts and the logits of each
+    # APF: the target's proposed token, the distribution it was drawn from and the logits behind it
+    bonus: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    drafts: list[int] = field(default_factory=list)  # this step's partner drafts, with the distribution each was
+    draft_probs: list[torch.Tensor] = field(default_factory=list)  # drawn from and the logits behind it
     draft_logits: list[torch.Tensor] = field(default_factory=list)
     verdict: list[int] = field(default_factory=list)  # this step's token from the bonus check (committed)
     bonus_accepted: bool = False
@@ -79,8 +81,6 @@ class CollaborativeEngine(TorchVerifierEngine):
     """A verifier engine whose outputs follow `combination` of a co-located partner model and the target. `k`: the
     partner's draft length per cycle (0: token-by-token collaborative decoding, the baseline); `alternate`: APF.
     Drafts sent by the loop are ignored: the partner, which must share the target's vocabulary, drafts here."""
-
-    partial_steps = True
 
     def __init__(self, model, partner, combination: Combination = Combination(), k: int = 4, alternate: bool = True,
                  max_batch: int = 16, max_len: int | None = 2048, tokenizer=None,
@@ -155,7 +155,7 @@ class CollaborativeEngine(TorchVerifierEngine):
         feed, room = {}, {}
         for r in rids:
             c = self.cycles[r]
-            c.drafts, c.draft_logits, c.verdict, c.bonus_accepted = [], [], [], False
+            c.drafts, c.draft_probs, c.draft_logits, c.verdict, c.bonus_accepted = [], [], [], [], False
             if c.bonus is None and not self._room(r):
                 room[r] = 0
                 continue
@@ -168,10 +168,10 @@ class CollaborativeEngine(TorchVerifierEngine):
                 c, req = self.cycles[r], self.running[r]
                 fed = feed.pop(r)
                 if c.bonus is not None:
-                    token, target_logits = c.bonus
+                    token, p, target_logits = c.bonus
                     c.bonus = None
                     at = len(c.pending) - 1  # the partner's row for the bonus position
-                    ok, y = verify_token(token, target_probs(target_logits, req.params),
+                    ok, y = verify_token(token, p,
                                          self.combination.probs(rows[at], target_logits, req.params),
                                          None if req.params.greedy else req.gen)
                     c.verdict, c.bonus_accepted = [y], ok
@@ -190,8 +190,9 @@ class CollaborativeEngine(TorchVerifierEngine):
                 if not c.drafts:
                     c.base = self.partner.length(r)
                 d = target_probs(rows[-1], req.params)
-                x = int(d.argmax()) if req.params.greedy else int(torch.multinomial(d, 1, generator=req.gen))
+                x = _draw(d, req)
                 c.drafts.append(x)
+                c.draft_probs.append(d)
                 c.draft_logits.append(rows[-1])
                 if len(c.drafts) < room[r]:
                     feed[r] = [x]
@@ -211,9 +212,8 @@ class CollaborativeEngine(TorchVerifierEngine):
             c, req = self.cycles[r], self.running[r]
             gen = None if req.params.greedy else req.gen
             accepted, extra = 0, None
-            for j, (tok, q) in enumerate(zip(c.drafts, c.draft_logits)):
-                ok, y = verify_token(tok, target_probs(q, req.params),
-                                     self.combination.probs(q, rows[j], req.params), gen)
+            for j, (tok, d, q) in enumerate(zip(c.drafts, c.draft_probs, c.draft_logits)):
+                ok, y = verify_token(tok, d, self.combination.probs(q, rows[j], req.params), gen)
                 if not ok:
                     extra = y
                     break
@@ -228,8 +228,7 @@ class CollaborativeEngine(TorchVerifierEngine):
             elif self.alternate:  # APF: the target proposes the next token, the partner checks it next cycle
                 self.runner.commit_all(r, x)
                 p = target_probs(rows[k], req.params)
-                bonus = int(p.argmax()) if req.params.greedy else int(torch.multinomial(p, 1, generator=req.gen))
-                c.bonus = (bonus, rows[k])
+                c.bonus = (_draw(p, req), p, rows[k])
                 committed = c.verdict + c.drafts
             else:  # naive CoS: the target's next distribution is dropped; the last draft is fed again next cycle
                 self.runner.commit(r, x, list(range(k)))
@@ -252,8 +251,12 @@ class CollaborativeEngine(TorchVerifierEngine):
             c, req = self.cycles[r], self.running[r]
             self.partner.commit_all(r, c.pending)
             self.runner.commit_all(r, [req.last_token])
-            rr = self.combination.probs(q[-1], p[-1], req.params)
-            y = int(rr.argmax()) if req.params.greedy else int(torch.multinomial(rr, 1, generator=req.gen))
+            y = _draw(self.combination.probs(q[-1], p[-1], req.params), req)
             c.pending, req.last_token = [y], y
             outs.append(self._emit(r, [y], 0, 0, [], 0))
         return outs
+
+
+def _draw(probs: torch.Tensor, req) -> int:
+    """A token from `probs` with the request's generator (greedy: the argmax, no draw)."""
+    return int(probs.argmax()) if req.params.greedy else int(torch.multinomial(probs, 1, generator=req.gen))

@@ -164,7 +164,7 @@ class SpeculationCoordinator:
         self.on_failure: Callable[[str], None] | None = None  # told the drafter's name when a call fails
         self.routing_history: deque = deque(maxlen=1024)  # (rid, drafters ranked first..last) at release
         self.costs = ChainCosts() if self.router.config.chain_choice == "latency" else None
-        self.round_end: dict[str, float] = {}  # request -> when its last round ended (the verify cycle's start)
+        self.round_end: dict[str, float] = {}  # chain choice: when a request's last round ended (its cycle's start)
 
     @classmethod
     def from_config(cls, cfg: AppConfig) -> SpeculationCoordinator:
@@ -307,7 +307,8 @@ class SpeculationCoordinator:
                 drafts[rid] = d
             if not r.req.ahead or rid not in self.rounds:
                 self.rounds[rid] = r.record()
-            self.round_end[rid] = time.perf_counter()
+            if self.costs is not None:
+                self.round_end[rid] = time.perf_counter()
         self.stats["rounds"] += 1
         self.stats["step_seconds"] += time.perf_counter() - t0
         return drafts
