@@ -21,20 +21,42 @@ import httpx
 
 from model_family import DOMAINS
 
-VARIANTS = {
-    "speculation off": lambda d: {"enabled": False},
-    "generic drafter only (vanilla SD)": lambda d: {"drafters": ["generic"], "lockstep": False},
-    "oracle drafter (true domain)": lambda d: {"drafters": [d], "lockstep": False},
-    "random routing": lambda d: {"routing": "random"},
-    # the top routed drafter alone: picking the right drafter without combining drafters
-    "routing without fusion": lambda d: {"lockstep": False, "drafters_per_request": 1},
-    # two routed drafters every round, fused in lockstep / one-shot (the controller's participation overridden)
-    "routing + lockstep fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "lockstep": True},
-    "routing + one-shot fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "lockstep": False},
-    "full CoSine (routing + fusion + adaptive)": lambda d: {},
-    # Minions: every drafter drafts, the weighted-majority chain is verified (speculation.mode: vote per request)
-    "Minions vote of every drafter": lambda d: {"mode": "vote"},
+# Every variant is chosen per request (the `speculation` field), so each suite runs against one deployment. A name
+# means one thing in every suite.
+OFF = {"speculation off": lambda d: {"enabled": False}}
+SINGLE = {"generic drafter only (vanilla SD)": lambda d: {"drafters": ["generic"], "lockstep": False},
+          "oracle drafter (true domain)": lambda d: {"drafters": [d], "lockstep": False}}
+SUITES = {
+    # examples/bench.yaml: CoSine's parts, and Minions' vote, against the generic drafter
+    "cosine": {
+        **OFF, **SINGLE,
+        "random routing": lambda d: {"routing": "random"},
+        # the top routed drafter alone: picking the right drafter without combining drafters
+        "routing without fusion": lambda d: {"lockstep": False, "drafters_per_request": 1},
+        # two routed drafters every round, fused in lockstep / one-shot (the controller's participation overridden)
+        "routing + lockstep fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "lockstep": True},
+        "routing + one-shot fusion, 2 drafters": lambda d: {"drafters_per_request": 2, "lockstep": False},
+        "full CoSine (routing + fusion + adaptive)": lambda d: {},
+        # Minions: every drafter drafts, the weighted-majority chain is verified (speculation.mode: vote per request)
+        "Minions vote of every drafter": lambda d: {"mode": "vote"},
+    },
+    # examples/chains.yaml: SpecRouter's multi-level chains beside the 2-level ones, and its choice among them
+    "chains": {
+        **OFF, **SINGLE,
+        "2-level chain: the 10M original": lambda d: {"drafters": ["original"]},
+        "3-level chain: domain drafter -> 10M original": lambda d: {"drafters": [f"3level-{d}"]},
+        # one routed drafter a round, the chain taken by routing.chain_choice: latency (the deployment's)
+        "SpecRouter chain choice among all chains": lambda d: {"drafters_per_request": 1},
+    },
+    # examples/collaborative.yaml: CoS against token-by-token collaborative decoding (speculation off for the
+    # request), the same combination either way
+    "collaborative": {
+        **OFF,
+        "CoS, the partner drafts 1 a cycle": lambda d: {"max_draft_tokens": 1},
+        "CoS, the partner drafts the deployment's k": lambda d: {},
+    },
 }
+VARIANTS = {name: fn for suite in SUITES.values() for name, fn in suite.items()}
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], domain: str, variant: str,
@@ -101,7 +123,7 @@ def _row(variant: str, concurrency: int, results: list[dict], wall: float) -> di
 
 def run(url: str, model: str, per_domain: int = 2, new_tokens: int = 128, concurrencies=(1, 8),
         prompt_len: int = 64, repeats: int = 3, config: Path | None = None, variants: list[str] | None = None,
-        log=print) -> dict:
+        suite: str = "cosine", log=print) -> dict:
     """Every variant at every concurrency, served and (with `config`) in process: one warm-up run each, then
     `repeats` interleaved timed runs; each row is the median run, with the min and max tokens/s."""
     from transformers import AutoTokenizer
@@ -118,11 +140,11 @@ def run(url: str, model: str, per_domain: int = 2, new_tokens: int = 128, concur
     inprocess = _InProcess(config, tok, new_tokens) if config is not None else None
     if inprocess is not None:
         transports["in-process"] = inprocess.run
-    unknown = set(variants or []) - set(VARIANTS)
+    unknown = set(variants or []) - set(SUITES[suite])
     if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+        raise SystemExit(f"unknown variants {sorted(unknown)}; the {suite} suite has: {list(SUITES[suite])}")
     # speculation off is every row's baseline
-    chosen = [v for v in VARIANTS if not variants or v in variants or v == "speculation off"]
+    chosen = [v for v in SUITES[suite] if not variants or v in variants or v == "speculation off"]
     rows = []
     for c in concurrencies:
         for v in chosen:
@@ -150,7 +172,7 @@ def run(url: str, model: str, per_domain: int = 2, new_tokens: int = 128, concur
         row["identical_to_off"] = row["texts"] is not None and row["texts"] == base["texts"]
     for row in rows:
         row.pop("texts")
-    result = {"config": {"url": url, "prompts": len(prompts), "new_tokens": new_tokens, "repeats": repeats,
+    result = {"config": {"url": url, "suite": suite, "prompts": len(prompts), "new_tokens": new_tokens, "repeats": repeats,
                          "in_process_config": str(config) if config else None}, "rows": rows}
     if inprocess is not None:
         result["in_process_stats"] = inprocess.close()
@@ -225,7 +247,7 @@ def main(args) -> int:
     with (MetricsSampler(args.metrics_url) if args.metrics_url else nullcontext()) as sampler:
         result = run(args.url, args.model, args.per_domain, args.new_tokens, tuple(args.concurrency),
                      repeats=args.repeats, config=Path(args.config) if args.config else None,
-                     variants=args.variants)
+                     variants=args.variants, suite=args.suite)
     print(format_table(result))
     if sampler is not None:
         result["metrics"] = sampler.series()

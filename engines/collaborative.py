@@ -80,7 +80,11 @@ class _Cycle:
 class CollaborativeEngine(TorchVerifierEngine):
     """A verifier engine whose outputs follow `combination` of a co-located partner model and the target. `k`: the
     partner's draft length per cycle (0: token-by-token collaborative decoding, the baseline); `alternate`: APF.
-    Drafts sent by the loop are ignored: the partner, which must share the target's vocabulary, drafts here."""
+    Drafts sent by the loop are ignored: the partner, which must share the target's vocabulary, drafts here. A
+    request may draft less (`add_request`'s `max_draft_tokens`; 0: token by token): r, and so the output's
+    distribution, is the same at every k."""
+
+    drafts_itself = True
 
     def __init__(self, model, partner, combination: Combination = Combination(), k: int = 4, alternate: bool = True,
                  max_batch: int = 16, max_len: int | None = 2048, tokenizer=None,
@@ -96,7 +100,15 @@ class CollaborativeEngine(TorchVerifierEngine):
         self.k = k
         self.alternate = alternate
         self.cycles: dict[str, _Cycle] = {}
+        self.caps: dict[str, int] = {}  # the requests drafting less than k
         self.partner_passes = 0
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    max_draft_tokens: int | None = None) -> str:
+        rid = super().add_request(prompt_ids, params, request_id)
+        if max_draft_tokens is not None and max_draft_tokens < self.k:
+            self.caps[rid] = max_draft_tokens
+        return rid
 
     def _admit(self) -> None:
         super()._admit()
@@ -119,6 +131,7 @@ class CollaborativeEngine(TorchVerifierEngine):
 
     def _release_partner(self, rid: str) -> None:
         self.cycles.pop(rid, None)
+        self.caps.pop(rid, None)
         self.partner.release(rid)
 
     # ------------------------------------------------------------------ the step
@@ -126,13 +139,14 @@ class CollaborativeEngine(TorchVerifierEngine):
     def step(self, drafts=None, only: set[str] | None = None) -> list[StepOutput]:
         """One cycle for every running request (or those in `only`): token by token, or partner drafts verified."""
         self._admit()
+        self.last_step_tokens = 0
         rids = [r for r in self.running if only is None or r in only]
+        one_by_one = [r for r in rids if self._k(r) == 0]
+        rids = [r for r in rids if self._k(r)]
+        outs = self._token_by_token(one_by_one) if one_by_one else []
         if not rids:
-            return []
-        if self.k == 0:
-            return self._token_by_token(rids)
+            return outs
         room = self._draft(rids)
-        outs = []
         for r in rids:  # no room left (its tokens, or the context): it ends without a target pass
             if not room[r]:
                 c = self.cycles[r]
@@ -141,11 +155,14 @@ class CollaborativeEngine(TorchVerifierEngine):
         drafting = [r for r in rids if room[r]]
         return outs + (self._verify(drafting) if drafting else [])
 
+    def _k(self, rid: str) -> int:
+        return self.caps.get(rid, self.k)
+
     def _room(self, rid: str) -> int:
         req = self.running[rid]
         c = self.cycles[rid]
         left = req.params.max_tokens - len(req.generated) - len(c.verdict)
-        return max(0, min(self.k, left, self.max_len - self.runner.length(rid) - 3,
+        return max(0, min(self._k(rid), left, self.max_len - self.runner.length(rid) - 3,
                           self.max_len - self.partner.length(rid) - len(c.pending) - 3))
 
     def _draft(self, rids: list[str]) -> dict[str, int]:
@@ -206,7 +223,7 @@ class CollaborativeEngine(TorchVerifierEngine):
                   + self.cycles[r].drafts for r in rids]
         logits = self.runner.forward(rids, inputs)
         self.forward_passes += 1
-        self.last_step_tokens = sum(len(x) for x in inputs)
+        self.last_step_tokens += sum(len(x) for x in inputs)
         outs = []
         for r, x, rows in zip(rids, inputs, logits):
             c, req = self.cycles[r], self.running[r]
@@ -245,7 +262,7 @@ class CollaborativeEngine(TorchVerifierEngine):
         target = self.runner.forward(rids, [[self.running[r].last_token] for r in rids])
         self.partner_passes += 1
         self.forward_passes += 1
-        self.last_step_tokens = len(rids)
+        self.last_step_tokens += len(rids)
         outs = []
         for r, q, p in zip(rids, partner, target):
             c, req = self.cycles[r], self.running[r]

@@ -28,6 +28,7 @@ class _Request(RequestCounts):
 
 class VllmVerifierEngine:
     partial_steps = False  # vLLM steps its whole batch at once: the loop does not verify halves of the pool
+    drafts_itself = False
 
     def __init__(self, model: str, *, max_batch: int = 16, max_len: int = 2048, k: int = 4, tokenizer=None,
                  eos_token_ids: tuple[int, ...] = (), **engine_kwargs):

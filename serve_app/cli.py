@@ -263,7 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     sv.add_argument("--repeats", type=int, default=3, help="timed runs of every variant, interleaved; the median "
                                                            "counts (after one warm-up run each)")
-    sv.add_argument("--variants", nargs="+", help="run only these variants (names as printed; default: all)")
+    sv.add_argument("--suite", choices=["cosine", "chains", "collaborative"], default="cosine",
+                    help="the variants for the deployed config: cosine (examples/bench.yaml), chains "
+                         "(examples/chains.yaml), collaborative (examples/collaborative.yaml)")
+    sv.add_argument("--variants", nargs="+", help="run only these variants of the suite (names as printed; "
+                                                  "default: all)")
     sv.add_argument("--config", help="the Serve config the graph runs (e.g. examples/bench.yaml): also run every "
                                      "variant through the same loop in this process and print served / in-process")
     sv.add_argument("--json", default="bench_results/serve.json")

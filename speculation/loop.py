@@ -199,7 +199,12 @@ class VerifyLoop:
             block = False
             if kind == "add":
                 try:
-                    self.engine.add_request(prompt, params, request_id=rid)
+                    if self.engine.drafts_itself and rid in self.requests:  # it takes the request's bound on drafts
+                        o = self.requests[rid].overrides
+                        self.engine.add_request(prompt, params, request_id=rid,
+                                                max_draft_tokens=o.max_draft_tokens if o.enabled else 0)
+                    else:
+                        self.engine.add_request(prompt, params, request_id=rid)
                 except ValueError as e:
                     req = self.requests.pop(rid, None)
                     if req:

@@ -15,6 +15,7 @@ from config import AppConfig
 from engines.collaborative import CollaborativeEngine, Combination
 from engines.sampling import SamplingParams, target_probs
 from speculation.inprocess import build_loop, generate_all
+from speculation.messages import SpeculationOverrides
 
 ENSEMBLE = Combination("ensemble", weight=0.4)
 CONTRASTIVE = Combination("contrastive", mu=0.1)
@@ -119,6 +120,18 @@ def test_the_served_loop_runs_collaborative_decoding(target, partner, prompts, m
     ref, _ = _generate(target, partner, CONTRASTIVE, prompts, params, k=0)
     assert [r.token_ids for r in res] == ref
     assert all(r.stats["num_draft_tokens"] > 0 and r.stats["num_accepted_tokens"] > 0 for r in res)
+    # a request's own bound on drafting (the API's `speculation` field), mixed in one batch: speculation off is
+    # token-by-token collaborative decoding, max_draft_tokens caps k; the output is the combination's either way
+    mixed = [SpeculationOverrides(enabled=False), SpeculationOverrides(max_draft_tokens=1), None,
+             SpeculationOverrides(max_draft_tokens=0)]
+    engine = CollaborativeEngine(target, partner, CONTRASTIVE, k=4, max_batch=4, max_len=256)
+    res = asyncio.run(generate_all(build_loop(cfg, engine), prompts, [params] * len(prompts), mixed))
+    assert [r.token_ids for r in res] == ref
+    assert [r.stats["verify_steps"] for r in (res[0], res[3])] == [16, 16]  # one target pass per token
+    assert res[0].stats["num_draft_tokens"] == res[3].stats["num_draft_tokens"] == 0
+    # at most one partner draft a cycle, and APF's bonus token checked by the partner
+    assert res[1].stats["num_draft_tokens"] <= 2 * res[1].stats["verify_steps"] < 2 * 16
+    assert res[2].stats["num_draft_tokens"] > res[1].stats["num_draft_tokens"]
 
 
 def test_configuration_and_vocabulary_are_checked(target, models):

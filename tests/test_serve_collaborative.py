@@ -56,6 +56,11 @@ def test_served_greedy_output_is_the_combinations(server, app_args, target, mode
         assert out.usage.completion_tokens == 24
         assert out.usage.model_extra["num_accepted_tokens"] > 0  # the partner's drafts were accepted
         assert reference.finished_stats(rid)["verify_steps"] == 24  # the reference: one target pass per token
+    # speculation off for one request: the same combination, token by token (bench serve's baseline)
+    off = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0,
+                                    extra_body={"ignore_eos": True, "speculation": {"enabled": False}})
+    assert off.choices[0].text == out.choices[0].text
+    assert off.usage.model_extra["verify_steps"] == 24 and off.usage.model_extra["num_draft_tokens"] == 0
 
 
 def test_served_streaming_and_sampling(server):
