@@ -147,8 +147,9 @@ class SpeculationCoordinator:
                  embeddings: torch.Tensor | None = None, fixed_drafters: list[str] | None = None,
                  step_timeout_s: float = 5.0, generalists: set[str] | frozenset[str] = frozenset(),
                  round_budget_s: float | None = None, health: DrafterHealth | None = None,
-                 vote: MajorityVote | None = None):
-        """`vote`: Minions' majority vote, for the requests drafting by vote (default: every drafter votes)."""
+                 vote: MajorityVote | None = None, families: dict[str, str] | None = None):
+        """`vote`: Minions' majority vote, for the requests drafting by vote (default: every drafter votes).
+        `families`: each drafter's model, for chain choice (drafters of one model draft the same chains)."""
         self.drafters = list(drafters)
         self.vote = vote or MajorityVote(self.drafters)
         self.router = Router(self.drafters, routing or RoutingSpec(), frozenset(generalists))
@@ -163,7 +164,8 @@ class SpeculationCoordinator:
         self.stats = {"rounds": 0, "drafter_failures": 0, "step_seconds": 0.0}
         self.on_failure: Callable[[str], None] | None = None  # told the drafter's name when a call fails
         self.routing_history: deque = deque(maxlen=1024)  # (rid, drafters ranked first..last) at release
-        self.costs = ChainCosts() if self.router.config.chain_choice == "latency" else None
+        self.costs = ChainCosts(families=dict(families or {})) if self.router.config.chain_choice == "latency" \
+            else None
         self.round_end: dict[str, float] = {}  # chain choice: when a request's last round ended (its cycle's start)
 
     @classmethod
@@ -176,7 +178,8 @@ class SpeculationCoordinator:
                    step_timeout_s=spec.drafter_timeout_ms / 1000,
                    generalists={d.name for d in cfg.drafters if d.generalist},
                    round_budget_s=ROUND_SHARE * spec.draft_timeout_ms / 1000,
-                   health=DrafterHealth(*spec.drafter_backoff_s), vote=vote)
+                   health=DrafterHealth(*spec.drafter_backoff_s), vote=vote,
+                   families={d.name: d.model for d in cfg.drafters})
 
     def state(self) -> dict:
         """Counters and timings, how many requests drafters hold a cache for (what a soak watches), and the
@@ -247,7 +250,7 @@ class SpeculationCoordinator:
         else:
             chosen = self.router.route(rid, n, exclude=set(self.drafters) - set(up))
             if self.costs is not None and n == 1 and chosen:  # the routed chain, or a tried one that is cheaper
-                tried = [d for d in self.costs.acceptance.get(rid, {}) if d in up]
+                tried = self.costs.tried(rid, up)
                 last = self.rounds.get(rid)
                 current = next(iter(last.proposals)) if last is not None and len(last.proposals) == 1 else None
                 chosen = [self.costs.best(rid, list(dict.fromkeys(chosen + tried)), req.k, current) or chosen[0]]
@@ -267,7 +270,7 @@ class SpeculationCoordinator:
                 self.on_failure(name)
             return {}
         self.health.succeeded(name)
-        if self.costs is not None:
+        if self.costs is not None and not any(c.score_context for c in calls):  # a prompt's prefill is no measure
             self.costs.observe_call(name, time.perf_counter() - t0, max(c.steps for c in calls))
         return got
 
