@@ -172,8 +172,8 @@ def run(url: str, model: str, per_domain: int = 2, new_tokens: int = 128, concur
         row["identical_to_off"] = row["texts"] is not None and row["texts"] == base["texts"]
     for row in rows:
         row.pop("texts")
-    result = {"config": {"url": url, "suite": suite, "prompts": len(prompts), "new_tokens": new_tokens, "repeats": repeats,
-                         "in_process_config": str(config) if config else None}, "rows": rows}
+    result = {"config": {"url": url, "suite": suite, "prompts": len(prompts), "new_tokens": new_tokens,
+                         "repeats": repeats, "in_process_config": str(config) if config else None}, "rows": rows}
     if inprocess is not None:
         result["in_process_stats"] = inprocess.close()
     return result

@@ -271,7 +271,8 @@ class RoutingSpec(_Strict):
         "latency: SpecRouter's choice, the drafter with the least predicted time per accepted token from the "
         "request's measured acceptance of each drafter, each drafter's measured time per token (an assisted "
         "drafter, a multi-level chain, is cheaper per token) and the measured verify cycle (speculation/chains.py), "
-        "among the router's pick and the chains the request has already drafted with")
+        "among the router's pick, the chains the request has drafted with and those of the same drafter model "
+        "(which share its acceptance; one not yet timed is tried once)")
 
     @model_validator(mode="after")
     def _alpha_above_beta(self):

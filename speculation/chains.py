@@ -13,7 +13,7 @@ scored against what the target committed, each round it drafts for the request. 
 model draft the same tokens (an assistant changes the cost, not the chain), so they share the request's acceptance.
 The candidates of a round are the router's pick (its ranking and exploration bring new chains in, at the prior
 acceptance) and the chains the request has already drafted with, or whose model it has. A candidate whose time per
-token is not measured yet is tried once if it could win at the quickest measured time. E is the expected tokens
+token is not measured yet is tried once if it could match the best at the quickest measured time. E is the expected tokens
 per target pass with i.i.d. acceptance, bonus included.
 """
 
@@ -33,7 +33,7 @@ class ChainCosts:
     ema: float = 0.3  # weight of the newest measurement
     prior_acceptance: float = 0.6  # a drafter's acceptance for a request before it was scored on it
     # a request keeps its chain unless another is predicted this much faster: a chain new to the request first
-    # prefills its context (measured: chains flapping between two drafters of one model cost 10-20% of the speed)
+    # catches up on its context (measured without the margin: 9% slower, bench_results/engine-chain-choice.json)
     switch_margin: float = 0.2
 
     # drafter -> its chains' model (drafters with the same model draft the same tokens); default: its own name
