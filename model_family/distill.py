@@ -33,6 +33,10 @@ class DistillSet:
         path.parent.mkdir(parents=True, exist_ok=True)
         np.savez(path, tokens=self.tokens, topk_ids=self.topk_ids, topk_p=self.topk_p)
 
+    def concat(self, other: "DistillSet") -> "DistillSet":
+        return DistillSet(*(np.concatenate([a, b]) for a, b in
+                            zip((self.tokens, self.topk_ids, self.topk_p), (other.tokens, other.topk_ids, other.topk_p))))
+
     @classmethod
     def load(cls, path: Path) -> "DistillSet":
         z = np.load(path)
@@ -62,7 +66,8 @@ def build_distill_set(target: LlamaForCausalLM, stream: np.ndarray, n_generated:
     prompts = torch.from_numpy(sample_windows(stream, n_generated, prompt_len, rng))
     for i in tqdm(range(0, n_generated, batch), desc=f"{desc}: target continuations", unit="batch"):
         rows.append(greedy_continue(target, prompts[i:i + batch], seq_len - prompt_len))
-    rows.append(torch.from_numpy(sample_windows(stream, n_text, seq_len, rng)))
+    if n_text:
+        rows.append(torch.from_numpy(sample_windows(stream, n_text, seq_len, rng)))
     tokens = torch.cat(rows)
     ids, probs = [], []
     for i in tqdm(range(0, len(tokens), 50), desc=f"{desc}: target soft labels", unit="batch"):
@@ -73,14 +78,32 @@ def build_distill_set(target: LlamaForCausalLM, stream: np.ndarray, n_generated:
     return DistillSet(tokens.numpy().astype(np.uint16), np.concatenate(ids), np.concatenate(probs))
 
 
+def _fkl(p: torch.Tensor, logp_k: torch.Tensor) -> torch.Tensor:
+    """Forward KL up to the target's entropy: cross-entropy to its renormalised top-K distribution."""
+    return -(p / p.sum(-1, keepdim=True) * logp_k).sum(-1).mean()
+
+
+def _tvd(p: torch.Tensor, logp_k: torch.Tensor) -> torch.Tensor:
+    """Total variation distance (DistillSpec's choice for greedy acceptance): over the target's top-K tokens,
+    plus the drafter's remaining mass against the target's remaining mass."""
+    q_k = logp_k.exp()
+    rest = (1 - p.sum(-1)).clamp(min=0) - (1 - q_k.sum(-1))
+    return 0.5 * ((p - q_k).abs().sum(-1) + rest.abs()).mean()
+
+
+LOSSES = {"fkl": _fkl, "tvd": _tvd}
+
+
 def distill_drafter(config, sets: list[DistillSet], steps: int, batch: int, lr: float, seed: int,
-                    desc: str, init: LlamaForCausalLM | None = None) -> tuple[LlamaForCausalLM, dict]:
+                    desc: str, init: LlamaForCausalLM | None = None, loss: str = "fkl",
+                    checkpoint: Path | None = None) -> tuple[LlamaForCausalLM, dict]:
     """Train a drafter on the union of `sets`, drawing each row from a uniformly chosen set; from scratch, or
-    fine-tuning `init` (a copy of it)."""
+    fine-tuning `init` (a copy of it). `loss` is a divergence of `LOSSES`; `checkpoint` makes it resumable."""
     set_seed(seed)
     model = LlamaForCausalLM(config)
     if init is not None:
         model.load_state_dict(init.state_dict())
+    divergence = LOSSES[loss]
 
     def batch_loss(rng: np.random.Generator) -> torch.Tensor:
         which = rng.integers(0, len(sets), size=batch)
@@ -88,10 +111,9 @@ def distill_drafter(config, sets: list[DistillSet], steps: int, batch: int, lr: 
         x = torch.from_numpy(np.stack([sets[s].tokens[r] for s, r in zip(which, rows)]).astype(np.int64))
         ids = torch.from_numpy(np.stack([sets[s].topk_ids[r] for s, r in zip(which, rows)]).astype(np.int64))
         p = torch.from_numpy(np.stack([sets[s].topk_p[r] for s, r in zip(which, rows)]).astype(np.float32))
-        p = p / p.sum(-1, keepdim=True)
         logp = F.log_softmax(model(input_ids=x[:, :-1]).logits, dim=-1)
-        return -(p * logp.gather(-1, ids)).sum(-1).mean()
+        return divergence(p, logp.gather(-1, ids))
 
-    seconds = fit(model, steps, lr, seed, desc, batch_loss)
+    seconds = fit(model, steps, lr, seed, desc, batch_loss, checkpoint=checkpoint)
     tokens = steps * batch * (sets[0].tokens.shape[1] - 1)
-    return model, {"steps": steps, "tokens": tokens, "seconds": seconds}
+    return model, {"steps": steps, "tokens": tokens, "seconds": seconds, "loss": loss}

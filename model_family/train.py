@@ -56,13 +56,26 @@ def train_target(config, streams: dict[str, np.ndarray], steps: int, batch: int,
 
 
 def fit(model, steps: int, lr: float, seed: int, desc: str,
-        batch_loss: Callable[[np.random.Generator], torch.Tensor]) -> float:
+        batch_loss: Callable[[np.random.Generator], torch.Tensor], checkpoint: Path | None = None,
+        every: int = 100) -> float:
     """The training loop every model of the family shares: AdamW with warm-up and schedule (`lr_at`), gradient
-    clipping at 1, a progress bar; `batch_loss(rng)` draws a batch and returns its loss. Returns the seconds."""
+    clipping at 1, a progress bar; `batch_loss(rng)` draws a batch and returns its loss. Returns the seconds.
+
+    With `checkpoint`, the model, optimiser, data order and seconds so far are saved there every `every` steps,
+    and a run that finds one resumes from it (a session cut off mid-model loses at most `every` steps); the
+    file is removed once training completes."""
     opt = _optimizer(model, lr)
     rng = np.random.default_rng(seed)
-    start = time.time()
-    bar = tqdm(range(steps), desc=desc, unit="step")
+    first, spent = 0, 0.0
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        rng.bit_generator.state = state["rng"]
+        torch.set_rng_state(state["torch_rng"])
+        first, spent = state["step"], state["seconds"]
+    start = time.time() - spent
+    bar = tqdm(range(first, steps), desc=desc, unit="step", initial=first, total=steps)
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
@@ -72,6 +85,15 @@ def fit(model, steps: int, lr: float, seed: int, desc: str,
         opt.step()
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if checkpoint is not None and (step + 1) % every == 0 and step + 1 < steps:
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            partial = checkpoint.with_suffix(".partial")
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng.bit_generator.state,
+                        "torch_rng": torch.get_rng_state(), "step": step + 1, "seconds": time.time() - start},
+                       partial)
+            partial.replace(checkpoint)  # a cut-off mid-write leaves the previous checkpoint whole
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)
     return round(time.time() - start, 1)
 
 

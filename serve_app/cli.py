@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from model_family import DOMAINS
 from model_family.paths import REPO_ROOT, model_path, models_dir
 
 RECIPE_STEPS = ("corpora", "tokenizer", "target", "distill", "drafters", "matrix")
@@ -72,6 +73,16 @@ def _models_acceptance(args) -> int:
                                     new_tokens=args.new_tokens)
     print(f"wrote {args.json}")
     return 1 if _print_matrix(matrix) and args.strict else 0
+
+
+def _models_ablate(args) -> int:
+    from model_family.ablation import ablate, append_result
+
+    result = ablate(Path(args.data_dir), models_dir(), args.domains, args.steps, args.lr, args.loss,
+                    args.extra_generated, model_path(args.init))
+    append_result(Path(args.json), result)
+    print(json.dumps(result, indent=2))
+    return 0
 
 
 def _models_bench_target(args) -> int:
@@ -195,6 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", default="acceptance_matrix.json")
     a.add_argument("--strict", action="store_true", help="exit 1 when the acceptance criteria are not met")
     a.set_defaults(func=_models_acceptance)
+
+    ab = msub.add_parser("ablate", help="one distillation recipe change: domain drafters' margin over a generic "
+                         "drafter fine-tuned with the same budget (needs `train --steps corpora distill` first)")
+    ab.add_argument("--domains", nargs="+", default=["code", "dialogue"], choices=DOMAINS)
+    ab.add_argument("--steps", type=int, default=800, help="fine-tuning steps of every drafter")
+    ab.add_argument("--lr", type=float, default=1.5e-3)
+    ab.add_argument("--loss", default="fkl", choices=("fkl", "tvd"))
+    ab.add_argument("--extra-generated", type=int, default=0,
+                    help="more greedy target continuations per measured domain, beside the recipe's set")
+    ab.add_argument("--init", default="drafter-generic", help="the drafter every run starts from")
+    ab.add_argument("--data-dir", default=str(REPO_ROOT / "data"))
+    ab.add_argument("--json", default="bench_results/ablation.json", help="appends one record per run")
+    ab.set_defaults(func=_models_ablate)
 
     b = msub.add_parser("bench-target", help="derive the cost-realistic widened target")
     b.add_argument("--factor", type=int, default=4)

@@ -113,3 +113,58 @@ def test_shipped_acceptance_matrix_meets_criteria(models):
     matrix = json.loads((models / "acceptance_matrix.json").read_text())
     assert set(matrix["drafters"]) == set(DRAFTERS)
     assert check_acceptance(matrix) == []
+
+
+def test_training_resumes_from_its_checkpoint_exactly(tmp_path):
+    """A run cut off mid-model and started again ends with the weights of a run never cut off."""
+    import numpy as np
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model_family.train import fit
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+
+    def run(checkpoint=None, cut_at=None):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        calls = []
+
+        def batch_loss(rng: np.random.Generator) -> torch.Tensor:
+            if cut_at is not None and len(calls) == cut_at:
+                raise KeyboardInterrupt  # the session ends here
+            calls.append(1)
+            x = torch.from_numpy(rng.integers(0, 64, size=(4, 9)))
+            return model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+
+        fit(model, 10, 1e-2, 0, "tiny", batch_loss, checkpoint=checkpoint, every=3)
+        return model
+
+    straight = run()
+    ckpt = tmp_path / "tiny.ckpt"
+    with pytest.raises(KeyboardInterrupt):
+        run(ckpt, cut_at=7)  # checkpoints after steps 3 and 6, then dies in step 7
+    assert ckpt.exists()
+    resumed = run(ckpt)
+    assert not ckpt.exists()  # removed once the model is complete
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_distillation_divergences_vanish_only_at_the_target():
+    """Both divergences are least where the drafter equals the target's distribution (TVD is zero there) and grow
+    as it moves away; TVD counts the mass outside the target's top-K too."""
+    from model_family.distill import LOSSES
+
+    torch.manual_seed(0)
+    target = torch.softmax(torch.randn(3, 5, 32), -1)
+    p, ids = target.topk(8, dim=-1)
+    exact = target.log().gather(-1, ids)
+    assert LOSSES["tvd"](p, exact).item() < 1e-6
+    near = torch.log_softmax(target.log() + 0.3 * torch.randn_like(target), -1).gather(-1, ids)
+    far = torch.log_softmax(target.log() + 3.0 * torch.randn_like(target), -1).gather(-1, ids)
+    for name, loss in LOSSES.items():
+        assert loss(p, exact) < loss(p, near) < loss(p, far), name
+    # a drafter putting all its mass outside the target's top-K is as far as it gets: TVD = the top-K's mass
+    outside = torch.full_like(p, -30.0)
+    assert abs(LOSSES["tvd"](p, outside).item() - p.sum(-1).mean().item()) < 1e-4

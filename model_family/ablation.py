@@ -1,0 +1,89 @@
+"""`cosine models ablate`: does a change to the distillation recipe widen the domain drafters' margin?
+
+One configuration per run: from a common starting drafter, each chosen domain's drafter is fine-tuned on its
+domain and a generic drafter on all six, with the same steps, learning rate, divergence and data per domain, so
+the margin own / generic on that domain's held-out prompts is measured at equal budget. Results append to a JSON
+list, one record per run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from model_family import DOMAINS
+from model_family.distill import DistillSet, distill_drafter
+
+
+def _extra(data_dir: Path, models_dir: Path, domain: str, n: int, seed: int) -> DistillSet:
+    """`n` more greedy target continuations of the domain's training prompts (cached; other prompts than the
+    recipe's set, by seed)."""
+    from model_family.data import token_streams
+    from model_family.distill import build_distill_set
+    from model_family.recipe import DISTILL_SEQ, PROMPT_LEN
+
+    path = data_dir / "distill" / f"extra-{domain}-{n}.npz"
+    if not path.exists():
+        tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
+        target = AutoModelForCausalLM.from_pretrained(models_dir / "target", dtype=torch.float32).eval()
+        stream = token_streams(data_dir, tok, "train")[domain]
+        build_distill_set(target, stream, n, 0, PROMPT_LEN, DISTILL_SEQ, seed + 100 + DOMAINS.index(domain),
+                          desc=f"{domain} extra").save(path)
+    return DistillSet.load(path)
+
+
+def held_out_sequences(models_dir: Path, domains: list[str], n_prompts: int = 24, prompt_len: int = 64,
+                       new_tokens: int = 64, seed: int = 1234) -> dict[str, torch.Tensor]:
+    """The acceptance matrix's evaluation: the target's greedy continuations of held-out prompts."""
+    from model_family.acceptance import held_out_prompts, target_continuations
+    from model_family.samples import heldout_streams
+
+    tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
+    test = heldout_streams(models_dir, tok)
+    target = AutoModelForCausalLM.from_pretrained(models_dir / "target", dtype=torch.float32).eval()
+    return {d: target_continuations(target, held_out_prompts(test[d], n_prompts, prompt_len, seed), new_tokens)
+            for d in domains}
+
+
+def ablate(data_dir: Path, models_dir: Path, domains: list[str], steps: int, lr: float, loss: str,
+           extra_generated: int, init: Path, seed: int = 0, k: int = 4) -> dict:
+    from model_family.acceptance import measure
+    from model_family.configs import drafter_config
+    from model_family.recipe import DRAFTER_BATCH
+
+    start = time.time()
+    sets = {d: DistillSet.load(data_dir / "distill" / f"{d}.npz") for d in DOMAINS}
+    if extra_generated:
+        for d in domains:  # the generic drafter sees the same data of the measured domains as their drafters
+            sets[d] = sets[d].concat(_extra(data_dir, models_dir, d, extra_generated, seed))
+    seqs = held_out_sequences(models_dir, domains)
+    start_model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+
+    def accepted(model, domain: str) -> float:
+        return round(measure(model.eval(), seqs[domain], 64, k).mean_accepted_length, 3)
+
+    row = {"start": {d: accepted(start_model, d) for d in domains}}
+    generic, _ = distill_drafter(drafter_config(), list(sets.values()), steps, DRAFTER_BATCH, lr, seed,
+                                 desc="generic", init=start_model, loss=loss)
+    row["generic"] = {d: accepted(generic, d) for d in domains}
+    row["own"] = {}
+    for d in domains:
+        own, _ = distill_drafter(drafter_config(), [sets[d]], steps, DRAFTER_BATCH, lr, seed, desc=d,
+                                 init=start_model, loss=loss)
+        row["own"][d] = accepted(own, d)
+    row["margin"] = {d: round(row["own"][d] / row["generic"][d], 3) for d in domains}
+    row["mean_margin"] = round(float(np.mean(list(row["margin"].values()))), 3)
+    config = {"domains": domains, "steps": steps, "lr": lr, "loss": loss, "extra_generated": extra_generated,
+              "init": init.name, "seed": seed, "k": k}
+    return {"config": config, **row, "seconds": round(time.time() - start)}
+
+
+def append_result(path: Path, result: dict) -> None:
+    runs = json.loads(path.read_text()) if path.exists() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(runs + [result], indent=2))
