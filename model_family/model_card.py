@@ -21,7 +21,21 @@ def format_matrix(matrix: dict) -> str:
     return "\n".join(lines)
 
 
-def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, latencies: list[dict] | None) -> str:
+def format_ablation(runs: list[dict]) -> str:
+    """`cosine models ablate` records: the measured domains' accepted length, own drafter vs the generic one."""
+    lines = ["| steps | lr | loss | extra continuations per domain | domain | start | generic after | own after | "
+             "own / generic | run min |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        c = r["config"]
+        for d in c["domains"]:
+            lines.append(f"| {c['steps']} | {c['lr']:g} | {c['loss']} | {c['extra_generated']} | {d} | "
+                         f"{r['start'][d]:.2f} | {r['generic'][d]:.2f} | {r['own'][d]:.2f} | {r['margin'][d]:.3f}x | "
+                         f"{r['seconds'] / 60:.0f} |")
+    return "\n".join(lines)
+
+
+def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, latencies: list[dict] | None,
+           ablation: list[dict] | None = None) -> str:
     out = ["# Model card: the CoSine small model family", "",
            "One target and seven drafters (six domain drafters and one generic), all Llama-architecture causal LMs "
            "sharing one byte-level BPE tokenizer (8192 tokens, ChatML chat template). Trained from scratch on "
@@ -64,8 +78,13 @@ def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, lat
             "layers, 4 heads, MLP 352. Drafters are distilled from the target: for each domain the target greedily "
             "continues 2000 prompts cut from that domain's training text (32 + 96 tokens), and its top-16 next-token "
             "distribution is recorded on those continuations and on 1000 plain 128-token windows; a drafter "
-            "minimises cross-entropy to those soft labels. Domain drafters see only their domain; the generic "
-            "drafter sees all six equally, with the same number of steps.", "",
+            "minimises a divergence to those soft labels (forward KL; TVD selectable). The recipe "
+            "(`model_family/recipe.py`) trains one base drafter on all six domains, then fine-tunes every drafter "
+            "from it for the same number of steps: a domain drafter on its domain, the generic drafter on all six "
+            "equally, so domain and generic drafters are compared at equal budget. Drafters trained under that "
+            "recipe record it in their family.json (`recipe`). The shipped family predates equal budgets: its "
+            "generic drafter is a 350-step base, and each domain drafter that base fine-tuned on its domain for "
+            "the steps in the table (so they had more training than the generic one).", "",
             "## The bench target", "",
             "`cosine models bench-target` (or `make bench-target`) writes `models/bench-target/` (not committed, "
             "~500 MB): the trained target widened 4x Net2Net-style (every residual unit, head and MLP unit "
@@ -86,4 +105,11 @@ def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, lat
                 f"{matrix['new_tokens']} new tokens each. Mean accepted length per verification (bonus token "
                 "included); own domain in bold; the last column also gives the mean draft acceptance rate.", "",
                 format_matrix(matrix), ""]
+    if ablation:
+        out += ["## Recipe ablation", "",
+                "`cosine models ablate` (records in models/recipe_ablation.json): from the shipped generic drafter, "
+                "each measured domain's drafter is fine-tuned on its domain and a generic drafter on all six, with the "
+                "same steps, learning rate, divergence and data per domain; accepted length as in the matrix above "
+                f"(k={ablation[0]['config']['k']}), on the measured domains only.", "",
+                format_ablation(ablation), ""]
     return "\n".join(out)

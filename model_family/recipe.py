@@ -194,5 +194,7 @@ def step_model_card(data_dir: Path, models_dir: Path, docs_dir: Path, matrix_jso
     lat = json.loads(latency_json.read_text()) if latency_json and latency_json.exists() else None
     docs_dir.mkdir(parents=True, exist_ok=True)
     out = docs_dir / "model_card.md"
-    out.write_text(render(models_dir, corpus, matrix, lat))
+    ablation_json = models_dir / "recipe_ablation.json"
+    ablation = json.loads(ablation_json.read_text()) if ablation_json.exists() else None
+    out.write_text(render(models_dir, corpus, matrix, lat, ablation))
     return out

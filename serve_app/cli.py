@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more greedy target continuations per measured domain, beside the recipe's set")
     ab.add_argument("--init", default="drafter-generic", help="the drafter every run starts from")
     ab.add_argument("--data-dir", default=str(REPO_ROOT / "data"))
-    ab.add_argument("--json", default="bench_results/ablation.json", help="appends one record per run")
+    ab.add_argument("--json", default=str(REPO_ROOT / "models" / "recipe_ablation.json"),
+                    help="appends one record per run (the model card renders this file)")
     ab.set_defaults(func=_models_ablate)
 
     b = msub.add_parser("bench-target", help="derive the cost-realistic widened target")
