@@ -51,7 +51,8 @@ def held_out_sequences(models_dir: Path, domains: list[str], n_prompts: int = 24
 
 
 def ablate(data_dir: Path, models_dir: Path, domains: list[str], steps: int, lr: float, loss: str,
-           extra_generated: int, init: Path, seed: int = 0, k: int = 4) -> dict:
+           extra_generated: int, init: Path, seed: int = 0, k: int = 4, eval_at: tuple[int, ...] = ()) -> dict:
+    """One run; `eval_at` adds the learning curve: the same measurements after those numbers of steps."""
     from model_family.acceptance import measure
     from model_family.configs import drafter_config
     from model_family.recipe import DRAFTER_BATCH
@@ -63,24 +64,34 @@ def ablate(data_dir: Path, models_dir: Path, domains: list[str], steps: int, lr:
             sets[d] = sets[d].concat(_extra(data_dir, models_dir, d, extra_generated, seed))
     seqs = held_out_sequences(models_dir, domains)
     start_model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+    milestones = sorted({s for s in eval_at if 0 < s < steps} | {steps})
+    curve: dict[int, dict] = {s: {"generic": {}, "own": {}} for s in milestones}
 
     def accepted(model, domain: str) -> float:
-        return round(measure(model.eval(), seqs[domain], 64, k).mean_accepted_length, 3)
+        value = round(measure(model.eval(), seqs[domain], 64, k).mean_accepted_length, 3)
+        model.train()
+        return value
+
+    def record(key: str, measured: list[str]):
+        def on_step(done: int, model) -> None:
+            if done in curve:
+                curve[done][key].update({d: accepted(model, d) for d in measured})
+        return on_step
 
     row = {"start": {d: accepted(start_model, d) for d in domains}}
-    generic, _ = distill_drafter(drafter_config(), list(sets.values()), steps, DRAFTER_BATCH, lr, seed,
-                                 desc="generic", init=start_model, loss=loss)
-    row["generic"] = {d: accepted(generic, d) for d in domains}
-    row["own"] = {}
+    distill_drafter(drafter_config(), list(sets.values()), steps, DRAFTER_BATCH, lr, seed, desc="generic",
+                    init=start_model, loss=loss, on_step=record("generic", domains))
     for d in domains:
-        own, _ = distill_drafter(drafter_config(), [sets[d]], steps, DRAFTER_BATCH, lr, seed, desc=d,
-                                 init=start_model, loss=loss)
-        row["own"][d] = accepted(own, d)
-    row["margin"] = {d: round(row["own"][d] / row["generic"][d], 3) for d in domains}
+        distill_drafter(drafter_config(), [sets[d]], steps, DRAFTER_BATCH, lr, seed, desc=d, init=start_model,
+                        loss=loss, on_step=record("own", [d]))
+    for point in curve.values():
+        point["margin"] = {d: round(point["own"][d] / point["generic"][d], 3) for d in domains}
+    row.update(curve.pop(steps))
     row["mean_margin"] = round(float(np.mean(list(row["margin"].values()))), 3)
     config = {"domains": domains, "steps": steps, "lr": lr, "loss": loss, "extra_generated": extra_generated,
               "init": init.name, "seed": seed, "k": k}
-    return {"config": config, **row, "seconds": round(time.time() - start)}
+    return {"config": config, **row, "curve": {str(s): v for s, v in curve.items()},
+            "seconds": round(time.time() - start)}
 
 
 def append_result(path: Path, result: dict) -> None:

@@ -8,6 +8,7 @@ contexts the drafter meets at serving time, so agreement there is what raises th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,14 +92,22 @@ def _tvd(p: torch.Tensor, logp_k: torch.Tensor) -> torch.Tensor:
     return 0.5 * ((p - q_k).abs().sum(-1) + rest.abs()).mean()
 
 
-LOSSES = {"fkl": _fkl, "tvd": _tvd}
+def _top1(p: torch.Tensor, logp_k: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy to the target's argmax alone: greedy acceptance asks only that the drafter's argmax match, so
+    none of the drafter's capacity goes to the rest of the target's distribution."""
+    return -logp_k[..., 0].mean()  # top-K ids are sorted: column 0 is the target's argmax
+
+
+LOSSES = {"fkl": _fkl, "tvd": _tvd, "top1": _top1}
 
 
 def distill_drafter(config, sets: list[DistillSet], steps: int, batch: int, lr: float, seed: int,
                     desc: str, init: LlamaForCausalLM | None = None, loss: str = "fkl",
-                    checkpoint: Path | None = None) -> tuple[LlamaForCausalLM, dict]:
+                    checkpoint: Path | None = None,
+                    on_step: Callable[[int, LlamaForCausalLM], None] | None = None) -> tuple[LlamaForCausalLM, dict]:
     """Train a drafter on the union of `sets`, drawing each row from a uniformly chosen set; from scratch, or
-    fine-tuning `init` (a copy of it). `loss` is a divergence of `LOSSES`; `checkpoint` makes it resumable."""
+    fine-tuning `init` (a copy of it). `loss` is a divergence of `LOSSES`; `checkpoint` makes it resumable;
+    `on_step(steps_done, model)` runs after every step."""
     set_seed(seed)
     model = LlamaForCausalLM(config)
     if init is not None:
@@ -114,6 +123,7 @@ def distill_drafter(config, sets: list[DistillSet], steps: int, batch: int, lr: 
         logp = F.log_softmax(model(input_ids=x[:, :-1]).logits, dim=-1)
         return divergence(p, logp.gather(-1, ids))
 
-    seconds = fit(model, steps, lr, seed, desc, batch_loss, checkpoint=checkpoint)
+    seconds = fit(model, steps, lr, seed, desc, batch_loss, checkpoint=checkpoint,
+                  on_step=None if on_step is None else lambda done: on_step(done, model))
     tokens = steps * batch * (sets[0].tokens.shape[1] - 1)
     return model, {"steps": steps, "tokens": tokens, "seconds": seconds, "loss": loss}

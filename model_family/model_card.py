@@ -22,15 +22,19 @@ def format_matrix(matrix: dict) -> str:
 
 
 def format_ablation(runs: list[dict]) -> str:
-    """`cosine models ablate` records: the measured domains' accepted length, own drafter vs the generic one."""
-    lines = ["| steps | lr | loss | extra continuations per domain | domain | start | generic after | own after | "
-             "own / generic | run min |", "|---|---|---|---|---|---|---|---|---|---|"]
+    """`cosine models ablate` records: the measured domains' accepted length, own drafter vs the generic one, at
+    the end of each run and at the points of its learning curve."""
+    lines = ["| run: steps, lr, loss, extra continuations per domain | after steps | domain | start | generic | own | "
+             "own / generic | run min |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         c = r["config"]
-        for d in c["domains"]:
-            lines.append(f"| {c['steps']} | {c['lr']:g} | {c['loss']} | {c['extra_generated']} | {d} | "
-                         f"{r['start'][d]:.2f} | {r['generic'][d]:.2f} | {r['own'][d]:.2f} | {r['margin'][d]:.3f}x | "
-                         f"{r['seconds'] / 60:.0f} |")
+        points = {**{int(s): v for s, v in r.get("curve", {}).items()}, c["steps"]: r}
+        for at in sorted(points):
+            p = points[at]
+            for d in c["domains"]:
+                lines.append(f"| {c['steps']}, {c['lr']:g}, {c['loss']}, {c['extra_generated']} | {at} | {d} | "
+                             f"{r['start'][d]:.2f} | {p['generic'][d]:.2f} | {p['own'][d]:.2f} | "
+                             f"{p['margin'][d]:.3f}x | {r['seconds'] / 60:.0f} |")
     return "\n".join(lines)
 
 

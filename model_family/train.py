@@ -57,13 +57,14 @@ def train_target(config, streams: dict[str, np.ndarray], steps: int, batch: int,
 
 def fit(model, steps: int, lr: float, seed: int, desc: str,
         batch_loss: Callable[[np.random.Generator], torch.Tensor], checkpoint: Path | None = None,
-        every: int = 100) -> float:
+        every: int = 100, on_step: Callable[[int], None] | None = None) -> float:
     """The training loop every model of the family shares: AdamW with warm-up and schedule (`lr_at`), gradient
     clipping at 1, a progress bar; `batch_loss(rng)` draws a batch and returns its loss. Returns the seconds.
 
     With `checkpoint`, the model, optimiser, data order and seconds so far are saved there every `every` steps,
     and a run that finds one resumes from it (a session cut off mid-model loses at most `every` steps); the
-    file is removed once training completes."""
+    file is removed once training completes. `on_step(steps_done)` runs after every step (evaluations along
+    the way)."""
     opt = _optimizer(model, lr)
     rng = np.random.default_rng(seed)
     first, spent = 0, 0.0
@@ -85,6 +86,8 @@ def fit(model, steps: int, lr: float, seed: int, desc: str,
         opt.step()
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if on_step is not None:
+            on_step(step + 1)
         if checkpoint is not None and (step + 1) % every == 0 and step + 1 < steps:
             checkpoint.parent.mkdir(parents=True, exist_ok=True)
             partial = checkpoint.with_suffix(".partial")

@@ -79,7 +79,7 @@ def _models_ablate(args) -> int:
     from model_family.ablation import ablate, append_result
 
     result = ablate(Path(args.data_dir), models_dir(), args.domains, args.steps, args.lr, args.loss,
-                    args.extra_generated, model_path(args.init))
+                    args.extra_generated, model_path(args.init), eval_at=tuple(args.eval_at))
     append_result(Path(args.json), result)
     print(json.dumps(result, indent=2))
     return 0
@@ -212,10 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--domains", nargs="+", default=["code", "dialogue"], choices=DOMAINS)
     ab.add_argument("--steps", type=int, default=800, help="fine-tuning steps of every drafter")
     ab.add_argument("--lr", type=float, default=1.5e-3)
-    ab.add_argument("--loss", default="fkl", choices=("fkl", "tvd"))
+    ab.add_argument("--loss", default="fkl", choices=("fkl", "tvd", "top1"))
     ab.add_argument("--extra-generated", type=int, default=0,
                     help="more greedy target continuations per measured domain, beside the recipe's set")
     ab.add_argument("--init", default="drafter-generic", help="the drafter every run starts from")
+    ab.add_argument("--eval-at", nargs="*", type=int, default=[],
+                    help="also measure after these numbers of steps (the learning curve of the margin)")
     ab.add_argument("--data-dir", default=str(REPO_ROOT / "data"))
     ab.add_argument("--json", default=str(REPO_ROOT / "models" / "recipe_ablation.json"),
                     help="appends one record per run (the model card renders this file)")
