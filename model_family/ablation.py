@@ -53,7 +53,7 @@ def held_out_sequences(models_dir: Path, domains: list[str], n_prompts: int = 24
 def ablate(data_dir: Path, models_dir: Path, domains: list[str], steps: int, lr: float, loss: str,
            extra_generated: int, init: Path, seed: int = 0, k: int = 4, eval_at: tuple[int, ...] = ()) -> dict:
     """One run; `eval_at` adds the learning curve: the same measurements after those numbers of steps."""
-    from model_family.acceptance import measure
+    from model_family.acceptance import agreement_by_kind, measure
     from model_family.configs import drafter_config
     from model_family.recipe import DRAFTER_BATCH
 
@@ -66,6 +66,7 @@ def ablate(data_dir: Path, models_dir: Path, domains: list[str], steps: int, lr:
     start_model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
     milestones = sorted({s for s in eval_at if 0 < s < steps} | {steps})
     curve: dict[int, dict] = {s: {"generic": {}, "own": {}} for s in milestones}
+    kinds: dict[str, dict] = {"generic": {}, "own": {}}
 
     def accepted(model, domain: str) -> float:
         value = round(measure(model.eval(), seqs[domain], 64, k).mean_accepted_length, 3)
@@ -76,6 +77,9 @@ def ablate(data_dir: Path, models_dir: Path, domains: list[str], steps: int, lr:
         def on_step(done: int, model) -> None:
             if done in curve:
                 curve[done][key].update({d: accepted(model, d) for d in measured})
+            if done == steps:
+                kinds[key].update({d: agreement_by_kind(model.eval(), seqs[d], 64) for d in measured})
+                model.train()
         return on_step
 
     row = {"start": {d: accepted(start_model, d) for d in domains}}
@@ -88,6 +92,7 @@ def ablate(data_dir: Path, models_dir: Path, domains: list[str], steps: int, lr:
         point["margin"] = {d: round(point["own"][d] / point["generic"][d], 3) for d in domains}
     row.update(curve.pop(steps))
     row["mean_margin"] = round(float(np.mean(list(row["margin"].values()))), 3)
+    row["agreement"] = kinds
     config = {"domains": domains, "steps": steps, "lr": lr, "loss": loss, "extra_generated": extra_generated,
               "init": init.name, "seed": seed, "k": k}
     return {"config": config, **row, "curve": {str(s): v for s, v in curve.items()},

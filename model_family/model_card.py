@@ -38,6 +38,21 @@ def format_ablation(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_agreement(runs: list[dict]) -> str:
+    """The ablation runs' teacher-forced agreement with the target, split into copied and new tokens."""
+    lines = ["| run: steps, lr, loss, extra | domain | copies among target tokens | generic on copies | own on copies | "
+             "generic on new tokens | own on new tokens |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if "agreement" not in r:
+            continue
+        c, g, o = r["config"], r["agreement"]["generic"], r["agreement"]["own"]
+        for d in c["domains"]:
+            lines.append(f"| {c['steps']}, {c['lr']:g}, {c['loss']}, {c['extra_generated']} | {d} | "
+                         f"{g[d]['copy_share']:.0%} | {g[d]['copy']:.3f} | {o[d]['copy']:.3f} | {g[d]['new']:.3f} | "
+                         f"{o[d]['new']:.3f} |")
+    return "\n".join(lines)
+
+
 def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, latencies: list[dict] | None,
            ablation: list[dict] | None = None) -> str:
     out = ["# Model card: the CoSine small model family", "",
@@ -114,6 +129,11 @@ def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, lat
                 "`cosine models ablate` (records in models/recipe_ablation.json): from the shipped generic drafter, "
                 "each measured domain's drafter is fine-tuned on its domain and a generic drafter on all six, with the "
                 "same steps, learning rate, divergence and data per domain; accepted length as in the matrix above "
-                f"(k={ablation[0]['config']['k']}), on the measured domains only.", "",
+                f"(k={ablation[0]['config']['k']}), on the measured domains only; a run's intermediate rows are its "
+                "learning curve (`--eval-at`). docs/drafter_recipe.md reads these runs.", "",
                 format_ablation(ablation), ""]
+        if any("agreement" in r for r in ablation):
+            out += ["Where the margin comes from: at the end of a run, the drafters' teacher-forced agreement with "
+                    "the target's greedy continuation, on tokens that already occur among the 128 before them "
+                    "(copies) and on tokens new to the context.", "", format_agreement(ablation), ""]
     return "\n".join(out)

@@ -205,3 +205,35 @@ def test_training_reports_every_step_to_its_callback():
                                on_step=lambda done, m: seen.append((done, m)))
     assert [done for done, _ in seen] == [1, 2, 3, 4, 5]
     assert all(m is model for _, m in seen)
+
+
+def test_agreement_splits_copied_tokens_from_new_ones():
+    """A continuation token seen earlier in the context counts as a copy; agreement is scored per kind."""
+    from types import SimpleNamespace
+
+    from model_family.acceptance import agreement_by_kind, copy_mask
+
+    seq = torch.tensor([[5, 6, 7, 5, 6, 9, 7]])  # prompt 5 6 7; continuation 5 6 9 7: copy, copy, new, copy
+    assert copy_mask(seq, 3).tolist() == [[True, True, False, True]]
+
+    def drafter(input_ids):  # right on every token but the second copy (position 4 predicts 1, not 6)
+        nxt = seq[:, 1:].clone()
+        nxt[0, 3] = 1
+        return SimpleNamespace(logits=torch.nn.functional.one_hot(nxt, 10).float())
+
+    got = agreement_by_kind(drafter, seq, 3)
+    assert got == {"copy_share": 0.75, "copy": round(2 / 3, 3), "new": 1.0, "all": 0.75}
+
+
+def test_model_card_renders_an_ablation_run_with_its_learning_curve():
+    from model_family.model_card import format_ablation, format_agreement
+
+    point = lambda g, o: {"generic": {"code": g}, "own": {"code": o}, "margin": {"code": round(o / g, 3)}}  # noqa: E731
+    kinds = {"copy_share": 0.8, "copy": 0.9, "new": 0.5, "all": 0.82}
+    run = {"config": {"domains": ["code"], "steps": 400, "lr": 1e-3, "loss": "top1", "extra_generated": 0},
+           "start": {"code": 3.0}, **point(3.5, 3.85), "curve": {"200": point(3.2, 3.6), "100": point(3.1, 3.3)},
+           "agreement": {"generic": {"code": kinds}, "own": {"code": {**kinds, "new": 0.7}}}, "seconds": 600}
+    rows = format_ablation([run]).splitlines()[2:]
+    assert [r.split(" | ")[1] for r in rows] == ["100", "200", "400"]  # the curve in order, the run's end last
+    assert rows[-1].endswith("| 3.00 | 3.50 | 3.85 | 1.100x | 10 |")
+    assert format_agreement([run]).splitlines()[2] == "| 400, 0.001, top1, 0 | code | 80% | 0.900 | 0.900 | 0.500 | 0.700 |"
