@@ -97,7 +97,7 @@ def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, lat
             "layers, 4 heads, MLP 352. Drafters are distilled from the target: for each domain the target greedily "
             "continues 2000 prompts cut from that domain's training text (32 + 96 tokens), and its top-16 next-token "
             "distribution is recorded on those continuations and on 1000 plain 128-token windows; a drafter "
-            "minimises a divergence to those soft labels (forward KL; TVD selectable). The recipe "
+            "minimises a divergence to those soft labels (forward KL; TVD or the argmax alone selectable). The recipe "
             "(`model_family/recipe.py`) trains one base drafter on all six domains, then fine-tunes every drafter "
             "from it for the same number of steps: a domain drafter on its domain, the generic drafter on all six "
             "equally, so domain and generic drafters are compared at equal budget. Drafters trained under that "
