@@ -37,23 +37,10 @@ def _extra(data_dir: Path, models_dir: Path, domain: str, n: int, seed: int) -> 
     return DistillSet.load(path)
 
 
-def held_out_sequences(models_dir: Path, domains: list[str], n_prompts: int = 24, prompt_len: int = 64,
-                       new_tokens: int = 64, seed: int = 1234) -> dict[str, torch.Tensor]:
-    """The acceptance matrix's evaluation: the target's greedy continuations of held-out prompts."""
-    from model_family.acceptance import held_out_prompts, target_continuations
-    from model_family.samples import heldout_streams
-
-    tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
-    test = heldout_streams(models_dir, tok)
-    target = AutoModelForCausalLM.from_pretrained(models_dir / "target", dtype=torch.float32).eval()
-    return {d: target_continuations(target, held_out_prompts(test[d], n_prompts, prompt_len, seed), new_tokens)
-            for d in domains}
-
-
 def ablate(data_dir: Path, models_dir: Path, domains: list[str], steps: int, lr: float, loss: str,
            extra_generated: int, init: Path, seed: int = 0, k: int = 4, eval_at: tuple[int, ...] = ()) -> dict:
     """One run; `eval_at` adds the learning curve: the same measurements after those numbers of steps."""
-    from model_family.acceptance import agreement_by_kind, measure
+    from model_family.acceptance import agreement_by_kind, held_out_sequences, measure
     from model_family.configs import drafter_config
     from model_family.recipe import DRAFTER_BATCH
 
@@ -69,20 +56,20 @@ def ablate(data_dir: Path, models_dir: Path, domains: list[str], steps: int, lr:
     kinds: dict[str, dict] = {"generic": {}, "own": {}}
 
     def accepted(model, domain: str) -> float:
-        value = round(measure(model.eval(), seqs[domain], 64, k).mean_accepted_length, 3)
-        model.train()
-        return value
+        return round(measure(model, seqs[domain], 64, k).mean_accepted_length, 3)
 
     def record(key: str, measured: list[str]):
         def on_step(done: int, model) -> None:
-            if done in curve:
-                curve[done][key].update({d: accepted(model, d) for d in measured})
+            if done not in curve:
+                return
+            model.eval()
+            curve[done][key].update({d: accepted(model, d) for d in measured})
             if done == steps:
-                kinds[key].update({d: agreement_by_kind(model.eval(), seqs[d], 64) for d in measured})
-                model.train()
+                kinds[key].update({d: agreement_by_kind(model, seqs[d], 64) for d in measured})
+            model.train()
         return on_step
 
-    row = {"start": {d: accepted(start_model, d) for d in domains}}
+    row = {"start": {d: accepted(start_model.eval(), d) for d in domains}}
     distill_drafter(drafter_config(), list(sets.values()), steps, DRAFTER_BATCH, lr, seed, desc="generic",
                     init=start_model, loss=loss, on_step=record("generic", domains))
     for d in domains:

@@ -31,6 +31,20 @@ def held_out_prompts(stream: np.ndarray, n: int, length: int, seed: int) -> torc
     return torch.from_numpy(np.stack([stream[s:s + length] for s in sorted(picks)]).astype(np.int64))
 
 
+def held_out_sequences(models_dir, domains, n_prompts: int = 24, prompt_len: int = 64, new_tokens: int = 64,
+                       seed: int = 1234) -> dict[str, torch.Tensor]:
+    """The acceptance matrix's evaluation: per domain, the target's greedy continuations of held-out prompts."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from model_family.samples import heldout_streams
+
+    test = heldout_streams(models_dir, AutoTokenizer.from_pretrained(models_dir / "tokenizer"))
+    target = AutoModelForCausalLM.from_pretrained(models_dir / "target", dtype=torch.float32).eval()
+    return {d: target_continuations(target, held_out_prompts(test[d], n_prompts, prompt_len, seed), new_tokens)
+            for d in tqdm(domains, desc="target continuations")}
+
+
 @torch.no_grad()
 def target_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     return greedy_continue(target, prompts, new_tokens)

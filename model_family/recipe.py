@@ -149,14 +149,9 @@ def step_acceptance_matrix(models_dir: Path, out: Path, k: int = 4, n_prompts: i
     import torch
     from tqdm import tqdm
 
-    from model_family.acceptance import held_out_prompts, measure, target_continuations
-    from model_family.samples import heldout_streams
+    from model_family.acceptance import held_out_sequences, measure
 
-    tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
-    test = heldout_streams(models_dir, tok)
-    target = _target(models_dir)
-    seqs = {d: target_continuations(target, held_out_prompts(test[d], n_prompts, prompt_len, seed), new_tokens)
-            for d in tqdm(DOMAINS, desc="target continuations")}
+    seqs = held_out_sequences(models_dir, DOMAINS, n_prompts, prompt_len, new_tokens, seed)
     matrix: dict = {"k": k, "prompts_per_domain": n_prompts, "prompt_len": prompt_len,
                     "new_tokens": new_tokens, "drafters": {}}
     for name in tqdm(DRAFTERS, desc="drafters"):
