@@ -6,7 +6,8 @@ The same held-out mixed-domain prompts (2 per domain, 64 tokens), the bench targ
   drafter (vLLM takes one draft model per engine: each domain's prompts run on their domain's engine, at the
   concurrency or as many prompts as the domain has; these engines run first, one at a time, since nine vLLM
   engines do not fit in a small machine's memory); vLLM `ngram`. All in-process vLLM engines (faster on few
-  cores than its multiprocess default, measured), k = 4.
+  cores than its multiprocess default, measured), every method drafting up to the same k (`--k`, default 4;
+  ours: `speculation.k`, its maximum when adaptive).
 - HF assisted generation with the domain drafter (batch 1 only: transformers' assisted generation is batch 1).
 - ours: the vLLM verifier with the in-process drafting tier (`VerifyLoop`, the full CoSine configuration of
   examples/bench.yaml), and the same configuration served through Ray Serve (`cosine serve`, HTTP).
@@ -34,7 +35,6 @@ import httpx
 from model_family import DOMAINS
 from benchmarks.metrics import save_json
 
-K = 4
 TARGET_ONLY = "vLLM target-only"
 SERVED = "ours: vLLM verifier + drafting tier, served (Ray Serve, HTTP)"
 OURS = "ours: vLLM verifier + drafting tier, in process"
@@ -69,9 +69,9 @@ def _vllm_worker(spec: dict, max_batch: int):
     args = engine_args(str(model_path("bench-target")), max_batch, 512)
     if spec.get("draft"):
         args["speculative_config"] = {"method": "draft_model", "model": str(model_path(f"drafter-{spec['draft']}")),
-                                      "num_speculative_tokens": K}
+                                      "num_speculative_tokens": spec["k"]}
     elif spec.get("ngram"):
-        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": K}
+        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec["k"]}
     counters = SpecCounters()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory])
 
@@ -112,6 +112,7 @@ def _ours_worker(spec: dict, max_batch: int):
 
     args = yaml.safe_load(Path(spec["config"]).read_text())["applications"][0]["args"]
     args["verifier"].update(engine="vllm", max_batch=max_batch, kv_cache_gib=1)
+    args["speculation"]["k"] = spec["k"]
     loop = build_loop(AppConfig.model_validate(args))
     aio = asyncio.new_event_loop()
 
@@ -267,7 +268,8 @@ class _Served:
 
 
 def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: int = 128, concurrencies=(1, 8),
-        prompt_len: int = 64, repeats: int = 3, served: bool = True, port: int = 8011, log=print) -> dict:
+        prompt_len: int = 64, repeats: int = 3, served: bool = True, port: int = 8011, k: int = 4,
+        log=print) -> dict:
     from benchmarks.engine import _prompts
     from model_family.paths import model_path
 
@@ -288,7 +290,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     # The domain-drafter rows need one vLLM engine per domain, and this machine's memory does not hold nine vLLM
     # engines at once: they run first, one domain's engine at a time (warm-up, then the repeats).
     runs: dict[tuple[str, int], list[dict]] = _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch,
-                                                            logs, log)
+                                                            k, logs, log)
     runners: dict[str, object] = {}
     try:
         for i, (name, spec) in enumerate(systems.items()):
@@ -296,9 +298,9 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
                 continue
             log(f"[start {i + 1}/{len(systems)}] {name}")
             if spec["kind"] == "served":
-                runners[name] = _Served(config, port, port + 1)
+                runners[name] = _Served(_with_k(config, k, logs), port, port + 1)
             else:
-                runners[name] = _Worker(dict(spec, config=config, max_batch=max_batch), logs / f"{i}.log")
+                runners[name] = _Worker(dict(spec, config=config, max_batch=max_batch, k=k), logs / f"{i}.log")
 
         def measure(name: str, concurrency: int, subset, max_tokens: int) -> dict:
             return runners[name].run([p for _, p in subset], concurrency, max_tokens, [d for d, _ in subset])
@@ -320,19 +322,30 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     for row in rows:
         base = next(r for r in rows if r["system"] == TARGET_ONLY and r["concurrency"] == row["concurrency"])
         row["speedup_vs_vllm_target_only"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
-    return {"config": {"prompts": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens, "k": K,
+    return {"config": {"prompts": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens, "k": k,
                        "repeats": repeats, "ours": config, "cpus": os.cpu_count()},
             "rows": rows, "goals": _goals(rows, concurrencies)}
 
 
-def _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch, logs: Path, log) -> dict:
+def _with_k(config: str, k: int, work: Path) -> str:
+    """`config` with its first application's `speculation.k` set to `k` (a copy in `work`)."""
+    import yaml
+
+    cfg = yaml.safe_load(Path(config).read_text())
+    cfg["applications"][0]["args"].setdefault("speculation", {})["k"] = k
+    path = work / f"served-k{k}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch, k: int, logs: Path, log) -> dict:
     """vLLM draft_model with each prompt's own domain drafter: each domain's prompts on an engine with that
     domain's drafter, one engine at a time; a repeat's result sums the domains' walls."""
     parts: dict[tuple[int, int], dict[str, dict]] = {}
     for n, d in enumerate(DOMAINS):
         log(f"[{ORACLE} {n + 1}/{len(DOMAINS)}] {d}")
         mine = [p for dd, p in prompts if dd == d]
-        worker = _Worker({"kind": "vllm", "draft": d, "max_batch": max_batch}, logs / f"oracle-{d}.log")
+        worker = _Worker({"kind": "vllm", "draft": d, "max_batch": max_batch, "k": k}, logs / f"oracle-{d}.log")
         try:
             for c in concurrencies:
                 worker.run(mine[:1], c, 16, [d])
@@ -408,7 +421,7 @@ def format_table(result: dict) -> str:
 def main(args) -> int:
     result = run(args.config, per_domain=args.per_domain, new_tokens=args.new_tokens,
                  concurrencies=tuple(args.concurrency), repeats=args.repeats, served=not args.no_served,
-                 port=args.port)
+                 port=args.port, k=args.k)
     print(format_table(result))
     save_json(result, args.json)
     return 0

@@ -311,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--repeats", type=int, default=3, help="timed runs of every system, interleaved; the median "
                                                            "counts (after one warm-up run each)")
     an.add_argument("--no-served", action="store_true", help="skip ours through Ray Serve")
+    an.add_argument("--k", type=int, default=4, help="draft tokens per step for every method (ours: the maximum)")
     an.add_argument("--port", type=int, default=8011, help="loopback port of the served graph (and port + 1 for "
                                                            "its dashboard)")
     an.add_argument("--json", default="bench_results/anchors.json")

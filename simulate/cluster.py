@@ -83,9 +83,13 @@ class Result:
     replicas: list[tuple[float, int]]  # (time, drafter replicas running)
     ahead: tuple[int, int] = (0, 0)  # drafts made ahead of a step, and of them used
 
-    def summary(self) -> dict:
+    def summary(self, slo_ms_per_token: float | None = None) -> dict:
+        """Aggregates of the run. Goodput counts the tokens of requests whose latency per token from sending
+        met `slo_ms_per_token` (every request's without one)."""
         f = self.finished
         tokens = sum(r.tokens for r in f)
+        good = sum(r.tokens for r in f if slo_ms_per_token is None
+                   or 1000 * (r.end - r.arrival) <= slo_ms_per_token * r.tokens)
         rounds = sum(r.rounds for r in f)
         per_token = [(r.end - r.arrival) / r.tokens for r in f if r.tokens]
         tpot = [(r.end - r.first) / (r.tokens - 1) for r in f if r.tokens > 1]
@@ -100,7 +104,9 @@ class Result:
                 "target_passes_per_token": sum(r.passes for r in f) / max(tokens, 1),
                 "drafter_gpu_hours": self.drafter_gpu_seconds / 3600,
                 "ahead_used_share": self.ahead[1] / self.ahead[0] if self.ahead[0] else 0.0,
-                "usd_per_million_tokens": 1e6 * self.cost_usd / max(tokens, 1)}
+                "usd_per_million_tokens": 1e6 * self.cost_usd / max(tokens, 1),
+                "goodput_tok_s": good / max(self.makespan, 1e-9),
+                "usd_per_million_good_tokens": 1e6 * self.cost_usd / good if good else None}
 
 
 class _Replica:

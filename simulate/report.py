@@ -49,15 +49,29 @@ def reproduction_tables(result: dict) -> str:
     return "\n".join(out)
 
 
+def _usd(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def sizing_table(result: dict) -> str:
+    slo = result.get("slo_ms_per_token")
     out = [f"profile {result['profile']}, {result['rate']:.2f} requests/s, mix {result['mix'] or 'as traced'}, "
-           f"prices {result['prices']}", "",
-           "| system | drafter GPU | GPUs | tok/s | ms/token | $ per 1M tokens | tokens per $ |", "|---|---|---|---|---|---|---|"]
+           f"prices {result['prices']}, goodput: tokens of requests "
+           + (f"within {slo:g} ms per token" if slo else "(no SLO: every token)"), "",
+           "| system | drafter GPU | GPUs | tok/s | goodput tok/s | ms/token | $ per 1M good tokens | good tokens per $ |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         out.append(f"| {r['system']} | {r['kind'] or '-'} | {r['gpus']} | {r['throughput_tok_s']:.0f} | "
-                   f"{r['latency_ms_per_token']:.1f} | {r['usd_per_million_tokens']:.2f} | {r['tokens_per_usd']:.0f} |")
-    b = result["best"]
-    out.append(f"\nbest goodput per dollar: {b['gpus']} x {b['kind']} ({b['per_verifier_gpu']:.2f} per verifier GPU)")
+                   f"{r['goodput_tok_s']:.0f} | {r['latency_ms_per_token']:.1f} | "
+                   f"{_usd(r['usd_per_million_good_tokens'])} | {r['good_tokens_per_usd']:.0f} |")
+
+    def named(b: dict) -> str:
+        where = f"{b['gpus']} x {b['kind']} ({b['per_verifier_gpu']:.2f} per verifier GPU)" if b["gpus"] else \
+            "no drafter GPUs"
+        return f"{b['system']}, {where}: {b['good_tokens_per_usd']:.0f} good tokens per $"
+
+    out.append(f"\nbest goodput per dollar: {named(result['best'])}")
+    out.append(f"best with drafter GPUs: {named(result['best_remote'])}")
     return "\n".join(out)
 
 
@@ -102,13 +116,14 @@ def plot_sizing(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for kind in DRAFTER_KINDS:
         rows = [r for r in result["rows"] if r["kind"] == kind]
-        ax.plot([r["gpus"] for r in rows], [r["tokens_per_usd"] / 1e6 for r in rows], "o-", label=f"cosine, {kind}")
+        ax.plot([r["gpus"] for r in rows], [r["good_tokens_per_usd"] / 1e6 for r in rows], "o-",
+                label=f"cosine, {kind}")
     for r in result["rows"]:
         if r["system"] != "cosine":
-            ax.axhline(r["tokens_per_usd"] / 1e6, ls="--", color="grey" if r["system"] == "no-spec" else "black",
+            ax.axhline(r["good_tokens_per_usd"] / 1e6, ls="--", color="grey" if r["system"] == "no-spec" else "black",
                        label=r["system"])
     ax.set_xlabel("drafter GPUs per verifier (4 x A100)")
-    ax.set_ylabel("million tokens per USD")
+    ax.set_ylabel("million good tokens per USD")
     ax.set_title(f"{result['profile']}: {result['rate']:.2f} requests/s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -138,7 +153,7 @@ def main(args) -> int:
         else:
             result = studies.size(run_args, requests, args.profile, args.rate, _floats(args.mix),
                                   tuple(int(c) for c in args.counts.split(",")), args.duration,
-                                  _floats(args.prices), log=_log)
+                                  _floats(args.prices), args.slo_ms_per_token, log=_log)
             table, plot = sizing_table(result), plot_sizing
     print(table)
     _write(result, args.json)
@@ -183,4 +198,6 @@ def add_parser(sub, default_config: str) -> None:
             r.add_argument("--counts", default="1,2,4,7,14", help="drafter GPUs per verifier to try")
             r.add_argument("--duration", type=float, default=600.0, help="simulated seconds per point")
             r.add_argument("--prices", help="USD per GPU-hour, e.g. RTX3090=0.3,A100-80GB=2.1")
+            r.add_argument("--slo-ms-per-token", type=float, help="goodput counts only requests whose latency per "
+                           "token from sending is within this (default: every request)")
     s.set_defaults(func=main)
