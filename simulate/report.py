@@ -124,7 +124,9 @@ def plot_sizing(result: dict, path: Path) -> None:
                        label=r["system"])
     ax.set_xlabel("drafter GPUs per verifier (4 x A100)")
     ax.set_ylabel("million good tokens per USD")
-    ax.set_title(f"{result['profile']}: {result['rate']:.2f} requests/s")
+    slo = result.get("slo_ms_per_token")
+    ax.set_title(f"{result['profile']}: {result['rate']:.2f} requests/s"
+                 + (f", goodput within {slo:g} ms/token" if slo else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
