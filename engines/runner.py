@@ -17,6 +17,7 @@ verification rules and samplers run (one copy per step, which the `.tolist()`s d
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from engines.graphs import DEVICE_LOCK, GRAPH_MAX_NEW, StepGraphs
 from engines.weights import LlamaWeights
 
 
@@ -51,8 +53,10 @@ def chain_parents(n: int) -> list[int]:
 
 
 class LlamaRunner:
-    def __init__(self, model, max_slots: int = 16, max_len: int | None = None, prepack: bool = True):
-        """`model`: a Llama causal LM."""
+    def __init__(self, model, max_slots: int = 16, max_len: int | None = None, prepack: bool = True,
+                 graphs: bool | None = None):
+        """`model`: a Llama causal LM. `graphs`: run chain steps of up to `GRAPH_MAX_NEW` new tokens per request at
+        bucketed, padded shapes, replayed from CUDA graphs on a GPU (None: on for a model on CUDA; engines/graphs.py)."""
         model = model.eval()
         self.model = model
         cfg = model.config
@@ -66,7 +70,12 @@ class LlamaRunner:
         self.w = LlamaWeights(model, prepack, self.max_len)
         dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        shape = (self.n_layers, max_slots, self.n_kv, self.max_len, self.head_dim)
+        use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.graphs = StepGraphs(self) if use_graphs else None
+        self.lock = DEVICE_LOCK if use_graphs and self.device.type == "cuda" else contextlib.nullcontext()
+        # with graphs one more slot, never a request's: padded steps write their padding's keys/values there
+        self.scratch = max_slots
+        shape = (self.n_layers, max_slots + (1 if use_graphs else 0), self.n_kv, self.max_len, self.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.requests: dict[str, _Slot] = {}
@@ -89,8 +98,9 @@ class LlamaRunner:
         if gone.slot != last:
             mover = next(s for s in self.requests.values() if s.slot == last)
             n = mover.length + mover.pending  # written but not yet committed tokens move too
-            self.k[:, gone.slot, :, :n] = self.k[:, last, :, :n]
-            self.v[:, gone.slot, :, :n] = self.v[:, last, :, :n]
+            with self.lock:
+                self.k[:, gone.slot, :, :n] = self.k[:, last, :, :n]
+                self.v[:, gone.slot, :, :n] = self.v[:, last, :, :n]
             mover.slot = gone.slot
 
     def length(self, rid: str) -> int:
@@ -120,20 +130,38 @@ class LlamaRunner:
         """
         t_start = time.perf_counter()
         slots = [self.requests[r] for r in rids]
-        B, N = len(rids), max(len(x) for x in inputs)
         if any(len(x) == 0 for x in inputs):
             raise ValueError("every request needs at least one new token")
+        if max(s.length + len(x) for s, x in zip(slots, inputs)) > self.max_len:
+            raise CacheFull(f"context would exceed {self.max_len} tokens")
+        chains = parents is None or all(p == chain_parents(len(p)) for p in parents)
+        with self.lock:
+            if self.graphs is not None and chains and max(map(len, inputs)) <= GRAPH_MAX_NEW:
+                logits = self.graphs.step([s.slot for s in slots], [s.length for s in slots], inputs,
+                                          hidden_only_last)
+            else:
+                logits = self._step(slots, inputs, None if chains else parents, hidden_only_last)
+            if self.device.type != "cpu":
+                logits = logits.cpu()
+        for s, x in zip(slots, inputs):
+            s.pending = len(x)
+        out = [logits[b, :1 if hidden_only_last else len(x)] for b, x in enumerate(inputs)]
+        self.forward_seconds += time.perf_counter() - t_start
+        return out
+
+    def _step(self, slots: list[_Slot], inputs: list[list[int]], parents: list[list[int]] | None,
+              hidden_only_last: bool) -> torch.Tensor:
+        """The step at the exact shapes of its inputs (chains when `parents` is None): logits [B, N or 1, vocab]."""
+        B, N = len(slots), max(len(x) for x in inputs)
         lens = torch.tensor([s.length for s in slots])
         n_new = torch.tensor([len(x) for x in inputs])
-        if int((lens + n_new).max()) > self.max_len:
-            raise CacheFull(f"context would exceed {self.max_len} tokens")
         total = int((lens + n_new).max())
         ids = torch.tensor([x + [0] * (N - len(x)) for x in inputs])
         steps = torch.arange(N)
         if N == 1 and B == 1:
             pos = lens[:, None]
             mask = None  # one query over the whole prefix and itself: nothing to hide
-        elif parents is None or all(p == chain_parents(len(p)) for p in parents):
+        elif parents is None:
             # chains: query j sees the prefix and new tokens 0..j; padded queries see key 0 only (finite softmax)
             pos = lens[:, None] + steps
             limit = torch.where(steps < n_new[:, None], pos + 1, 1)
@@ -193,26 +221,60 @@ class LlamaRunner:
             gate, up = w.gate_up[li](w.norm(norm_post, h)).split(w.inter, dim=-1)
             h = h + w.down[li](w.act(gate) * up)
         h = w.norm(w.final_norm, h)
-        for s, x in zip(slots, inputs):
-            s.pending = len(x)
         if hidden_only_last:
-            logits = w.lm_head(h[torch.arange(B, device=self.device), last]).unsqueeze(1)
-        else:
-            logits = w.lm_head(h)
-        if self.device.type != "cpu":
-            logits = logits.cpu()
-        out = [logits[b, :1 if hidden_only_last else len(x)] for b, x in enumerate(inputs)]
-        self.forward_seconds += time.perf_counter() - t_start
-        return out
+            return w.lm_head(h[torch.arange(B, device=self.device), last]).unsqueeze(1)
+        return w.lm_head(h)
+
+    def padded_step(self, ids: torch.Tensor, slot_idx: torch.Tensor, lens: torch.Tensor, n_new: torch.Tensor,
+                    hidden_only_last: bool, contiguous: bool) -> torch.Tensor:
+        """A chain step at fixed shapes, so that one CUDA graph serves every step of its shape: `ids` [B, N] padded,
+        `slot_idx`, `lens`, `n_new` [B] (rows with n_new = 0 are padding). Attention runs over the whole cache
+        length under a mask; the keys/values of padding go to the scratch slot. `contiguous`: the rows are slots
+        0..B-1 (attend over a view of the cache, not a gathered copy). Logits [B, N or 1, vocab]."""
+        B, N = ids.shape
+        w = self.w
+        steps = torch.arange(N, device=ids.device)
+        pos = lens[:, None] + steps
+        valid = steps < n_new[:, None]
+        write_slot = torch.where(valid, slot_idx[:, None], self.scratch)
+        write_pos = torch.where(valid, pos, 0)
+        limit = torch.where(valid, pos + 1, 1)  # as in `_step`: the prefix and new tokens 0..j; padding key 0
+        mask = (torch.arange(self.max_len, device=ids.device) < limit[..., None])[:, None]
+        h = w.embed(ids)
+        cos, sin = w.rotary(pos.clamp(max=self.max_len - 1))  # padding may run past the end; it is masked
+        for li in range(self.n_layers):
+            norm_in, norm_post = w.norms[li]
+            q, k, v = w.qkv[li](w.norm(norm_in, h)).split(w.qkv_sizes, dim=-1)
+            q = q.view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
+            k = k.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
+            v = v.view(B, N, self.n_kv, self.head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            self.k[li, write_slot, :, write_pos] = k.transpose(1, 2)
+            self.v[li, write_slot, :, write_pos] = v
+            if contiguous:
+                keys, values = self.k[li, :B], self.v[li, :B]
+            else:
+                keys, values = self.k[li, slot_idx], self.v[li, slot_idx]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=w.scaling,
+                                                 enable_gqa=self.n_kv != self.n_heads)
+            h = h + w.o[li](out.transpose(1, 2).reshape(B, N, -1))
+            gate, up = w.gate_up[li](w.norm(norm_post, h)).split(w.inter, dim=-1)
+            h = h + w.down[li](w.act(gate) * up)
+        h = w.norm(w.final_norm, h)
+        if hidden_only_last:
+            h = h[torch.arange(B, device=ids.device), (n_new - 1).clamp(min=0)][:, None]
+        return w.lm_head(h)
+
 
     def commit(self, rid: str, new_tokens: list[int], keep: list[int]) -> None:
         """Keep the keys/values of new tokens at indices `keep` (a root-to-node path, in order)."""
         s = self.requests[rid]
         if keep != list(range(len(keep))):  # a tree path: move the kept nodes next to the prefix
-            src = torch.tensor(keep, device=self.device) + s.length
-            dst = torch.arange(len(keep), device=self.device) + s.length
-            self.k[:, s.slot, :, dst] = self.k[:, s.slot, :, src]
-            self.v[:, s.slot, :, dst] = self.v[:, s.slot, :, src]
+            with self.lock:
+                src = torch.tensor(keep, device=self.device) + s.length
+                dst = torch.arange(len(keep), device=self.device) + s.length
+                self.k[:, s.slot, :, dst] = self.k[:, s.slot, :, src]
+                self.v[:, s.slot, :, dst] = self.v[:, s.slot, :, src]
         s.length += len(keep)
         s.tokens.extend(new_tokens[i] for i in keep)
         s.pending = 0

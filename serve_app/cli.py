@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "counts (after one warm-up run each)")
     e.add_argument("--device", default="cpu", help="where the models run: cpu, or cuda on a GPU machine")
     e.add_argument("--methods", nargs="+", help="run only the methods whose names contain one of these (and "
-                   "target-only, the reference), e.g. 'Minions' 'chain, generic'; HF is then skipped")
+                   "target-only, the reference), e.g. 'Minions' 'chain, generic'; 'HF' for HF assisted generation")
     e.add_argument("--json", default="bench_results/engine.json")
     e.set_defaults(func=_bench_engine)
     co = bsub.add_parser("collaborative", help="CoS vs token-by-token collaborative decoding (ensemble, "

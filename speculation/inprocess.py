@@ -40,11 +40,17 @@ class DrafterServer:
 
     def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048, device: str | None = None,
                  threads: int = 1, assistant=None, assistant_k: int = 4):
-        """`assistant`: a smaller model that drafts this drafter's chains for it (`CascadeDrafterEngine`)."""
+        """`model`: a model, its path, or a `DrafterEngine` to serve as it is (its caches and CUDA graphs kept from a
+        loop before; benchmarks reuse engines so). `assistant`: a smaller model that drafts this drafter's chains
+        for it (`CascadeDrafterEngine`)."""
         self.name = name
         kw = dict(name=name, max_requests=max_requests, max_len=max_len, device=device)
-        self.engine = DrafterEngine(model, **kw) if assistant is None else \
-            CascadeDrafterEngine(model, assistant, assistant_k=assistant_k, **kw)
+        if isinstance(model, DrafterEngine):
+            self.engine = model
+        elif assistant is None:
+            self.engine = DrafterEngine(model, **kw)
+        else:
+            self.engine = CascadeDrafterEngine(model, assistant, assistant_k=assistant_k, **kw)
         # steps run on one thread of their own, with the drafter's torch threads set there (they are per thread)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"drafter-{name}",
                                            initializer=set_thread_torch_threads, initargs=(threads,))
@@ -148,7 +154,7 @@ class Generation:
 
 def build_loop(cfg: AppConfig, engine=None, drafter_models: dict | None = None) -> VerifyLoop:
     """The service's loop in this process: the configured verifier engine (or `engine`) and drafters (or the
-    already loaded `drafter_models`, name -> model)."""
+    already loaded `drafter_models`, name -> model or `DrafterEngine`)."""
     tier = InProcessDraftingTier.from_config(cfg, drafter_models) if cfg.speculation.mode != "off" else None
     loop = VerifyLoop(engine if engine is not None else build_verifier_engine(cfg), cfg, tier)
     loop.drafting_overlaps_verification = False  # drafters and verifier share this process's hardware

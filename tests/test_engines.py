@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 import asyncio
+import random
 
 from config import AppConfig
 from engines.runner import LlamaRunner
@@ -117,8 +118,10 @@ def test_speculation_actually_accepts_tokens(target, drafter_models, mixed_promp
     assert all(o.stats["mean_acceptance_length"] >= 1.0 for o in out)
 
 
-def test_kv_cache_after_rollbacks_and_interleaved_joins_equals_fresh_forward(target, mixed_prompts):
-    runner = LlamaRunner(target, max_slots=4, max_len=512)
+@pytest.mark.parametrize("graphs", [False, True], ids=["exact shapes", "padded shapes (CUDA graphs)"])
+def test_kv_cache_after_rollbacks_and_interleaved_joins_equals_fresh_forward(target, mixed_prompts, graphs):
+    """`graphs`: chain steps at the padded, bucketed shapes a GPU replays from CUDA graphs (run directly here)."""
+    runner = LlamaRunner(target, max_slots=4, max_len=512, graphs=graphs)
     ctx: dict[str, list[int]] = {}
 
     def feed(rid, tokens, keep=None):
@@ -176,9 +179,10 @@ def test_sampling_through_the_engines_matches_the_target(target, drafter_models,
     assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
 
 
-def test_release_between_forward_and_commit_keeps_the_movers_new_tokens(target, mixed_prompts):
+@pytest.mark.parametrize("graphs", [False, True], ids=["exact shapes", "padded shapes (CUDA graphs)"])
+def test_release_between_forward_and_commit_keeps_the_movers_new_tokens(target, mixed_prompts, graphs):
     """The verifier releases a finished request while later requests of the same step are still uncommitted."""
-    runner = LlamaRunner(target, max_slots=3, max_len=512)
+    runner = LlamaRunner(target, max_slots=3, max_len=512, graphs=graphs)
     ctx = {}
     for rid, p in zip("xyz", mixed_prompts[:3]):
         runner.add(rid)
@@ -217,10 +221,45 @@ def test_prepacked_cpu_linears_match_plain_matmuls(target):
     assert torch.allclose(plain.forward(["a"], [ids])[0], fast.forward(["a"], [ids])[0], atol=1e-4)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_padded_graph_steps_equal_exact_steps(target, mixed_prompts, device):
+    """Padded steps (on a GPU: replays of captured graphs, with new inputs each time) with batch and token counts
+    off their buckets and slots out of order after a release give the exact-shape step's logits, and leave the
+    same cache behind (later steps read it)."""
+    import copy
+
+    model = copy.deepcopy(target).to(device)
+    runners = [LlamaRunner(model, max_slots=6, max_len=256, graphs=g) for g in (False, True)]
+    rng = random.Random(0)
+    for r in runners:
+        for rid, p in zip("abcde", mixed_prompts[:5]):
+            r.add(rid)
+            r.forward([rid], [p[:40]])
+            r.commit_all(rid, p[:40])
+    for step in range(12):
+        if step == 4:
+            for r in runners:
+                r.release("b")  # e moves into b's slot: slots no longer in request order
+        live = list("acde") if step >= 4 else list("abcde")
+        rids = rng.sample(live, rng.randint(1, len(live)))
+        inputs = [[rng.randrange(100, 5000) for _ in range(rng.randint(1, 9))] for _ in rids]
+        got = [r.forward(rids, inputs, hidden_only_last=step % 2 == 1) for r in runners]
+        for eager, graphed in zip(*got):
+            assert torch.allclose(eager, graphed, atol=1e-3), step
+        keep = [rng.randint(1, len(x)) for x in inputs]
+        for r in runners:
+            for rid, x, n in zip(rids, inputs, keep):
+                r.commit(rid, x, list(range(n)))
+    if device == "cuda":
+        assert len(runners[1].graphs.graphs) > 3  # several shapes captured, each replayed
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_greedy_on_cuda_equals_target(target, drafter_models, mixed_prompts, shape):
-    """The same engines with every model on a GPU: cache and forward passes there, verification on the host."""
+    """The same engines with every model on a GPU: cache and forward passes there (chain steps replayed from CUDA
+    graphs, trees eager), verification on the host."""
     import copy
 
     gpu_target = copy.deepcopy(target).cuda()
@@ -231,5 +270,7 @@ def test_greedy_on_cuda_equals_target(target, drafter_models, mixed_prompts, sha
     drafters = [copy.deepcopy(drafter_models[n]).cuda() for n in names]
     out, verifier = _run(gpu_target, drafters, prompts, k=4, batch=4, tree_budget=8 if shape == "tree" else None)
     assert verifier.runner.k.is_cuda
+    if shape == "chain":
+        assert verifier.runner.graphs.graphs  # its chain steps were replayed from CUDA graphs
     assert [o.token_ids for o in out] == ref
     assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
