@@ -36,8 +36,8 @@ from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingContext
 
 from config import AutoscalerSpec
-from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, VERIFIER_DRAFT_WAIT, VERIFIER_ROUNDS,
-                                 VERIFIER_SPECULATING)
+from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT,
+                                 VERIFIER_ROUNDS, VERIFIER_SPECULATING)
 
 logger = logging.getLogger("ray.serve")
 
@@ -51,6 +51,13 @@ class DrafterLoad:
 
     busy: float  # replicas' worth of computing
     queued: float  # calls waiting, time-averaged
+    scalable: float | None = None  # the part of busy that grows with the requests served (None: not reported)
+
+    @property
+    def demand(self) -> float:
+        """Replicas' worth of drafting that more replicas would share: the calls waiting, and the compute that
+        grows with the requests (a step's fixed cost does not shrink when its requests are split)."""
+        return self.queued + (self.busy if self.scalable is None else self.scalable)
 
 
 @dataclass
@@ -98,7 +105,7 @@ class ReplicaPlanner:
                 return Decision(clamp(1), "speculating", f"the verifier speculates in {verifier.speculating:.0%} "
                                 "of its request rounds", previous_demand or 0.0)
             return Decision(clamp(current), "no_signals", "no signals from its replicas yet", previous_demand or 0.0)
-        raw = load.busy + load.queued
+        raw = load.demand
         demand = raw if previous_demand is None else s.smoothing * raw + (1 - s.smoothing) * previous_demand
         u = s.target_utilization
         need = math.ceil(demand / u - 1e-9)
@@ -125,7 +132,7 @@ def drafter_load(ctx: AutoscalingContext) -> DrafterLoad | None:
     busy, queued = _summed(ctx, DRAFTER_BUSY), _summed(ctx, DRAFTER_QUEUED)
     if busy is None or queued is None:
         return None
-    return DrafterLoad(busy, queued)
+    return DrafterLoad(busy, queued, _summed(ctx, DRAFTER_SCALABLE))
 
 
 def verifier_load(ctx: AutoscalingContext | None) -> VerifierLoad | None:

@@ -2,34 +2,8 @@
 
 from __future__ import annotations
 
-import statistics
-import time
-
-import torch
-
 from speculation.goodput import LinearLatency
-from engines.runner import LlamaRunner
-
-
-@torch.no_grad()
-def step_seconds(model, batch: int, context: int, new: int, repeats: int = 5) -> float:
-    """Median time of one batched step feeding `new` chain tokens per request after `context` cached tokens."""
-    runner = LlamaRunner(model, max_slots=batch, max_len=context + new + 8)
-    rids = [f"r{i}" for i in range(batch)]
-    prefix = [3 + (i % 1000) for i in range(context)]
-    for r in rids:
-        runner.add(r)
-        runner.forward([r], [prefix], hidden_only_last=True)
-        runner.commit_all(r, prefix)
-    runner.forward(rids, [list(range(5, 5 + new))] * batch)  # warm-up
-    times = []
-    for _ in range(repeats):
-        for r in rids:
-            runner.rollback(r, context)
-        t = time.perf_counter()
-        runner.forward(rids, [list(range(5, 5 + new))] * batch)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from engines.runner import step_seconds
 
 
 def fit_verify_latency(model, batch: int, context: int = 128, news=(1, 3, 5, 9)) -> LinearLatency:

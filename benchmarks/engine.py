@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from autoscale.profiling import fit_draft_latency, fit_verify_latency, step_seconds
+from autoscale.profiling import fit_draft_latency, fit_verify_latency
 from config import AppConfig
 from engines.cpu_kernels import pack_linear_modules, packing_available
 from engines.sampling import SamplingParams
 from engines.drafter import DrafterEngine
+from engines.runner import step_seconds
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
 from model_family.samples import heldout_texts

@@ -20,7 +20,8 @@ class DrafterDeployment:
         self.server = DrafterServer.from_spec(spec, actor_cpus=spec.deployment.ray_actor_options.get("num_cpus"))
         self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.meter = IntervalMeter()  # busy and queued time, for the autoscaler
+        self.meter = IntervalMeter()  # busy, queued and scalable time, for the autoscaler
+        self.cost = self.server.batch_cost(min(spec.max_requests, 8))
         self.requests_gauge = metrics.Gauge("cosine_drafter_requests", "requests holding a KV cache in this "
                                             "drafter replica, by drafter", tag_keys=("drafter",))
         self.requests_gauge.set_default_tags({"drafter": spec.name})
@@ -32,6 +33,9 @@ class DrafterDeployment:
             self.meter.add("queued_s", time.perf_counter() - t)
             reply = await self.server.run(calls)
             self.meter.add("compute_s", reply.compute_ms / 1000)
+            if reply.chains:  # the share of this call's compute that grows with its requests
+                n = len(reply.chains)
+                self.meter.add("scalable_s", reply.compute_ms / 1000 * self.cost.b * n / max(self.cost(n), 1e-9))
             self.requests_gauge.set(len(self.server.engine.states))
             reply.replica = self.replica
             return reply

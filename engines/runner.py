@@ -18,6 +18,7 @@ verification rules and samplers run (one copy per step, which the `.tolist()`s d
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -281,3 +282,24 @@ class LlamaRunner:
 
     def commit_all(self, rid: str, new_tokens: list[int]) -> None:
         self.commit(rid, new_tokens, list(range(len(new_tokens))))
+
+
+@torch.no_grad()
+def step_seconds(model, batch: int, context: int, new: int, repeats: int = 5) -> float:
+    """Median time of one batched step feeding `new` chain tokens per request after `context` cached tokens."""
+    runner = LlamaRunner(model, max_slots=batch, max_len=context + new + 8)
+    rids = [f"r{i}" for i in range(batch)]
+    prefix = [3 + (i % 1000) for i in range(context)]
+    for r in rids:
+        runner.add(r)
+        runner.forward([r], [prefix], hidden_only_last=True)
+        runner.commit_all(r, prefix)
+    runner.forward(rids, [list(range(5, 5 + new))] * batch)  # warm-up
+    times = []
+    for _ in range(repeats):
+        for r in rids:
+            runner.rollback(r, context)
+        t = time.perf_counter()
+        runner.forward(rids, [list(range(5, 5 + new))] * batch)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

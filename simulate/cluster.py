@@ -117,6 +117,7 @@ class _Replica:
         self.homes: set[str] = set()
         self.busy_s = 0.0
         self.queued_s = 0.0
+        self.scalable_s = 0.0
 
 
 class Simulation:
@@ -390,6 +391,7 @@ class Simulation:
             busy = max(steps) * self.hw.draft(len(steps))
             yield self.env.timeout(busy)
             rep.busy_s += busy
+            rep.scalable_s += max(steps) * (self.hw.draft(len(steps)) - self.hw.draft(0))
         yield self.env.timeout(self.hw.hop_ms / 2000)
 
     # ------------------------------------------------------------------ the autoscaler
@@ -406,9 +408,10 @@ class Simulation:
             for name, reps in self.replicas.items():
                 live = [r for r in reps if r.ready_at <= self.env.now]
                 load = DrafterLoad(sum(r.busy_s for r in live) / a.period_s,
-                                   sum(r.queued_s for r in live) / a.period_s)
+                                   sum(r.queued_s for r in live) / a.period_s,
+                                   sum(r.scalable_s for r in live) / a.period_s)
                 for r in live:
-                    r.busy_s = r.queued_s = 0.0
+                    r.busy_s = r.queued_s = r.scalable_s = 0.0
                 d = planner.decide(load, verifier, len(reps), a.min_replicas, a.max_replicas, demand[name])
                 demand[name] = d.demand
                 if d.replicas == len(reps):

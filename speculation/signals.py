@@ -11,6 +11,9 @@ from collections import Counter
 
 DRAFTER_BUSY = "busy"  # share of wall time the drafter engine computed
 DRAFTER_QUEUED = "queued"  # calls waiting for the engine, time-averaged: drafting asked of it but not yet served
+# share of wall time computing in proportion to the requests served: the part of busy that more replicas would
+# divide among them (a step's fixed cost is paid by every replica whatever its share of the requests)
+DRAFTER_SCALABLE = "scalable"
 DRAFTER_REQUESTS = "requests"  # requests holding a KV cache here (what removing the replica would move)
 VERIFIER_DRAFT_WAIT = "draft_wait"  # share of wall time the verifier waited for drafts
 VERIFIER_SPECULATING = "speculating"  # share of request rounds the controller gave drafts (k > 0); 1 when idle
@@ -39,7 +42,7 @@ class IntervalMeter:
 def drafter_signals(meter: IntervalMeter, requests: int) -> dict[str, float]:
     sums, elapsed = meter.take()
     return {DRAFTER_BUSY: sums["compute_s"] / elapsed, DRAFTER_QUEUED: sums["queued_s"] / elapsed,
-            DRAFTER_REQUESTS: float(requests)}
+            DRAFTER_SCALABLE: sums["scalable_s"] / elapsed, DRAFTER_REQUESTS: float(requests)}
 
 
 def verifier_signals(meter: IntervalMeter) -> dict[str, float]:

@@ -12,7 +12,7 @@ from ray.serve.request_router import ReplicaID
 
 from autoscale.policy import DrafterAutoscaler, DrafterLoad, ReplicaPlanner, VerifierLoad
 from config import AutoscalerSpec
-from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, DRAFTER_REQUESTS, VERIFIER_DRAFT_WAIT,
+from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, DRAFTER_REQUESTS, DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT,
                                  VERIFIER_ROUNDS, VERIFIER_SPECULATING, IntervalMeter, drafter_signals,
                                  verifier_signals)
 
@@ -21,8 +21,9 @@ CALM = VerifierLoad(draft_wait=0.05, speculating=0.9)
 
 
 def decide(busy: float, replicas: int, verifier: VerifierLoad | None = CALM, queued: float = 0.0, low: int = 1,
-           high: int = 4, spec: AutoscalerSpec = SPEC, previous: float | None = None):
-    return ReplicaPlanner(spec).decide(DrafterLoad(busy, queued), verifier, replicas, low, high,
+           high: int = 4, spec: AutoscalerSpec = SPEC, previous: float | None = None,
+           scalable: float | None = None):
+    return ReplicaPlanner(spec).decide(DrafterLoad(busy, queued, scalable), verifier, replicas, low, high,
                                        previous)
 
 
@@ -35,6 +36,18 @@ def test_scales_up_for_the_drafting_demand_and_when_the_verifier_waits_on_a_busy
     # waiting on drafts while the drafter idles is a hop or a slow model, not capacity: no replica for it
     assert decide(busy=0.2, replicas=1, verifier=waiting).replicas == 1
     assert decide(busy=5.0, replicas=2, high=4).replicas == 4  # max_replicas bounds it
+
+
+def test_a_busy_drafter_whose_step_cost_does_not_grow_with_its_requests_gets_no_replica_more():
+    """A GPU drafter's step costs about the same for 1 or 16 requests: splitting its requests over more replicas
+    would not shorten a draft, so only the compute that grows with the requests, and calls waiting, count."""
+    flat = decide(busy=0.9, replicas=1, scalable=0.03)
+    assert (flat.replicas, flat.kind) == (1, "hold")
+    waiting = VerifierLoad(draft_wait=0.5, speculating=1.0)
+    assert decide(busy=0.9, replicas=1, scalable=0.03, verifier=waiting).replicas == 1
+    assert decide(busy=0.9, replicas=3, scalable=0.03).replicas == 1  # replicas added for busy time go
+    assert decide(busy=0.9, replicas=1, scalable=0.03, queued=0.8).replicas == 2  # calls queue: a replica helps
+    assert decide(busy=0.9, replicas=1, scalable=0.8).replicas == 2  # compute grows with requests: as busy
 
 
 def test_scales_down_when_drafters_idle_or_speculation_is_off():
@@ -93,8 +106,10 @@ def test_signals_are_rates_over_the_reporting_interval():
     meter = IntervalMeter(clock=lambda: now[0])
     meter.add("compute_s", 1.5)
     meter.add("queued_s", 0.5)
+    meter.add("scalable_s", 0.25)
     now[0] = 5.0
-    assert drafter_signals(meter, 7) == {DRAFTER_BUSY: 0.3, DRAFTER_QUEUED: 0.1, DRAFTER_REQUESTS: 7.0}
+    assert drafter_signals(meter, 7) == {DRAFTER_BUSY: 0.3, DRAFTER_QUEUED: 0.1, DRAFTER_SCALABLE: 0.05,
+                                         DRAFTER_REQUESTS: 7.0}
     now[0] = 10.0
     assert drafter_signals(meter, 0)[DRAFTER_BUSY] == 0.0
     v = IntervalMeter(clock=lambda: now[0])
@@ -132,9 +147,13 @@ def test_the_serve_policy_reads_every_replica_and_keeps_its_state():
                  state={"demand": 1.2}),
         _context("Drafter-legal", 1, {DRAFTER_BUSY: [0.1], DRAFTER_QUEUED: [0.0], DRAFTER_REQUESTS: [1]}),
         _context("Drafter-new", 1, {}),
+        # busy, but its step costs the same for all its requests: nothing more replicas would share
+        _context("Drafter-flat", 2, {DRAFTER_BUSY: [0.9, 0.8], DRAFTER_QUEUED: [0.0, 0.0],
+                                     DRAFTER_SCALABLE: [0.02, 0.01], DRAFTER_REQUESTS: [4, 4]}),
     ])
     decisions, state = policy(contexts)
     by_name = {d.name: n for d, n in decisions.items()}
+    assert by_name["Drafter-flat"] == 1
     assert by_name["Drafter-code"] == 3  # 0.5 * 1.4 + 0.5 * 1.2 = 1.3 replicas' worth, at most 50% each
     assert by_name["Drafter-legal"] == 1 and by_name["Drafter-new"] == 1
     assert {d.name: s.get("demand") for d, s in state.items()}["Drafter-code"] == pytest.approx(1.3)
