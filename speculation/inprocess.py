@@ -71,12 +71,14 @@ class DrafterServer:
         request and at `batch` (a step's fixed cost a is Python, launches and weights read once; b grows with the
         batch). Splitting a call's requests over more replicas saves only the b part: the autoscaler's
         `scalable` signal."""
-        cost = LinearLatency()
-        model = self.engine.model
-        for n in sorted({1, max(2, batch)}):  # the first run of a shape pays its kernels' setup: the best of 3
-            cost.samples.append((n, min(step_seconds(model, n, context, 1) for _ in range(3))))
-        cost.refit()
-        return cost
+        def measure() -> LinearLatency:  # on the drafter's thread, with its torch threads
+            cost = LinearLatency()
+            for n in sorted({1, max(2, batch)}):  # the first run of a shape pays its kernels' setup: the best of 3
+                cost.samples.append((n, min(step_seconds(self.engine.model, n, context, 1) for _ in range(3))))
+            cost.refit()
+            return cost
+
+        return self.executor.submit(measure).result()
 
     async def run(self, calls: list[DrafterCall]) -> DrafterReply:
         """`step` on the drafter's own thread (the event loop goes on meanwhile)."""

@@ -11,7 +11,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from ray.serve.request_router import ReplicaID
 
 from autoscale.policy import DrafterAutoscaler, DrafterLoad, ReplicaPlanner, VerifierLoad
-from config import AutoscalerSpec
+from config import AutoscalerSpec, DrafterSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, DRAFTER_REQUESTS, DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT,
                                  VERIFIER_ROUNDS, VERIFIER_SPECULATING, IntervalMeter, drafter_signals,
                                  verifier_signals)
@@ -182,3 +182,15 @@ def test_policy_kwargs_are_validated():
         DrafterAutoscaler(target_utilization=2.0)
     with pytest.raises(ValueError, match="extra"):
         DrafterAutoscaler(target_utilisation=0.5)
+
+
+def test_a_drafter_measures_the_part_of_its_step_that_grows_with_its_requests():
+    """`DrafterServer.batch_cost`, what a drafter replica's `scalable` signal is computed from: a fixed part and a
+    part per request, both measured on the drafter's own thread and hardware."""
+    from speculation.inprocess import DrafterServer
+
+    server = DrafterServer.from_spec(DrafterSpec(name="code", model="drafter-code"))
+    cost = server.batch_cost(8)
+    assert cost.a > 0 and cost.b >= 0
+    assert cost(8) >= cost(1) and cost(1) == pytest.approx(cost.samples[0][1], rel=0.5)
+    server.executor.shutdown()
