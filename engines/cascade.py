@@ -61,7 +61,7 @@ class CascadeDrafterEngine(DrafterEngine):
                 self.assistant_drafted += len(guess)
                 self.assistant_accepted += n
                 self.runner.commit(r, inputs[r], list(range(len(pending) + n)))
-                props = [self._propose(lg[base + i]) for i in range(n + 1)]  # the kept guesses, then its own
+                props = self._propose(lg[base:base + n + 1])  # the kept guesses, then its own
                 chains[r] += props
                 self.states[r].pending = [props[-1].token] if len(chains[r]) < ks[r] else []
             active = [r for r in active if len(chains[r]) < ks[r]]

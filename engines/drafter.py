@@ -93,21 +93,25 @@ class DrafterEngine:
             full = want_loglik and any(len(x) > 1 for x in inputs)
             logits = self.runner.forward(group, inputs, hidden_only_last=not full)
             self.forward_passes += 1
-            for r, x, lg in zip(group, inputs, logits):
+            proposals = self._propose(torch.stack([lg[-1] for lg in logits]))
+            for r, x, lg, proposal in zip(group, inputs, logits, proposals):
                 self.runner.commit_all(r, x)
                 self.states[r].pending = []
-                out[r] = self._propose(lg[-1])
+                out[r] = proposal
                 if full and len(x) > 1:  # how well this drafter knows the context: CoSine's cold start
                     logp = torch.log_softmax(lg[:-1].float(), dim=-1)
                     lp = logp.gather(-1, torch.tensor(x[1:])[:, None])
                     out[r].context_loglik = float(lp.clamp(min=LOGLIK_FLOOR).mean())
         return out
 
-    def _propose(self, logits: torch.Tensor) -> Proposal:
+    def _propose(self, logits: torch.Tensor) -> list[Proposal]:
+        """A proposal from each row of `logits` [n, vocab], all rows in one pass (a step's requests together)."""
         q = torch.softmax(logits.float(), dim=-1)
-        token = int(logits.argmax())
-        top_p, top_i = q.topk(self.top_alternatives)
-        return Proposal(token, float(q[token]), top_i.tolist(), top_p.tolist())
+        tokens = logits.argmax(-1)
+        probs = q.gather(-1, tokens[:, None])[:, 0]
+        top_p, top_i = q.topk(self.top_alternatives, dim=-1)
+        return [Proposal(t, p, i, tp) for t, p, i, tp in
+                zip(tokens.tolist(), probs.tolist(), top_i.tolist(), top_p.tolist())]
 
     def draft(self, rids: list[str], k: int | dict[str, int]) -> dict[str, list[Proposal]]:
         """Chains of up to k proposals per request, each fed back as the next input."""
