@@ -201,27 +201,17 @@ class LlamaRunner:
             mask = None if mask is None else mask.to(self.device, non_blocking=True)
 
         w = self.w
-        h = w.embed(ids)
-        cos, sin = w.rotary(pos)
-        for li in range(self.n_layers):
-            norm_in, norm_post = w.norms[li]
-            q, k, v = w.qkv[li](w.norm(norm_in, h)).split(w.qkv_sizes, dim=-1)
-            q = q.view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
-            k = k.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
-            v = v.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+
+        def store(li: int, k: torch.Tensor, v: torch.Tensor) -> None:
             self.k[li, write_slot, :, write_pos] = k[b_idx, :, t_idx]
             self.v[li, write_slot, :, write_pos] = v[b_idx, :, t_idx]
+
+        def attended(li: int) -> tuple[torch.Tensor, torch.Tensor]:
             if contiguous:
-                keys, values = self.k[li, :B, :, :total], self.v[li, :B, :, :total]
-            else:
-                keys, values = self.k[li, slot_idx, :, :total], self.v[li, slot_idx, :, :total]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=w.scaling,
-                                                 enable_gqa=self.n_kv != self.n_heads)
-            h = h + w.o[li](out.transpose(1, 2).reshape(B, N, -1))
-            gate, up = w.gate_up[li](w.norm(norm_post, h)).split(w.inter, dim=-1)
-            h = h + w.down[li](w.act(gate) * up)
-        h = w.norm(w.final_norm, h)
+                return self.k[li, :B, :, :total], self.v[li, :B, :, :total]
+            return self.k[li, slot_idx, :, :total], self.v[li, slot_idx, :, :total]
+
+        h = self._layers(w.embed(ids), *w.rotary(pos), mask, store, attended)
         if hidden_only_last:
             return w.lm_head(h[torch.arange(B, device=self.device), last]).unsqueeze(1)
         return w.lm_head(h)
@@ -241,30 +231,44 @@ class LlamaRunner:
         write_pos = torch.where(valid, pos, 0)
         limit = torch.where(valid, pos + 1, 1)  # as in `_step`: the prefix and new tokens 0..j; padding key 0
         mask = (torch.arange(self.max_len, device=ids.device) < limit[..., None])[:, None]
-        h = w.embed(ids)
-        cos, sin = w.rotary(pos.clamp(max=self.max_len - 1))  # padding may run past the end; it is masked
+
+        def store(li: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.k[li, write_slot, :, write_pos] = k.transpose(1, 2)
+            self.v[li, write_slot, :, write_pos] = v.transpose(1, 2)
+
+        def attended(li: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if contiguous:
+                return self.k[li, :B], self.v[li, :B]
+            return self.k[li, slot_idx], self.v[li, slot_idx]
+
+        # padding may run past the cache's end: its positions are clamped for the rotary table, and masked
+        h = self._layers(w.embed(ids), *w.rotary(pos.clamp(max=self.max_len - 1)), mask, store, attended)
+        if hidden_only_last:
+            h = h[torch.arange(B, device=ids.device), (n_new - 1).clamp(min=0)][:, None]
+        return w.lm_head(h)
+
+    def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                store, attended) -> torch.Tensor:
+        """The decoder layers and the final norm over hidden states h [B, N, hidden]: `store(layer, k, v)` writes
+        the new tokens' keys/values ([B, kv heads, N, head_dim]) to the cache, `attended(layer)` gives the cached
+        keys/values the queries attend over (under `mask`)."""
+        w = self.w
+        B, N = h.shape[:2]
         for li in range(self.n_layers):
             norm_in, norm_post = w.norms[li]
             q, k, v = w.qkv[li](w.norm(norm_in, h)).split(w.qkv_sizes, dim=-1)
             q = q.view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
             k = k.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
-            v = v.view(B, N, self.n_kv, self.head_dim)
+            v = v.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            self.k[li, write_slot, :, write_pos] = k.transpose(1, 2)
-            self.v[li, write_slot, :, write_pos] = v
-            if contiguous:
-                keys, values = self.k[li, :B], self.v[li, :B]
-            else:
-                keys, values = self.k[li, slot_idx], self.v[li, slot_idx]
+            store(li, k, v)
+            keys, values = attended(li)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=w.scaling,
                                                  enable_gqa=self.n_kv != self.n_heads)
             h = h + w.o[li](out.transpose(1, 2).reshape(B, N, -1))
             gate, up = w.gate_up[li](w.norm(norm_post, h)).split(w.inter, dim=-1)
             h = h + w.down[li](w.act(gate) * up)
-        h = w.norm(w.final_norm, h)
-        if hidden_only_last:
-            h = h[torch.arange(B, device=ids.device), (n_new - 1).clamp(min=0)][:, None]
-        return w.lm_head(h)
+        return w.norm(w.final_norm, h)
 
 
     def commit(self, rid: str, new_tokens: list[int], keep: list[int]) -> None:
