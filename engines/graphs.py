@@ -6,8 +6,9 @@ whatever the token count), so a drafter step cost most of a target step and spec
 captured graph removes that cost, as vLLM does for its own steps. A graph has fixed shapes and addresses, so steps
 run as `LlamaRunner.padded_step`: batch and new-token counts rounded up to buckets, padding rows and tokens
 masked and their keys/values sent to a scratch slot, attention over the whole cache length. One graph per
-(batch bucket, token bucket, last position only, contiguous slots), captured on first use; a runner's graphs share one memory
-pool (each replay's logits are copied to the host before the next replay). Trees and long prefills run eagerly.
+(batch bucket, token bucket, last position only, contiguous slots), captured on first use; a runner's graphs
+share one memory pool (each replay's logits are copied to the host before the next replay). Trees and long
+prefills run eagerly.
 On a CPU there are no graphs; the padded step runs directly, which is how the tests check its arithmetic.
 
 A capture fails if another thread issues work to the legacy default stream meanwhile (it synchronises with every

@@ -57,7 +57,8 @@ class LlamaRunner:
     def __init__(self, model, max_slots: int = 16, max_len: int | None = None, prepack: bool = True,
                  graphs: bool | None = None):
         """`model`: a Llama causal LM. `graphs`: run chain steps of up to `GRAPH_MAX_NEW` new tokens per request at
-        bucketed, padded shapes, replayed from CUDA graphs on a GPU (None: on for a model on CUDA; engines/graphs.py)."""
+        bucketed, padded shapes, replayed from CUDA graphs on a GPU (None: on for a model on CUDA;
+        engines/graphs.py)."""
         model = model.eval()
         self.model = model
         cfg = model.config
