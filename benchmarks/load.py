@@ -45,6 +45,10 @@ SYSTEMS = {
     # the autoscaler's layout (a deployment per drafter, one replica each) without it: what the autoscaler changes
     "goodput+deployments": {"speculation": {"drafting_tier": "deployments"}},
     "goodput+autoscaler": {"drafters": "autoscaled"},
+    # what the autoscaled layout's served cost comes from: no Serve status poll (no drafter may go to zero), and
+    # Serve's autoscaling metrics every 5 s instead of every second
+    "goodput+autoscaler, min 1": {"drafters": "autoscaled", "autoscaling": {"min_replicas": 1}},
+    "goodput+autoscaler, metrics 5s": {"drafters": "autoscaled", "autoscaling": {"metrics_interval_s": 5.0}},
 }
 
 
@@ -60,11 +64,12 @@ def variant(base: dict, system: str) -> dict:
     cfg = copy.deepcopy(base)
     app = cfg["applications"][0]
     over = dict(SYSTEMS[system])
+    scaling = {**AUTOSCALING, **over.pop("autoscaling", {})}
     if over.pop("drafters", None) == "autoscaled":  # drafters need deployments of their own to be scaled
         app["autoscaling_policy"] = dict(POLICY)
         over["speculation"] = {"drafting_tier": "deployments"}
         for d in app["args"]["drafters"]:
-            d["deployment"] = {**d.get("deployment", {}), "autoscaling_config": dict(AUTOSCALING)}
+            d["deployment"] = {**d.get("deployment", {}), "autoscaling_config": dict(scaling)}
     app["args"] = _merge(app["args"], over)
     return cfg
 
