@@ -154,6 +154,7 @@ class DrafterAutoscaler:
         self.spec = AutoscalerSpec.model_validate(policy_kwargs)
         self.planner = ReplicaPlanner(self.spec)
         self.last: dict[str, tuple[int, str]] = {}  # drafter -> (target, kind) last logged
+        self.last_demand: dict[str, float] = {}  # drafter -> demand last exported
         self._metrics = None
 
     def __call__(self, contexts: dict) -> tuple[dict, dict]:
@@ -173,7 +174,9 @@ class DrafterAutoscaler:
         return decisions, states
 
     def _report(self, drafter: str, ctx: AutoscalingContext, d: Decision) -> None:
-        """A log line when a drafter's target or its reason changes; gauges every decision."""
+        """A log line and the target gauge when a drafter's target or its reason changes, the demand gauge when
+        the demand moves: Serve calls the policy every control-loop tick (0.1 s), in its controller, on the
+        cores the replicas share."""
         if self._metrics is None:
             from ray.util import metrics
 
@@ -184,11 +187,13 @@ class DrafterAutoscaler:
                               "deployment (smoothed)", tag_keys=("drafter",)))
         target, demand = self._metrics
         previous = self.last.get(drafter)
-        if previous is not None and previous[1] != d.kind:
-            target.set(0, tags={"drafter": drafter, "reason": previous[1]})
-        target.set(d.replicas, tags={"drafter": drafter, "reason": d.kind})
-        demand.set(d.demand, tags={"drafter": drafter})
         if previous != (d.replicas, d.kind):
+            if previous is not None and previous[1] != d.kind:
+                target.set(0, tags={"drafter": drafter, "reason": previous[1]})
+            target.set(d.replicas, tags={"drafter": drafter, "reason": d.kind})
             logger.info("drafter autoscaler: Drafter-%s %d -> %d replicas (running %d): %s", drafter,
                         ctx.target_num_replicas, d.replicas, ctx.current_num_replicas, d.reason)
             self.last[drafter] = (d.replicas, d.kind)
+        if abs(d.demand - self.last_demand.get(drafter, -1.0)) > 0.005:
+            demand.set(d.demand, tags={"drafter": drafter})
+            self.last_demand[drafter] = d.demand
