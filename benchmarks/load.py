@@ -47,8 +47,8 @@ SYSTEMS = {
     "goodput+autoscaler": {"drafters": "autoscaled"},
     # what the autoscaled layout's served cost comes from: no Serve status poll (no drafter may go to zero), and
     # Serve's autoscaling metrics every 5 s instead of every second
-    "goodput+autoscaler, min 1": {"drafters": "autoscaled", "autoscaling": {"min_replicas": 1}},
-    "goodput+autoscaler, metrics 5s": {"drafters": "autoscaled", "autoscaling": {"metrics_interval_s": 5.0}},
+    "goodput+autoscaler/min1": {"drafters": "autoscaled", "autoscaling": {"min_replicas": 1}},
+    "goodput+autoscaler/metrics5s": {"drafters": "autoscaled", "autoscaling": {"metrics_interval_s": 5.0}},
 }
 
 

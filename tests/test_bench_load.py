@@ -40,7 +40,7 @@ def test_every_system_is_a_valid_variant_of_the_bench_config():
     assert auto["autoscaling_policy"]["policy_function"] == "autoscale.policy:DrafterAutoscaler"
     assert all(d["deployment"]["autoscaling_config"]["max_replicas"] == 3 for d in auto["args"]["drafters"])
     assert auto["args"]["speculation"]["drafting_tier"] == "deployments"
-    min1 = variant(base, "goodput+autoscaler, min 1")["applications"][0]["args"]["drafters"]
+    min1 = variant(base, "goodput+autoscaler/min1")["applications"][0]["args"]["drafters"]
     assert all(d["deployment"]["autoscaling_config"]["min_replicas"] == 1 for d in min1)
     assert all(d["deployment"]["autoscaling_config"]["min_replicas"] == 0 for d in auto["args"]["drafters"])
     assert variant(base, "goodput+deployments")["applications"][0]["args"]["speculation"]["drafting_tier"] == \
