@@ -1,28 +1,8 @@
-"""Step-latency profiling of a model on this machine, for the goodput model and the benchmarks' limits."""
+"""Step-latency profiling of a verifier engine as the loop drives it (`cosine profile`)."""
 
 from __future__ import annotations
 
 from speculation.goodput import LinearLatency
-from engines.runner import step_seconds
-
-
-def fit_verify_latency(model, batch: int, context: int = 128, news=(1, 3, 5, 9)) -> LinearLatency:
-    """t(total tokens in the step) for a verifier running `batch` requests."""
-    lat = LinearLatency()
-    for b in sorted({1, batch}):
-        for n in news:
-            lat.samples.append((b * n, step_seconds(model, b, context, n)))
-    lat.refit()
-    return lat
-
-
-def fit_draft_latency(model, batch: int, context: int = 128) -> LinearLatency:
-    """t(batch size) of one lockstep drafter step (one new token per request)."""
-    lat = LinearLatency()
-    for b in sorted({1, max(1, batch // 2), batch}):
-        lat.samples.append((b, step_seconds(model, b, context, 1)))
-    lat.refit()
-    return lat
 
 
 def profile_verifier(engine, batches=(1, 4, 8), ks=(0, 2, 4), prompt_len: int = 128, steps: int = 4,

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from autoscale.profiling import fit_draft_latency, fit_verify_latency
 from config import AppConfig
 from engines.cpu_kernels import pack_linear_modules, packing_available
 from engines.sampling import SamplingParams
@@ -28,7 +27,7 @@ from engines.runner import step_seconds
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
 from model_family.samples import heldout_texts
-from speculation.goodput import SpeculationController
+from speculation.goodput import SpeculationController, fit_draft_latency, fit_verify_latency
 from speculation.inprocess import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
 from benchmarks.metrics import save_json

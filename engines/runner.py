@@ -74,7 +74,7 @@ class LlamaRunner:
         self.device = next(model.parameters()).device
         use_graphs = self.device.type == "cuda" if graphs is None else graphs
         self.graphs = StepGraphs(self) if use_graphs else None
-        self.lock = DEVICE_LOCK if use_graphs and self.device.type == "cuda" else contextlib.nullcontext()
+        self.lock = DEVICE_LOCK if self.graphs is not None and self.graphs.cuda else contextlib.nullcontext()
         # with graphs one more slot, never a request's: padded steps write their padding's keys/values there
         self.scratch = max_slots
         shape = (self.n_layers, max_slots + (1 if use_graphs else 0), self.n_kv, self.max_len, self.head_dim)
@@ -270,7 +270,6 @@ class LlamaRunner:
             gate, up = w.gate_up[li](w.norm(norm_post, h)).split(w.inter, dim=-1)
             h = h + w.down[li](w.act(gate) * up)
         return w.norm(w.final_norm, h)
-
 
     def commit(self, rid: str, new_tokens: list[int], keep: list[int]) -> None:
         """Keep the keys/values of new tokens at indices `keep` (a root-to-node path, in order)."""

@@ -394,7 +394,8 @@ def _profile(args) -> int:
     them as the controller's seeds (it refits both online; the seeds price the first rounds)."""
     import yaml
 
-    from autoscale.profiling import fit_draft_latency, profile_verifier
+    from autoscale.profiling import profile_verifier
+    from speculation.goodput import fit_draft_latency
     from config import AppConfig
     from engines.build import build_verifier_engine
     from engines.verifier import load_causal_lm

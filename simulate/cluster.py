@@ -391,7 +391,7 @@ class Simulation:
             busy = max(steps) * self.hw.draft(len(steps))
             yield self.env.timeout(busy)
             rep.busy_s += busy
-            rep.scalable_s += max(steps) * (self.hw.draft(len(steps)) - self.hw.draft(0))
+            rep.scalable_s += busy - max(steps) * self.hw.draft(0)  # all but the steps' fixed cost
         yield self.env.timeout(self.hw.hop_ms / 2000)
 
     # ------------------------------------------------------------------ the autoscaler

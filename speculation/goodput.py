@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engines.runner import step_seconds
+
 from speculation.messages import Participation
 
 
@@ -61,6 +63,25 @@ class LinearLatency:
 
     def __call__(self, n: float) -> float:
         return self.a + self.b * n
+
+
+def fit_verify_latency(model, batch: int, context: int = 128, news=(1, 3, 5, 9)) -> LinearLatency:
+    """t(total tokens in the step) for a verifier running `batch` requests."""
+    lat = LinearLatency()
+    for b in sorted({1, batch}):
+        for n in news:
+            lat.samples.append((b * n, step_seconds(model, b, context, n)))
+    lat.refit()
+    return lat
+
+
+def fit_draft_latency(model, batch: int, context: int = 128) -> LinearLatency:
+    """t(batch size) of one lockstep drafter step (one new token per request)."""
+    lat = LinearLatency()
+    for b in sorted({1, max(1, batch // 2), batch}):
+        lat.samples.append((b, step_seconds(model, b, context, 1)))
+    lat.refit()
+    return lat
 
 
 @dataclass

@@ -18,11 +18,11 @@ from config import AppConfig, DrafterSpec
 from engines.build import build_verifier_engine, cpu_threads, set_thread_torch_threads
 from engines.cascade import CascadeDrafterEngine
 from engines.drafter import DrafterEngine
-from engines.runner import CacheFull, step_seconds
+from engines.runner import CacheFull
 from engines.sampling import SamplingParams
 from model_family.paths import model_path
 from speculation.coordinator import SpeculationCoordinator
-from speculation.goodput import LinearLatency
+from speculation.goodput import LinearLatency, fit_draft_latency
 from speculation.loop import VerifyLoop
 from speculation.messages import Draft, DrafterCall, DrafterReply, DraftRequest, Proposal, SpeculationOverrides
 
@@ -67,18 +67,11 @@ class DrafterServer:
                    None if loaded else spec.device, threads, assistant, spec.assistant_k)
 
     def batch_cost(self, batch: int = 8, context: int = 128) -> LinearLatency:
-        """This drafter's step time on its hardware, t(requests in the step) = a + b * requests, measured at one
-        request and at `batch` (a step's fixed cost a is Python, launches and weights read once; b grows with the
-        batch). Splitting a call's requests over more replicas saves only the b part: the autoscaler's
-        `scalable` signal."""
-        def measure() -> LinearLatency:  # on the drafter's thread, with its torch threads
-            cost = LinearLatency()
-            for n in sorted({1, max(2, batch)}):  # the first run of a shape pays its kernels' setup: the best of 3
-                cost.samples.append((n, min(step_seconds(self.engine.model, n, context, 1) for _ in range(3))))
-            cost.refit()
-            return cost
-
-        return self.executor.submit(measure).result()
+        """This drafter's step time on its hardware, t(requests in the step) = a + b * requests, measured up to
+        `batch` requests on the drafter's own thread, with its torch threads (a step's fixed cost a is Python,
+        launches and weights read once; b grows with the batch). Splitting a call's requests over more replicas
+        saves only the b part: the autoscaler's `scalable` signal."""
+        return self.executor.submit(fit_draft_latency, self.engine.model, max(2, batch), context).result()
 
     async def run(self, calls: list[DrafterCall]) -> DrafterReply:
         """`step` on the drafter's own thread (the event loop goes on meanwhile)."""
