@@ -209,7 +209,9 @@ class SpeculationSpec(_Strict):
                            "round; false: always k")
     adaptive_drafters: bool = Field(True, description="with adaptive speculation, the goodput controller also "
                                     "picks 1..routing.drafters_per_request drafters per request each round: fewer "
-                                    "when the verifier is loaded (CoSine Alg. 2); the hill climber always uses "
+                                    "when the verifier is loaded (CoSine Alg. 2), and, given a generalist drafter, "
+                                    "whether the round's requests all draft with it instead of their routed "
+                                    "drafters (one batched step per depth); the hill climber always uses "
                                     "routing.drafters_per_request")
     fixed_drafters: list[str] | None = Field(None, description="bypass routing: always use these drafters")
     draft_timeout_ms: float = Field(100.0, gt=0, description="decode without drafts when they are later")

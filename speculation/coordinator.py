@@ -7,9 +7,10 @@ deployment, a local `DrafterServer` in process). Per round:
 
 1. feedback: compare each drafter's proposals of the previous round with what the target committed since
    (Eq. 1-2) and update the router (accepted length and per-drafter scores);
-2. routing: the request's drafters (Eq. 3), or all drafters on a request's first round, which score the prompt
-   (mean log-likelihood) for the cold start; with `routing.chain_choice: latency`, a request drafting with one
-   drafter takes the one with the least predicted time per accepted token (SpecRouter, `ChainCosts`);
+2. routing: the request's drafters (Eq. 3), or all drafters on a request's first routed round, which score the
+   prompt (mean log-likelihood) for the cold start; with `routing.chain_choice: latency`, a request drafting with
+   one drafter takes the one with the least predicted time per accepted token (SpecRouter, `ChainCosts`); a
+   request in the generalist participation drafts with the generalist drafter, unrouted;
 3. drafting: in `vote` mode (Minions) every voter drafts its own chain and the weighted majority path is the
    draft (`MajorityVote`; feedback updates the voters' weights instead of routing scores). With lockstep fusion,
    at each depth every chosen drafter proposes and the most confident token is fed back to all of them (Eq. 4),
@@ -160,6 +161,7 @@ class SpeculationCoordinator:
         self.health = health or DrafterHealth()
         self.parked: set[str] = set()  # drafters scaled to zero replicas: not called until they are back
         self.rounds: dict[str, _Round] = {}
+        self.unscored: set[str] = set()  # requests whose prompt no drafter has scored yet (routing's cold start)
         self.where: dict[str, set[str]] = {}  # drafters holding a cache for the request
         self.stats = {"rounds": 0, "drafter_failures": 0, "step_seconds": 0.0}
         self.on_failure: Callable[[str], None] | None = None  # told the drafter's name when a call fails
@@ -203,6 +205,7 @@ class SpeculationCoordinator:
             self.costs.release(rid)
         self.round_end.pop(rid, None)
         self.rounds.pop(rid, None)
+        self.unscored.discard(rid)
         return self.where.pop(rid, set())
 
     def _feedback(self, rid: str, context: list[int]) -> None:
@@ -231,9 +234,9 @@ class SpeculationCoordinator:
         """Routing feedback from the last round, then this round's drafters: fixed, random, everyone (a new
         request's prompt scoring) or routed (Eq. 3)."""
         rid, n = req.request_id, req.participation.drafters_per_request
-        new = rid not in self.router.requests
-        if new:
+        if rid not in self.router.requests:
             self.router.add_request(rid)
+            self.unscored.add(rid)
         elif not req.ahead:
             self._feedback(rid, req.context)
             if self.costs is not None and rid in self.round_end:
@@ -241,11 +244,14 @@ class SpeculationCoordinator:
         vote = req.participation.vote
         fixed = req.drafters or (self.vote.voters if vote else self.fixed)
         up = [d for d in self.drafters if d not in self.parked and self.health.available(d)]
+        generalist = [d for d in up if d in self.router.generalists][:1] if req.participation.generalist else []
         if fixed:
             chosen = [d for d in fixed if d in up]
+        elif generalist:  # the prompt is scored on the request's first routed round
+            chosen = generalist
         elif req.routing == "random":
             chosen = self.router.rng.sample(up, min(len(up), n))
-        elif new:
+        elif rid in self.unscored:
             chosen = up
         else:
             chosen = self.router.route(rid, n, exclude=set(self.drafters) - set(up))
@@ -254,7 +260,10 @@ class SpeculationCoordinator:
                 last = self.rounds.get(rid)
                 current = next(iter(last.proposals)) if last is not None and len(last.proposals) == 1 else None
                 chosen = [self.costs.best(rid, list(dict.fromkeys(chosen + tried)), req.k, current) or chosen[0]]
-        return _Drafting(req, chosen, scoring=new and not fixed and req.routing != "random",
+        scoring = rid in self.unscored and not fixed and not generalist and req.routing != "random"
+        if scoring:
+            self.unscored.discard(rid)
+        return _Drafting(req, chosen, scoring=scoring,
                          fuser=FusionTree(budget=req.budget), vote=self.vote if vote else None)
 
     async def _call(self, step_fn: StepFn, name: str, calls: list[DrafterCall],

@@ -19,7 +19,9 @@ Participation (CoSine Alg. 2: "when the verifier is idle, more drafter nodes par
 fewer"): given `modes`, the controller also picks how every request drafts this round: with how many drafters, and
 whether they are fused in lockstep (the fused token fed back) or each drafts its own chain in one call, fused at the
 divergences (speculation/fusion.py). n drafters put up to n nodes per depth in the verify batch (the fused path
-and its branches), so n multiplies the verify work per draft token. What a mode buys is measured, not assumed:
+and its branches), so n multiplies the verify work per draft token. Given a generalist drafter, one more mode has
+every request of the round draft with it instead of its routed drafter: one batched step per depth, where routing
+spreads the batch over as many drafters as it has domains (offered only with two or more requests drafting). What a mode buys is measured, not assumed:
 acceptance is
 counted per mode over the pool (a request's own estimate is shifted by the difference between the modes), and
 drafting time per mode is fitted from the rounds drafted in it (lockstep pays its hops per depth, one-shot once).
@@ -220,16 +222,18 @@ class SpeculationController:
         most, while any does. Jumps, not unit steps, because a drafter's fixed per-step cost can make k = 1
         worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s). Given `modes`,
         the allocation is made for every mode and the best plan is kept; the mode is left in `self.mode`."""
+        # one request drafts with one drafter either way: the generalist would share nothing, only draft worse
+        modes = [m for m in self.modes if len(rids) > 1 or not m.generalist]
         best = None
-        for mode in self.modes or [None]:
+        for mode in modes or [None]:
             ks_m, g = self._allocate(rids, k_caps, groups, mode, overlap_s)
             if best is None or g > best[2] * (1 + 1e-3):
                 best = (mode, ks_m, g)
         mode, ks, self.predicted_goodput = best
-        if self.modes and any(ks.values()):
-            for m in self.modes:
+        if modes and any(ks.values()):
+            for m in modes:
                 self.mode_age[m] = self.mode_age.get(m, 0) + 1
-            stale = max(self.modes, key=lambda m: self.mode_age[m])
+            stale = max(modes, key=lambda m: self.mode_age[m])
             if self.mode_age[stale] > self.participation_probe:
                 mode = stale  # keep every mode's acceptance and cost measured (a probe never changes the output)
             self.mode_age[mode] = 0

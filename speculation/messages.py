@@ -24,15 +24,20 @@ __all__ = ["Draft", "DraftRequest", "DrafterCall", "DrafterReply", "Participatio
 class Participation:
     """How a request drafts a round: how many routed drafters, and whether they are fused in lockstep (the fused
     token fed back to every drafter at every depth) or one-shot (each drafter's own chain, fused after), or vote
-    (Minions: each voter's own chain, the weighted-majority chain verified)."""
+    (Minions: each voter's own chain, the weighted-majority chain verified). `generalist`: the request drafts
+    with the generalist drafter instead of its routed one, so that the round's requests share one drafter's
+    batched steps (where drafters share hardware, every drafter a round uses costs a step per depth)."""
 
     drafters_per_request: int = 1
     lockstep: bool = False
     vote: bool = False
+    generalist: bool = False
 
     def __str__(self) -> str:
         if self.vote:
             return f"{self.drafters_per_request} vote"
+        if self.generalist:
+            return "1 generalist"
         if self.drafters_per_request == 1:
             return "1"
         return f"{self.drafters_per_request} {'lockstep' if self.lockstep else 'one-shot'}"

@@ -34,7 +34,8 @@ def _servers(models):
 async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_tokens=24, seed=0, hung=(), parked=(),
                participation=None, **coord_kw):
     """Greedy decoding of `prompts` with the coordinator's drafts; drafters in `fail` raise, those in `hung`
-    never answer (a stopped process), those `parked` have no replica (scaled to zero)."""
+    never answer (a stopped process), those `parked` have no replica (scaled to zero). `participation`: every
+    round's, or a function of the round's index."""
     emb = target.get_input_embeddings().weight.detach()
     coord = SpeculationCoordinator(NAMES, RoutingSpec(seed=seed), emb, fixed_drafters=fixed, **coord_kw)
     coord.failed_calls, coord.calls = [], []
@@ -52,12 +53,15 @@ async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_toke
     verifier = TorchVerifierEngine(target, max_batch=8, max_len=512)
     rids = [verifier.add_request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
     out = {r: [] for r in rids}
+    coord.round_calls = []  # the drafters called in each round
     while verifier.has_unfinished():
         verifier.admit()
-        batch = [DraftRequest(r, verifier.context(r), 4, budget=8,
-                              participation=participation or Participation(2, lockstep))
+        mode = participation(len(coord.round_calls)) if callable(participation) else participation
+        batch = [DraftRequest(r, verifier.context(r), 4, budget=8, participation=mode or Participation(2, lockstep))
                  for r in verifier.running]
+        before = len(coord.calls)
         drafts = await coord.draft(batch, step_fn)
+        coord.round_calls.append(coord.calls[before:])
         for o in verifier.step(drafts):
             out[o.request_id] += o.new_token_ids
             coord.accepted = getattr(coord, "accepted", 0) + o.num_accepted_tokens
@@ -78,6 +82,21 @@ def test_routed_fused_speculation_is_lossless(target, servers, prompts, lockstep
     want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts]
     assert got == want
     assert coord.stats["rounds"] > 0
+
+
+def test_generalist_rounds_share_one_drafter_and_leave_routing_its_cold_start(target, models, prompts):
+    """In the generalist participation every request drafts with the generalist drafter, one call per round for
+    the whole batch and no prompt scoring; the first routed round after it scores the prompts (every drafter),
+    later ones call the routed drafters. The output is the target's throughout."""
+    switch = 3
+    got, coord, _ = asyncio.run(_run(
+        target, _servers(models), prompts[:4], False, generalists={"generic"},
+        participation=lambda i: Participation(1, generalist=True) if i < switch else Participation(1)))
+    want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts[:4]]
+    assert got == want and coord.accepted > 0
+    assert coord.round_calls[:switch] == [["generic"]] * switch
+    assert set(coord.round_calls[switch]) == set(NAMES)  # the cold start, late
+    assert not coord.unscored and len(coord.round_calls[switch + 1]) < len(NAMES)
 
 
 @pytest.mark.parametrize("per_request", [False, True])

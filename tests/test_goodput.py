@@ -143,6 +143,21 @@ def test_lockstep_round_trips_priced_against_one_shot_drafting():
     assert c.mode == FUSED
 
 
+def test_a_batch_spread_over_routed_drafters_consolidates_on_the_generalist_and_one_request_never_does():
+    """Routed drafters step apart (here each request of 8 on a drafter of its own: 8 ms per depth) where the
+    generalist steps the batch at once (1.5 ms per depth), for a little less acceptance: the batch drafts with the
+    generalist. One request drafts with one drafter either way: the generalist is not offered."""
+    shared = Participation(1, generalist=True)
+    c = _participation_ctrl(0.030, 0.001, {ONE: 3, shared: 2}, modes=(ONE, shared))
+    c.draft_model(ONE).c = 0.001
+    c.draft_model(shared).b = 0.0015
+    c.choose([str(i) for i in range(8)])
+    assert c.mode == shared
+    for _ in range(40):
+        c.choose(["alone"])
+        assert c.mode == ONE
+
+
 def test_a_request_estimate_moves_by_the_pools_difference_between_modes():
     c = _participation_ctrl(0.030, 0.0001, {ONE: 2, FUSED: 3})
     for _ in range(10):

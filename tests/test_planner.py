@@ -44,6 +44,18 @@ def test_the_adaptive_controller_offers_every_participation_mode():
     assert set(planner.controller.modes) == {Participation(1), Participation(2, True), Participation(2, False)}
     assert DraftPlanner(_cfg(adaptive=True, adaptive_drafters=False)).controller.modes == ()
     assert DraftPlanner(_cfg(mode="off", adaptive=True)).controller is None
+    # with a generalist drafter, one more: every request on it (also with one drafter per request)
+    cfg = _cfg(adaptive=True)
+    cfg.drafters[2].generalist = True
+    assert Participation(1, generalist=True) in DraftPlanner(cfg).controller.modes
+    cfg.routing.drafters_per_request = 1
+    planner = DraftPlanner(cfg)
+    assert set(planner.controller.modes) == {Participation(1), Participation(1, generalist=True)}
+    planner.controller.mode = Participation(1, generalist=True)
+    assert planner.participation(SpeculationOverrides()) == Participation(1, generalist=True)
+    # a request that fixes its drafters or their number is routed as it asks
+    assert planner.participation(SpeculationOverrides(drafters_per_request=1)) == Participation(1)
+    assert planner.participation(SpeculationOverrides(drafters=["a"])) == Participation(1)
 
 
 def test_the_controller_starts_from_profiled_step_models(tmp_path):
