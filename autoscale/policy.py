@@ -19,8 +19,14 @@ minimum, whatever the traffic) and how long it waits for drafts (a busy drafter 
 Every deployment of the application with an autoscaling_config takes part; those that are not drafters keep
 Serve's default (queue-length) policy. Serve then applies each deployment's bounds and up/down delays.
 
+Routing is not traffic either. Where drafters share hardware, a batch spread over every domain's drafter costs
+a drafter step per domain and depth, and the controller puts whole rounds on the generalist drafter instead
+(speculation/goodput.py, participation): at high load the domain drafters are then asked nothing. The verifier
+reports the share of its drafted rounds that were routed; below `routed_below`, every drafter but the generalist
+goes to its minimum, and comes back as soon as rounds are routed again.
+
 Zero replicas (`min_replicas: 0`): a drafter goes to zero only when no drafting is asked of it for a reason the
-verifier states, speculation off or no traffic at all, and comes back (Serve skips the upscale delay from zero) as
+verifier states, speculation off, rounds on the generalist or no traffic at all, and comes back (Serve skips the upscale delay from zero) as
 soon as the verifier has requests to speculate for. While it speculates for traffic every drafter keeps a replica:
 the speculation node does not call a drafter at zero, so its demand could never show and it would stay out of the
 domain mix for good.
@@ -36,8 +42,8 @@ from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingContext
 
 from config import AutoscalerSpec
-from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT,
-                                 VERIFIER_ROUNDS, VERIFIER_SPECULATING)
+from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_SCALABLE,
+                                 VERIFIER_DRAFT_WAIT, VERIFIER_ROUNDS, VERIFIER_ROUTED, VERIFIER_SPECULATING)
 
 logger = logging.getLogger("ray.serve")
 
@@ -52,6 +58,7 @@ class DrafterLoad:
     busy: float  # replicas' worth of computing
     queued: float  # calls waiting, time-averaged
     scalable: float | None = None  # the part of busy that grows with the requests served (None: not reported)
+    generalist: bool = False  # a generalist drafter: it drafts the rounds the controller puts on it
 
     @property
     def demand(self) -> float:
@@ -65,6 +72,7 @@ class VerifierLoad:
     draft_wait: float  # share of the verifier's time spent waiting for drafts
     speculating: float  # share of request rounds given drafts
     rounds: float | None = None  # request rounds per second; 0: no traffic (None: not reported)
+    routed: float | None = None  # share of drafted request rounds drafted by routed drafters (None: not reported)
 
     @property
     def idle(self) -> bool:
@@ -74,7 +82,7 @@ class VerifierLoad:
 @dataclass
 class Decision:
     replicas: int
-    kind: str  # demand | draft_wait | speculation_off | idle | speculating | hold | no_signals
+    kind: str  # demand | draft_wait | speculation_off | generalist | idle | speculating | hold | no_signals
     reason: str
     demand: float  # smoothed replicas' worth of drafting wanted
 
@@ -86,7 +94,9 @@ class ReplicaPlanner:
         self.spec = spec
 
     def decide(self, load: DrafterLoad | None, verifier: VerifierLoad | None, current: int, low: int, high: int,
-               previous_demand: float | None) -> Decision:
+               previous_demand: float | None, generalist: bool = False) -> Decision:
+        """`generalist`: the deployment is a generalist drafter (its replicas say so; remembered while it has
+        none)."""
         s = self.spec
         idle = verifier is not None and verifier.idle
         # a drafter at zero replicas is not called: while the verifier speculates for traffic, keep one
@@ -100,6 +110,10 @@ class ReplicaPlanner:
                             f"{verifier.speculating:.0%} of its request rounds", previous_demand or 0.0)
         if idle:
             return Decision(low, "idle", "the verifier has no requests", previous_demand or 0.0)
+        if verifier is not None and verifier.routed is not None and verifier.routed < s.routed_below \
+                and not generalist:
+            return Decision(low, "generalist", f"the verifier routes {verifier.routed:.0%} of its drafted request "
+                            "rounds: the generalist drafts the others", previous_demand or 0.0)
         if load is None:
             if current == 0 and verifier is not None:
                 return Decision(clamp(1), "speculating", f"the verifier speculates in {verifier.speculating:.0%} "
@@ -132,7 +146,7 @@ def drafter_load(ctx: AutoscalingContext) -> DrafterLoad | None:
     busy, queued = _summed(ctx, DRAFTER_BUSY), _summed(ctx, DRAFTER_QUEUED)
     if busy is None or queued is None:
         return None
-    return DrafterLoad(busy, queued, _summed(ctx, DRAFTER_SCALABLE))
+    return DrafterLoad(busy, queued, _summed(ctx, DRAFTER_SCALABLE), bool(_summed(ctx, DRAFTER_GENERALIST)))
 
 
 def verifier_load(ctx: AutoscalingContext | None) -> VerifierLoad | None:
@@ -142,9 +156,10 @@ def verifier_load(ctx: AutoscalingContext | None) -> VerifierLoad | None:
     wait, spec = metrics.get(VERIFIER_DRAFT_WAIT), metrics.get(VERIFIER_SPECULATING)
     if not wait or not spec:
         return None
-    rounds = metrics.get(VERIFIER_ROUNDS)
+    rounds, routed = metrics.get(VERIFIER_ROUNDS), metrics.get(VERIFIER_ROUTED)
     return VerifierLoad(sum(wait.values()) / len(wait), sum(spec.values()) / len(spec),
-                        sum(rounds.values()) if rounds else None)
+                        sum(rounds.values()) if rounds else None,
+                        sum(routed.values()) / len(routed) if routed else None)
 
 
 class DrafterAutoscaler:
@@ -166,10 +181,12 @@ class DrafterAutoscaler:
             if not dep.name.startswith(DRAFTER_PREFIX):
                 decisions[dep], states[dep] = replica_queue_length_autoscaling_policy(ctx)
                 continue
-            d = self.planner.decide(drafter_load(ctx), verifier, ctx.current_num_replicas,
+            load = drafter_load(ctx)
+            generalist = load.generalist if load is not None else ctx.policy_state.get("generalist", False)
+            d = self.planner.decide(load, verifier, ctx.current_num_replicas,
                                     ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas,
-                                    ctx.policy_state.get("demand"))
-            decisions[dep], states[dep] = d.replicas, {"demand": d.demand}
+                                    ctx.policy_state.get("demand"), generalist)
+            decisions[dep], states[dep] = d.replicas, {"demand": d.demand, "generalist": generalist}
             self._report(dep.name[len(DRAFTER_PREFIX):], ctx, d)
         return decisions, states
 

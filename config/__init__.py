@@ -363,6 +363,10 @@ class AutoscalerSpec(_Strict):
     draft_wait_above: float = Field(0.2, ge=0, le=1, description="when the verifier waits for drafts more than "
                                     "this share of its time and a drafter is at target_utilization, that drafter "
                                     "gets a replica more")
+    routed_below: float = Field(0.1, ge=0, lt=1, description="when fewer than this share of the verifier's drafted "
+                                "request rounds are routed (the goodput controller puts whole rounds on the "
+                                "generalist drafter where that pays), the other drafters go to min_replicas; the "
+                                "generalist keeps the replicas its demand asks")
 
 
 def reference_markdown() -> str:

@@ -18,6 +18,7 @@ from speculation.signals import IntervalMeter, drafter_signals
 class DrafterDeployment:
     def __init__(self, spec: DrafterSpec):
         self.server = DrafterServer.from_spec(spec, actor_cpus=spec.deployment.ray_actor_options.get("num_cpus"))
+        self.generalist = spec.generalist
         self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.meter = IntervalMeter()  # busy, queued and scalable time, for the autoscaler
@@ -46,7 +47,7 @@ class DrafterDeployment:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook (autoscale/policy.py reads them)."""
-        return drafter_signals(self.meter, len(self.server.engine.states))
+        return drafter_signals(self.meter, len(self.server.engine.states), self.generalist)
 
     def placement(self) -> dict:
         """Where this replica computes: its Ray node, device type and process."""

@@ -72,7 +72,7 @@ class PrometheusStats(LoopStats):
         self.step_ends: deque = deque(maxlen=32)  # (end time, tokens committed) of recent steps
         self.meter = IntervalMeter()  # for the autoscaler (record_autoscaling_stats)
 
-    def planned(self, ks: list[int], predicted_goodput: float | None) -> None:
+    def planned(self, ks: list[int], predicted_goodput: float | None, routed: int = 0) -> None:
         for k in ks:
             self.draft_length.observe(k)
         if predicted_goodput:
@@ -80,6 +80,7 @@ class PrometheusStats(LoopStats):
         self.meter.add("rounds", len(ks))
         self.meter.add("speculated", sum(1 for k in ks if k > 0))
         self.meter.add("k", sum(ks))
+        self.meter.add("routed", routed)
 
     def draft_wait(self, seconds: float) -> None:
         super().draft_wait(seconds)

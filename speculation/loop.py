@@ -106,9 +106,10 @@ class LoopStats:
         self.wait_seconds.append(seconds)
         self.totals["draft_wait_s"] += seconds
 
-    def planned(self, ks: list[int], predicted_goodput: float | None) -> None:
-        """The draft lengths chosen this round for the requests that may speculate (0: not this round), and the
-        tokens per second the controller expects of its choice."""
+    def planned(self, ks: list[int], predicted_goodput: float | None, routed: int = 0) -> None:
+        """The draft lengths chosen this round for the requests that may speculate (0: not this round), the
+        tokens per second the controller expects of its choice, and how many of the drafting requests draft with
+        routed drafters (the others: all on the generalist)."""
 
     def drafter_round(self, name: str, drafted: int, accepted: int) -> None:
         self.recent_accepted.setdefault(name, deque(maxlen=200)).append(1 + accepted)
@@ -258,7 +259,8 @@ class VerifyLoop:
         # drafted ahead, the round runs beside the step being verified
         overlap = (self.stats.verify_seconds[-1] if self.stats.verify_seconds else 0.0) if ahead else self._overlap(rids)
         batch = self.planner.plan(contexts, overrides, overlap, ahead=bool(ahead))
-        self.stats.planned(self.planner.chosen, getattr(self.controller, "predicted_goodput", None))
+        self.stats.planned(self.planner.chosen, getattr(self.controller, "predicted_goodput", None),
+                           sum(1 for d in batch if not d.participation.generalist))
         if not batch:
             return {}
         modes, scored = set(), 0

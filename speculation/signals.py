@@ -19,6 +19,10 @@ VERIFIER_DRAFT_WAIT = "draft_wait"  # share of wall time the verifier waited for
 VERIFIER_SPECULATING = "speculating"  # share of request rounds the controller gave drafts (k > 0); 1 when idle
 VERIFIER_MEAN_K = "mean_k"  # mean chosen draft length over those rounds
 VERIFIER_ROUNDS = "rounds"  # request rounds per second (0: no traffic)
+# share of the speculated request rounds drafted by routed drafters, not all on the generalist (the controller's
+# generalist participation); 1 when none speculated
+VERIFIER_ROUTED = "routed"
+DRAFTER_GENERALIST = "generalist"  # 1 from a generalist drafter's replicas (trained on every domain), else 0
 
 
 class IntervalMeter:
@@ -39,10 +43,11 @@ class IntervalMeter:
         return sums, elapsed
 
 
-def drafter_signals(meter: IntervalMeter, requests: int) -> dict[str, float]:
+def drafter_signals(meter: IntervalMeter, requests: int, generalist: bool = False) -> dict[str, float]:
     sums, elapsed = meter.take()
     return {DRAFTER_BUSY: sums["compute_s"] / elapsed, DRAFTER_QUEUED: sums["queued_s"] / elapsed,
-            DRAFTER_SCALABLE: sums["scalable_s"] / elapsed, DRAFTER_REQUESTS: float(requests)}
+            DRAFTER_SCALABLE: sums["scalable_s"] / elapsed, DRAFTER_REQUESTS: float(requests),
+            DRAFTER_GENERALIST: float(generalist)}
 
 
 def verifier_signals(meter: IntervalMeter) -> dict[str, float]:
@@ -50,4 +55,5 @@ def verifier_signals(meter: IntervalMeter) -> dict[str, float]:
     rounds = sums["rounds"]
     return {VERIFIER_DRAFT_WAIT: sums["draft_wait_s"] / elapsed,
             VERIFIER_SPECULATING: sums["speculated"] / rounds if rounds else 1.0,
-            VERIFIER_MEAN_K: sums["k"] / rounds if rounds else 0.0, VERIFIER_ROUNDS: rounds / elapsed}
+            VERIFIER_MEAN_K: sums["k"] / rounds if rounds else 0.0, VERIFIER_ROUNDS: rounds / elapsed,
+            VERIFIER_ROUTED: sums["routed"] / sums["speculated"] if sums["speculated"] else 1.0}

@@ -12,9 +12,9 @@ from ray.serve.request_router import ReplicaID
 
 from autoscale.policy import DrafterAutoscaler, DrafterLoad, ReplicaPlanner, VerifierLoad
 from config import AutoscalerSpec, DrafterSpec
-from speculation.signals import (DRAFTER_BUSY, DRAFTER_QUEUED, DRAFTER_REQUESTS, DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT,
-                                 VERIFIER_ROUNDS, VERIFIER_SPECULATING, IntervalMeter, drafter_signals,
-                                 verifier_signals)
+from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_REQUESTS,
+                                 DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT, VERIFIER_ROUNDS, VERIFIER_ROUTED,
+                                 VERIFIER_SPECULATING, IntervalMeter, drafter_signals, verifier_signals)
 
 SPEC = AutoscalerSpec(target_utilization=0.6, hysteresis=0.25, smoothing=1.0)
 CALM = VerifierLoad(draft_wait=0.05, speculating=0.9)
@@ -109,7 +109,7 @@ def test_signals_are_rates_over_the_reporting_interval():
     meter.add("scalable_s", 0.25)
     now[0] = 5.0
     assert drafter_signals(meter, 7) == {DRAFTER_BUSY: 0.3, DRAFTER_QUEUED: 0.1, DRAFTER_SCALABLE: 0.05,
-                                         DRAFTER_REQUESTS: 7.0}
+                                         DRAFTER_REQUESTS: 7.0, DRAFTER_GENERALIST: 0.0}
     now[0] = 10.0
     assert drafter_signals(meter, 0)[DRAFTER_BUSY] == 0.0
     v = IntervalMeter(clock=lambda: now[0])
@@ -117,12 +117,14 @@ def test_signals_are_rates_over_the_reporting_interval():
         v.add("rounds")
         v.add("speculated", k > 0)
         v.add("k", k)
+    v.add("routed", 1)  # of the two drafted, one routed, one on the generalist
     v.add("draft_wait_s", 2.0)
     now[0] = 20.0
     assert verifier_signals(v) == {VERIFIER_DRAFT_WAIT: 0.2, VERIFIER_SPECULATING: 0.5, "mean_k": 1.75,
-                                   VERIFIER_ROUNDS: 0.4}
+                                   VERIFIER_ROUNDS: 0.4, VERIFIER_ROUTED: 0.5}
     idle = verifier_signals(v)
     assert idle[VERIFIER_SPECULATING] == 1.0 and idle[VERIFIER_ROUNDS] == 0.0  # idle: not "speculation off"
+    assert idle[VERIFIER_ROUTED] == 1.0
 
 
 def _context(name: str, replicas: int, metrics: dict[str, list[float]], state: dict | None = None,
@@ -175,6 +177,33 @@ def test_the_serve_policy_brings_a_drafter_back_from_zero_when_the_verifier_spec
     assert decisions(speculating=0.8, rounds=30.0) == {"Drafter-code": 1, "Drafter-legal": 1}
     assert decisions(speculating=0.0, rounds=30.0) == {"Drafter-code": 0, "Drafter-legal": 0}
     assert decisions(speculating=1.0, rounds=0.0) == {"Drafter-code": 0, "Drafter-legal": 0}
+
+
+def test_domain_drafters_go_to_their_minimum_while_rounds_draft_on_the_generalist_and_return_when_routed():
+    """The controller puts whole rounds on the generalist where a batch spread over every domain's drafter costs
+    more: the domain drafters are asked nothing, and go to min_replicas (zero here); the generalist keeps what its
+    demand asks, also while it has no replica to say it is the generalist (the policy's state remembers)."""
+    policy = DrafterAutoscaler(smoothing=1.0)
+    state: dict = {}
+
+    def decisions(routed: float, replicas: dict[str, int]) -> dict[str, int]:
+        contexts = dict([_context("Verifier", 1, {VERIFIER_DRAFT_WAIT: [0.05], VERIFIER_SPECULATING: [0.9],
+                                                  VERIFIER_ROUNDS: [60.0], VERIFIER_ROUTED: [routed]})])
+        for name, n in replicas.items():
+            busy = 1.0 if name == "generic" else 0.0
+            metrics = {DRAFTER_BUSY: [busy] * n, DRAFTER_QUEUED: [0.0] * n, DRAFTER_REQUESTS: [4] * n,
+                       DRAFTER_GENERALIST: [float(name == "generic")] * n} if n else {}
+            contexts.update([_context(f"Drafter-{name}", n, metrics, low=0,
+                                      state=state.get(f"Drafter-{name}"))])
+        out, new_state = policy(contexts)
+        state.update({d.name: st for d, st in new_state.items()})
+        return {d.name[len("Drafter-"):]: n for d, n in out.items() if d.name.startswith("Drafter-")}
+
+    assert decisions(0.03, {"code": 1, "legal": 1, "generic": 1}) == {"code": 0, "legal": 0, "generic": 2}
+    assert decisions(0.03, {"code": 0, "legal": 0, "generic": 0}) == {"code": 0, "legal": 0, "generic": 1}
+    assert decisions(0.6, {"code": 0, "legal": 0, "generic": 1}) == {"code": 1, "legal": 1, "generic": 2}
+    d = ReplicaPlanner(SPEC).decide(DrafterLoad(0.0, 0.0), VerifierLoad(0.05, 0.9, 60.0, routed=0.0), 1, 1, 4, None)
+    assert (d.replicas, d.kind) == (1, "generalist")  # min_replicas still holds
 
 
 def test_policy_kwargs_are_validated():
