@@ -151,6 +151,7 @@ class SpeculationController:
     mode_age: dict[Participation, int] = field(default_factory=dict)  # rounds since each mode was last used
     mode_draft: dict[Participation, RoundLatency] = field(default_factory=dict)  # a round's drafting time
     predicted_goodput: float = 0.0  # tokens per second the last choice expects (the model's, for operators)
+    probing: bool = False  # the last `choose` tried a mode for its measurements, not for its goodput
 
     def observe_acceptance(self, rid: str, drafted: int, accepted: int, mode: Participation | None = None) -> None:
         """Per-token acceptance under the geometric model: the maximum-likelihood estimate is accepted tokens over
@@ -237,6 +238,7 @@ class SpeculationController:
             if self.mode_age[stale] > self.participation_probe:
                 mode = stale  # keep every mode's acceptance and cost measured (a probe never changes the output)
             self.mode_age[mode] = 0
+        self.probing = mode != best[0]
         self.mode = mode
         for r in rids:  # exploration: a request held at k = 0 for long drafts a little once
             if ks[r] > 0:

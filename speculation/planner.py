@@ -131,9 +131,10 @@ def make_controller(cfg: AppConfig) -> SpeculationController | HillClimbControll
         # routing spreads a batch over several drafters (measured, 8 requests on two cores: 226 tok/s on the
         # generic drafter alone against 166 routed; routed wins alone, 97 against 90)
         shared = (Participation(1, generalist=True),) if any(d.generalist for d in cfg.drafters) else ()
-        modes = (Participation(1),) + shared + tuple(Participation(n, lockstep)
+        # (the generalist first: where the measurements tie, the round that uses fewer drafters)
+        modes = shared + (Participation(1),) + tuple(Participation(n, lockstep)
                                                      for lockstep in ((True, False) if spec.lockstep else (False,))
-                                                     for n in range(2, per_depth + 1))
+                                                      for n in range(2, per_depth + 1))
         if len(modes) == 1:
             modes = ()
     not_its = {"verify_seed_ms", "draft_seed_ms", "kind", "window", "hold"}  # seeds set below; the hill climber's

@@ -169,11 +169,13 @@ def test_an_untried_participation_mode_is_probed():
     c = SpeculationController(k_max=4, drafters_per_request=2, modes=(ONE, FUSED), participation_probe=4)
     c.verify.a, c.verify.b = 0.030, 0.002
     c.draft_model(FUSED).a = 0.050  # fused drafting looks too slow to ever be chosen
-    seen = set()
+    seen, probes = set(), set()
     for _ in range(12):
         c.choose(["a", "b"])
         seen.add(c.mode)
-    assert seen == {ONE, FUSED}
+        if c.probing:
+            probes.add(c.mode)
+    assert seen == {ONE, FUSED} and probes == {FUSED}  # a probe says so: its drafting was not asked for
 
 
 def test_drafting_hidden_behind_the_other_halfs_verification_costs_nothing():
