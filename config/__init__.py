@@ -148,6 +148,9 @@ class ControllerSpec(_Strict):
     probe_k: int = Field(2, ge=1, description="draft length of such a probe")
     participation_probe: int = Field(32, ge=1, description="rounds after which a participation mode not chosen "
                                      "is tried once")
+    mode_hysteresis: float = Field(0.03, ge=0, lt=1, description="a participation mode replaces the one in use "
+                                   "only when its predicted goodput is this much higher (modes whose measurements "
+                                   "tie do not alternate)")
     verify_seed_ms: tuple[float, float] | None = Field(None, description="[a, b]: the verify step model the "
                                                        "controller starts from, t = a + b * tokens in the step, in "
                                                        "ms (`cosine profile` measures it); refitted online")

@@ -140,6 +140,7 @@ class SpeculationController:
     probe_k: int = 2
     modes: tuple[Participation, ...] = ()  # participation modes to choose from each round (none: not adaptive)
     participation_probe: int = 32
+    mode_hysteresis: float = 0.03  # a mode replaces the one in use only when it predicts this much more goodput
     acceptance: dict[str, float] = field(default_factory=dict)
     pool_acceptance: float | None = None  # over every request's recent rounds: the start of new requests
     pool_counts: tuple = (0.0, 0.0)
@@ -152,6 +153,7 @@ class SpeculationController:
     mode_draft: dict[Participation, RoundLatency] = field(default_factory=dict)  # a round's drafting time
     predicted_goodput: float = 0.0  # tokens per second the last choice expects (the model's, for operators)
     probing: bool = False  # the last `choose` tried a mode for its measurements, not for its goodput
+    held_mode: Participation | None = None  # the mode chosen for its goodput last (not a probe)
 
     def observe_acceptance(self, rid: str, drafted: int, accepted: int, mode: Participation | None = None) -> None:
         """Per-token acceptance under the geometric model: the maximum-likelihood estimate is accepted tokens over
@@ -225,12 +227,15 @@ class SpeculationController:
         the allocation is made for every mode and the best plan is kept; the mode is left in `self.mode`."""
         # one request drafts with one drafter either way: the generalist would share nothing, only draft worse
         modes = [m for m in self.modes if len(rids) > 1 or not m.generalist]
-        best = None
-        for mode in modes or [None]:
-            ks_m, g = self._allocate(rids, k_caps, groups, mode, overlap_s)
-            if best is None or g > best[2] * (1 + 1e-3):
-                best = (mode, ks_m, g)
-        mode, ks, self.predicted_goodput = best
+        plans = {mode: self._allocate(rids, k_caps, groups, mode, overlap_s) for mode in modes or [None]}
+        best = max(plans, key=lambda m: plans[m][1])  # ties: the first listed
+        held = self.held_mode  # modes that measure alike (a routed round whose drafters are parked routes to
+        # the generalist) must not alternate: the autoscaler reads the modes chosen
+        if held in plans and held != best and plans[held][1] * (1 + self.mode_hysteresis) >= plans[best][1]:
+            best = held
+        self.held_mode = best
+        mode = best
+        ks, self.predicted_goodput = plans[best]
         if modes and any(ks.values()):
             for m in modes:
                 self.mode_age[m] = self.mode_age.get(m, 0) + 1
@@ -238,7 +243,7 @@ class SpeculationController:
             if self.mode_age[stale] > self.participation_probe:
                 mode = stale  # keep every mode's acceptance and cost measured (a probe never changes the output)
             self.mode_age[mode] = 0
-        self.probing = mode != best[0]
+        self.probing = mode != best
         self.mode = mode
         for r in rids:  # exploration: a request held at k = 0 for long drafts a little once
             if ks[r] > 0:

@@ -158,6 +158,22 @@ def test_a_batch_spread_over_routed_drafters_consolidates_on_the_generalist_and_
         assert c.mode == ONE
 
 
+def test_modes_that_measure_alike_do_not_alternate():
+    """A routed round whose domain drafters are parked routes to the generalist: the two modes then measure alike,
+    within noise. The mode in use stays until another predicts `mode_hysteresis` more goodput."""
+    shared = Participation(1, generalist=True)
+    c = _participation_ctrl(0.030, 0.001, {ONE: 2, shared: 2}, modes=(ONE, shared))
+    chosen = []
+    for i in range(20):  # each mode's drafting 1% cheaper than the other's, by turns
+        c.draft_model(ONE).a, c.draft_model(shared).a = (0.0050, 0.0049) if i % 2 else (0.0049, 0.0050)
+        c.choose([str(r) for r in range(8)])
+        chosen.append(c.mode)
+    assert len(set(chosen)) == 1
+    c.draft_model(chosen[0]).a = 0.030  # now clearly slower: the other mode takes over
+    c.choose([str(r) for r in range(8)])
+    assert c.mode != chosen[0]
+
+
 def test_a_request_estimate_moves_by_the_pools_difference_between_modes():
     c = _participation_ctrl(0.030, 0.0001, {ONE: 2, FUSED: 3})
     for _ in range(10):
