@@ -23,7 +23,8 @@ Routing is not traffic either. Where drafters share hardware, a batch spread ove
 a drafter step per domain and depth, and the controller puts whole rounds on the generalist drafter instead
 (speculation/goodput.py, participation): at high load the domain drafters are then asked nothing. The verifier
 reports the share of its drafted rounds that were routed; below `routed_below`, every drafter but the generalist
-goes to its minimum, and comes back as soon as rounds are routed again.
+goes to its minimum, and comes back once `routed_above` of them are routed again (a share near one threshold would
+start and stop replicas at every decision: measured, each start costs seconds of the cores the verifier uses).
 
 Zero replicas (`min_replicas: 0`): a drafter goes to zero only when no drafting is asked of it for a reason the
 verifier states, speculation off, rounds on the generalist or no traffic at all, and comes back (Serve skips the upscale delay from zero) as
@@ -94,9 +95,9 @@ class ReplicaPlanner:
         self.spec = spec
 
     def decide(self, load: DrafterLoad | None, verifier: VerifierLoad | None, current: int, low: int, high: int,
-               previous_demand: float | None, generalist: bool = False) -> Decision:
+               previous_demand: float | None, generalist: bool = False, previous_kind: str | None = None) -> Decision:
         """`generalist`: the deployment is a generalist drafter (its replicas say so; remembered while it has
-        none)."""
+        none). `previous_kind`: the kind of this deployment's last decision."""
         s = self.spec
         idle = verifier is not None and verifier.idle
         # a drafter at zero replicas is not called: while the verifier speculates for traffic, keep one
@@ -110,8 +111,9 @@ class ReplicaPlanner:
                             f"{verifier.speculating:.0%} of its request rounds", previous_demand or 0.0)
         if idle:
             return Decision(low, "idle", "the verifier has no requests", previous_demand or 0.0)
-        if verifier is not None and verifier.routed is not None and verifier.routed < s.routed_below \
-                and not generalist:
+        # hysteresis: once down for rounds on the generalist, back only when clearly routed again
+        bar = s.routed_above if previous_kind == "generalist" else s.routed_below
+        if verifier is not None and verifier.routed is not None and verifier.routed < bar and not generalist:
             return Decision(low, "generalist", f"the verifier routes {verifier.routed:.0%} of its drafted request "
                             "rounds: the generalist drafts the others", previous_demand or 0.0)
         if load is None:
@@ -185,8 +187,8 @@ class DrafterAutoscaler:
             generalist = load.generalist if load is not None else ctx.policy_state.get("generalist", False)
             d = self.planner.decide(load, verifier, ctx.current_num_replicas,
                                     ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas,
-                                    ctx.policy_state.get("demand"), generalist)
-            decisions[dep], states[dep] = d.replicas, {"demand": d.demand, "generalist": generalist}
+                                    ctx.policy_state.get("demand"), generalist, ctx.policy_state.get("kind"))
+            decisions[dep], states[dep] = d.replicas, {"demand": d.demand, "generalist": generalist, "kind": d.kind}
             self._report(dep.name[len(DRAFTER_PREFIX):], ctx, d)
         return decisions, states
 

@@ -370,6 +370,9 @@ class AutoscalerSpec(_Strict):
                                 "request rounds are routed (the goodput controller puts whole rounds on the "
                                 "generalist drafter where that pays), the other drafters go to min_replicas; the "
                                 "generalist keeps the replicas its demand asks")
+    routed_above: float = Field(0.3, gt=0, le=1, description="drafters sent to min_replicas for rounds on the "
+                                "generalist come back only when this share of the drafted request rounds is routed "
+                                "(above routed_below: a share near one threshold does not start and stop replicas)")
 
 
 def reference_markdown() -> str:

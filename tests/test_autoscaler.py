@@ -201,7 +201,10 @@ def test_domain_drafters_go_to_their_minimum_while_rounds_draft_on_the_generalis
 
     assert decisions(0.03, {"code": 1, "legal": 1, "generic": 1}) == {"code": 0, "legal": 0, "generic": 2}
     assert decisions(0.03, {"code": 0, "legal": 0, "generic": 0}) == {"code": 0, "legal": 0, "generic": 1}
+    # a share between routed_below and routed_above does not bring them back (nor would it send them down)
+    assert decisions(0.2, {"code": 0, "legal": 0, "generic": 1}) == {"code": 0, "legal": 0, "generic": 2}
     assert decisions(0.6, {"code": 0, "legal": 0, "generic": 1}) == {"code": 1, "legal": 1, "generic": 2}
+    assert decisions(0.2, {"code": 1, "legal": 1, "generic": 1}) == {"code": 1, "legal": 1, "generic": 2}
     d = ReplicaPlanner(SPEC).decide(DrafterLoad(0.0, 0.0), VerifierLoad(0.05, 0.9, 60.0, routed=0.0), 1, 1, 4, None)
     assert (d.replicas, d.kind) == (1, "generalist")  # min_replicas still holds
 
