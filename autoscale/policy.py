@@ -44,7 +44,8 @@ from ray.serve.config import AutoscalingContext
 
 from config import AutoscalerSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_SCALABLE,
-                                 VERIFIER_DRAFT_WAIT, VERIFIER_ROUNDS, VERIFIER_ROUTED, VERIFIER_SPECULATING)
+                                 VERIFIER_DRAFT_WAIT, VERIFIER_DRAFTED, VERIFIER_ROUNDS, VERIFIER_ROUTED,
+                                 VERIFIER_SPECULATING)
 
 logger = logging.getLogger("ray.serve")
 
@@ -158,10 +159,11 @@ def verifier_load(ctx: AutoscalingContext | None) -> VerifierLoad | None:
     wait, spec = metrics.get(VERIFIER_DRAFT_WAIT), metrics.get(VERIFIER_SPECULATING)
     if not wait or not spec:
         return None
-    rounds, routed = metrics.get(VERIFIER_ROUNDS), metrics.get(VERIFIER_ROUTED)
+    rounds, routed, drafted = (metrics.get(m) for m in (VERIFIER_ROUNDS, VERIFIER_ROUTED, VERIFIER_DRAFTED))
+    drafted_rate = sum(drafted.values()) if drafted else 0.0
     return VerifierLoad(sum(wait.values()) / len(wait), sum(spec.values()) / len(spec),
                         sum(rounds.values()) if rounds else None,
-                        sum(routed.values()) / len(routed) if routed else None)
+                        sum(routed.values()) / drafted_rate if routed and drafted_rate > 0 else None)
 
 
 class DrafterAutoscaler:

@@ -10,11 +10,12 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from ray.serve.request_router import ReplicaID
 
-from autoscale.policy import DrafterAutoscaler, DrafterLoad, ReplicaPlanner, VerifierLoad
+from autoscale.policy import DrafterAutoscaler, DrafterLoad, ReplicaPlanner, VerifierLoad, verifier_load
 from config import AutoscalerSpec, DrafterSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_REQUESTS,
-                                 DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT, VERIFIER_ROUNDS, VERIFIER_ROUTED,
-                                 VERIFIER_SPECULATING, IntervalMeter, drafter_signals, verifier_signals)
+                                 DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT, VERIFIER_DRAFTED, VERIFIER_ROUNDS,
+                                 VERIFIER_ROUTED, VERIFIER_SPECULATING, IntervalMeter, drafter_signals,
+                                 verifier_signals)
 
 SPEC = AutoscalerSpec(target_utilization=0.6, hysteresis=0.25, smoothing=1.0)
 CALM = VerifierLoad(draft_wait=0.05, speculating=0.9)
@@ -121,10 +122,10 @@ def test_signals_are_rates_over_the_reporting_interval():
     v.add("draft_wait_s", 2.0)
     now[0] = 20.0
     assert verifier_signals(v) == {VERIFIER_DRAFT_WAIT: 0.2, VERIFIER_SPECULATING: 0.5, "mean_k": 1.75,
-                                   VERIFIER_ROUNDS: 0.4, VERIFIER_ROUTED: 0.5}
+                                   VERIFIER_ROUNDS: 0.4, VERIFIER_DRAFTED: 0.2, VERIFIER_ROUTED: 0.1}
     idle = verifier_signals(v)
     assert idle[VERIFIER_SPECULATING] == 1.0 and idle[VERIFIER_ROUNDS] == 0.0  # idle: not "speculation off"
-    assert idle[VERIFIER_ROUTED] == 1.0
+    assert idle[VERIFIER_ROUTED] == idle[VERIFIER_DRAFTED] == 0.0
 
 
 def _context(name: str, replicas: int, metrics: dict[str, list[float]], state: dict | None = None,
@@ -187,8 +188,10 @@ def test_domain_drafters_go_to_their_minimum_while_rounds_draft_on_the_generalis
     state: dict = {}
 
     def decisions(routed: float, replicas: dict[str, int]) -> dict[str, int]:
+        # rates: the routed share is routed / drafted over the window
         contexts = dict([_context("Verifier", 1, {VERIFIER_DRAFT_WAIT: [0.05], VERIFIER_SPECULATING: [0.9],
-                                                  VERIFIER_ROUNDS: [60.0], VERIFIER_ROUTED: [routed]})])
+                                                  VERIFIER_ROUNDS: [60.0], VERIFIER_DRAFTED: [50.0],
+                                                  VERIFIER_ROUTED: [50.0 * routed]})])
         for name, n in replicas.items():
             busy = 1.0 if name == "generic" else 0.0
             metrics = {DRAFTER_BUSY: [busy] * n, DRAFTER_QUEUED: [0.0] * n, DRAFTER_REQUESTS: [4] * n,
@@ -205,6 +208,12 @@ def test_domain_drafters_go_to_their_minimum_while_rounds_draft_on_the_generalis
     assert decisions(0.2, {"code": 0, "legal": 0, "generic": 1}) == {"code": 0, "legal": 0, "generic": 2}
     assert decisions(0.6, {"code": 0, "legal": 0, "generic": 1}) == {"code": 1, "legal": 1, "generic": 2}
     assert decisions(0.2, {"code": 1, "legal": 1, "generic": 1}) == {"code": 1, "legal": 1, "generic": 2}
+    # the share weighs intervals by their drafted rounds; none drafted over the window: no share, no rule
+    quiet = verifier_load(_context("Verifier", 2, {VERIFIER_DRAFT_WAIT: [0.0, 0.0], VERIFIER_SPECULATING: [1.0, 0.5],
+                                                   VERIFIER_DRAFTED: [0.0, 40.0], VERIFIER_ROUTED: [0.0, 2.0]})[1])
+    assert quiet.routed == pytest.approx(0.05)
+    assert verifier_load(_context("Verifier", 1, {VERIFIER_DRAFT_WAIT: [0.0], VERIFIER_SPECULATING: [1.0],
+                                                  VERIFIER_DRAFTED: [0.0], VERIFIER_ROUTED: [0.0]})[1]).routed is None
     d = ReplicaPlanner(SPEC).decide(DrafterLoad(0.0, 0.0), VerifierLoad(0.05, 0.9, 60.0, routed=0.0), 1, 1, 4, None)
     assert (d.replicas, d.kind) == (1, "generalist")  # min_replicas still holds
 
