@@ -233,7 +233,8 @@ class SpeculationController:
         # the generalist) must not alternate: the autoscaler reads the modes chosen
         if held in plans and held != best and plans[held][1] * (1 + self.mode_hysteresis) >= plans[best][1]:
             best = held
-        self.held_mode = best
+        if len(modes) == len(self.modes):  # a lone request's routed round (no generalist offered) holds nothing
+            self.held_mode = best
         mode = best
         ks, self.predicted_goodput = plans[best]
         if modes and any(ks.values()):

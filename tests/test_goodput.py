@@ -172,6 +172,12 @@ def test_modes_that_measure_alike_do_not_alternate():
     c.draft_model(chosen[0]).a = 0.030  # now clearly slower: the other mode takes over
     c.choose([str(r) for r in range(8)])
     assert c.mode != chosen[0]
+    # a lone request is routed (the generalist is not offered to it), and that does not become the mode held
+    c.draft_model(ONE).a = c.draft_model(shared).a = 0.005
+    c.held_mode = shared
+    c.choose(["alone"])
+    c.choose([str(r) for r in range(8)])
+    assert c.mode == shared
 
 
 def test_a_request_estimate_moves_by_the_pools_difference_between_modes():
