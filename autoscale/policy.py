@@ -27,10 +27,10 @@ goes to its minimum, and comes back once `routed_above` of them are routed again
 start and stop replicas at every decision: measured, each start costs seconds of the cores the verifier uses).
 
 Zero replicas (`min_replicas: 0`): a drafter goes to zero only when no drafting is asked of it for a reason the
-verifier states, speculation off, rounds on the generalist or no traffic at all, and comes back (Serve skips the upscale delay from zero) as
-soon as the verifier has requests to speculate for. While it speculates for traffic every drafter keeps a replica:
-the speculation node does not call a drafter at zero, so its demand could never show and it would stay out of the
-domain mix for good.
+verifier states, speculation off, rounds on the generalist or no traffic at all, and comes back (Serve skips the
+upscale delay from zero) as soon as the verifier has requests to speculate for (routed ones, for a domain
+drafter). While it speculates for traffic every drafter keeps a replica: the speculation node does not call a
+drafter at zero, so its demand could never show and it would stay out of the domain mix for good.
 """
 
 from __future__ import annotations

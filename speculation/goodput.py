@@ -21,10 +21,10 @@ whether they are fused in lockstep (the fused token fed back) or each drafts its
 divergences (speculation/fusion.py). n drafters put up to n nodes per depth in the verify batch (the fused path
 and its branches), so n multiplies the verify work per draft token. Given a generalist drafter, one more mode has
 every request of the round draft with it instead of its routed drafter: one batched step per depth, where routing
-spreads the batch over as many drafters as it has domains (offered only with two or more requests drafting). What a mode buys is measured, not assumed:
-acceptance is
-counted per mode over the pool (a request's own estimate is shifted by the difference between the modes), and
-drafting time per mode is fitted from the rounds drafted in it (lockstep pays its hops per depth, one-shot once).
+spreads the batch over as many drafters as it has domains (offered only with two or more requests drafting).
+What a mode buys is measured, not assumed: acceptance is counted per mode over the pool (a request's own estimate
+is shifted by the difference between the modes), and drafting time per mode is fitted from the rounds drafted in
+it (lockstep pays its hops per depth, one-shot once).
 Where verify tokens are nearly free (batch 1 on a GPU, or small batches here) extra drafters pay; at a loaded
 verifier one drafter per request does. A mode not tried for `participation_probe` rounds is tried once.
 """
@@ -229,8 +229,9 @@ class SpeculationController:
         modes = [m for m in self.modes if len(rids) > 1 or not m.generalist]
         plans = {mode: self._allocate(rids, k_caps, groups, mode, overlap_s) for mode in modes or [None]}
         best = max(plans, key=lambda m: plans[m][1])  # ties: the first listed
-        held = self.held_mode  # modes that measure alike (a routed round whose drafters are parked routes to
-        # the generalist) must not alternate: the autoscaler reads the modes chosen
+        # modes that measure alike (a routed round whose drafters are parked routes to the generalist) must not
+        # alternate: the autoscaler reads the modes chosen
+        held = self.held_mode
         if held in plans and held != best and plans[held][1] * (1 + self.mode_hysteresis) >= plans[best][1]:
             best = held
         if len(modes) == len(self.modes):  # a lone request's routed round (no generalist offered) holds nothing

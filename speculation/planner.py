@@ -134,7 +134,7 @@ def make_controller(cfg: AppConfig) -> SpeculationController | HillClimbControll
         # (the generalist first: where the measurements tie, the round that uses fewer drafters)
         modes = shared + (Participation(1),) + tuple(Participation(n, lockstep)
                                                      for lockstep in ((True, False) if spec.lockstep else (False,))
-                                                      for n in range(2, per_depth + 1))
+                                                     for n in range(2, per_depth + 1))
         if len(modes) == 1:
             modes = ()
     not_its = {"verify_seed_ms", "draft_seed_ms", "kind", "window", "hold"}  # seeds set below; the hill climber's
