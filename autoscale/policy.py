@@ -21,10 +21,12 @@ Serve's default (queue-length) policy. Serve then applies each deployment's boun
 
 Routing is not traffic either. Where drafters share hardware, a batch spread over every domain's drafter costs
 a drafter step per domain and depth, and the controller puts whole rounds on the generalist drafter instead
-(speculation/goodput.py, participation): at high load the domain drafters are then asked nothing. The verifier
-reports the share of its drafted rounds that were routed; below `routed_below`, every drafter but the generalist
-goes to its minimum, and comes back once `routed_above` of them are routed again (a share near one threshold would
-start and stop replicas at every decision: measured, each start costs seconds of the cores the verifier uses).
+(speculation/goodput.py, participation): at high load the domain drafters are then asked nearly nothing. The
+verifier, not this policy, decides when they may go: it retires them (speculation/retirement.py), drafting the few
+remaining routed rounds on the generalist too, and reports it; after a whole look-back window of that, every
+drafter but the generalist goes to its minimum, and comes back as soon as the verifier routes again. Were the policy
+to decide from the routed share itself, a routed call could reach a drafter after its last replica went, and Serve
+starts a replica for a call waiting at a handle (measured: seconds of the cores the verifier uses, each time).
 
 Zero replicas (`min_replicas: 0`): a drafter goes to zero only when no drafting is asked of it for a reason the
 verifier states, speculation off, rounds on the generalist or no traffic at all, and comes back (Serve skips the
@@ -44,8 +46,7 @@ from ray.serve.config import AutoscalingContext
 
 from config import AutoscalerSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_SCALABLE,
-                                 VERIFIER_DRAFT_WAIT, VERIFIER_DRAFTED, VERIFIER_ROUNDS, VERIFIER_ROUTED,
-                                 VERIFIER_SPECULATING)
+                                 VERIFIER_DRAFT_WAIT, VERIFIER_RETIRED, VERIFIER_ROUNDS, VERIFIER_SPECULATING)
 
 logger = logging.getLogger("ray.serve")
 
@@ -74,7 +75,9 @@ class VerifierLoad:
     draft_wait: float  # share of the verifier's time spent waiting for drafts
     speculating: float  # share of request rounds given drafts
     rounds: float | None = None  # request rounds per second; 0: no traffic (None: not reported)
-    routed: float | None = None  # share of drafted request rounds drafted by routed drafters (None: not reported)
+    # the domain drafters retired (every round on the generalist) through the whole look-back window, on every
+    # verifier replica
+    retired: bool = False
 
     @property
     def idle(self) -> bool:
@@ -84,7 +87,7 @@ class VerifierLoad:
 @dataclass
 class Decision:
     replicas: int
-    kind: str  # demand | draft_wait | speculation_off | generalist | idle | speculating | hold | no_signals
+    kind: str  # demand | draft_wait | speculation_off | retired | idle | speculating | hold | no_signals
     reason: str
     demand: float  # smoothed replicas' worth of drafting wanted
 
@@ -96,9 +99,9 @@ class ReplicaPlanner:
         self.spec = spec
 
     def decide(self, load: DrafterLoad | None, verifier: VerifierLoad | None, current: int, low: int, high: int,
-               previous_demand: float | None, generalist: bool = False, previous_kind: str | None = None) -> Decision:
+               previous_demand: float | None, generalist: bool = False) -> Decision:
         """`generalist`: the deployment is a generalist drafter (its replicas say so; remembered while it has
-        none). `previous_kind`: the kind of this deployment's last decision."""
+        none)."""
         s = self.spec
         idle = verifier is not None and verifier.idle
         # a drafter at zero replicas is not called: while the verifier speculates for traffic, keep one
@@ -112,11 +115,9 @@ class ReplicaPlanner:
                             f"{verifier.speculating:.0%} of its request rounds", previous_demand or 0.0)
         if idle:
             return Decision(low, "idle", "the verifier has no requests", previous_demand or 0.0)
-        # hysteresis: once down for rounds on the generalist, back only when clearly routed again
-        bar = s.routed_above if previous_kind == "generalist" else s.routed_below
-        if verifier is not None and verifier.routed is not None and verifier.routed < bar and not generalist:
-            return Decision(low, "generalist", f"the verifier routes {verifier.routed:.0%} of its drafted request "
-                            "rounds: the generalist drafts the others", previous_demand or 0.0)
+        if verifier is not None and verifier.retired and not generalist:
+            return Decision(low, "retired", "the verifier drafts every round on the generalist",
+                            previous_demand or 0.0)
         if load is None:
             if current == 0 and verifier is not None:
                 return Decision(clamp(1), "speculating", f"the verifier speculates in {verifier.speculating:.0%} "
@@ -159,11 +160,12 @@ def verifier_load(ctx: AutoscalingContext | None) -> VerifierLoad | None:
     wait, spec = metrics.get(VERIFIER_DRAFT_WAIT), metrics.get(VERIFIER_SPECULATING)
     if not wait or not spec:
         return None
-    rounds, routed, drafted = (metrics.get(m) for m in (VERIFIER_ROUNDS, VERIFIER_ROUTED, VERIFIER_DRAFTED))
-    drafted_rate = sum(drafted.values()) if drafted else 0.0
+    rounds, retired = metrics.get(VERIFIER_ROUNDS), metrics.get(VERIFIER_RETIRED)
     return VerifierLoad(sum(wait.values()) / len(wait), sum(spec.values()) / len(spec),
                         sum(rounds.values()) if rounds else None,
-                        sum(routed.values()) / drafted_rate if routed and drafted_rate > 0 else None)
+                        # each report is 1 only for an interval retired all through: the window's mean is 1 only
+                        # when it was retired through the whole window
+                        bool(retired) and min(retired.values()) > 1 - 1e-6)
 
 
 class DrafterAutoscaler:
@@ -189,8 +191,8 @@ class DrafterAutoscaler:
             generalist = load.generalist if load is not None else ctx.policy_state.get("generalist", False)
             d = self.planner.decide(load, verifier, ctx.current_num_replicas,
                                     ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas,
-                                    ctx.policy_state.get("demand"), generalist, ctx.policy_state.get("kind"))
-            decisions[dep], states[dep] = d.replicas, {"demand": d.demand, "generalist": generalist, "kind": d.kind}
+                                    ctx.policy_state.get("demand"), generalist)
+            decisions[dep], states[dep] = d.replicas, {"demand": d.demand, "generalist": generalist}
             self._report(dep.name[len(DRAFTER_PREFIX):], ctx, d)
         return decisions, states
 

@@ -194,6 +194,29 @@ class VoteSpec(_Strict):
         return self
 
 
+class RetirementSpec(_Strict):
+    """Retiring the domain drafters while the goodput controller drafts (nearly) every round on the generalist:
+    the verifier then puts the rest of the rounds there too, so the drafter autoscaler can take the domain
+    drafters' replicas without a call still reaching them (one waiting at a handle with no replica makes Serve start
+    one). On where a generalist drafter exists and another drafter has an autoscaling_config."""
+
+    below: float = Field(0.1, ge=0, lt=1, description="retire the domain drafters when fewer than this share of "
+                         "the drafted request rounds of the last window_s are routed by the controller's choice "
+                         "(the rest on the generalist)")
+    above: float = Field(0.3, gt=0, le=1, description="bring them back when more than this share is routed by the "
+                         "controller's choice again (above `below`: a share near one threshold does not start and "
+                         "stop replicas)")
+    window_s: float = Field(10.0, gt=0, description="the window the routed share is measured over")
+    min_rounds: int = Field(20, ge=1, description="drafted request rounds the window needs before the domain "
+                            "drafters retire")
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.above <= self.below:
+            raise ValueError("speculation.retirement.above must be greater than below")
+        return self
+
+
 class SpeculationSpec(_Strict):
     mode: Literal["cosine", "chain", "vote", "off"] = Field(
         "cosine", description="cosine: routed drafters, fused; chain: one fixed drafter's chain; vote: Minions' "
@@ -225,6 +248,8 @@ class SpeculationSpec(_Strict):
         "drafter_timeout_ms, or past the round's end at 0.8 x draft_timeout_ms) is not called for `first` seconds, "
         "doubled at each further failure in a row up to `longest`; one answer in time clears it")
     controller: ControllerSpec = Field(default_factory=ControllerSpec, description="the draft-length controller")
+    retirement: RetirementSpec = Field(default_factory=RetirementSpec, description="retiring the domain drafters "
+                                       "while rounds draft on the generalist (for the drafter autoscaler)")
     vote: VoteSpec = Field(default_factory=VoteSpec, description="mode vote: the voters and their weights")
     drafting_tier: Literal["deployments", "colocated"] = Field(
         "deployments", description="where drafting runs. deployments: the Speculation deployment (routing, fusion) "
@@ -366,13 +391,6 @@ class AutoscalerSpec(_Strict):
     draft_wait_above: float = Field(0.2, ge=0, le=1, description="when the verifier waits for drafts more than "
                                     "this share of its time and a drafter is at target_utilization, that drafter "
                                     "gets a replica more")
-    routed_below: float = Field(0.1, ge=0, lt=1, description="when fewer than this share of the verifier's drafted "
-                                "request rounds are routed (the goodput controller puts whole rounds on the "
-                                "generalist drafter where that pays), the other drafters go to min_replicas; the "
-                                "generalist keeps the replicas its demand asks")
-    routed_above: float = Field(0.3, gt=0, le=1, description="drafters sent to min_replicas for rounds on the "
-                                "generalist come back only when this share of the drafted request rounds is routed "
-                                "(above routed_below: a share near one threshold does not start and stop replicas)")
 
 
 def reference_markdown() -> str:

@@ -19,7 +19,7 @@ from engines.sampling import SamplingParams
 from speculation.inprocess import InProcessDraftingTier
 from speculation.loop import LoopStats, VerifyLoop
 from speculation.messages import Draft, DraftRequest, SpeculationOverrides, TokenChunk
-from speculation.signals import IntervalMeter, verifier_signals
+from speculation.signals import VERIFIER_RETIRED, IntervalMeter, verifier_signals
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,7 +72,7 @@ class PrometheusStats(LoopStats):
         self.step_ends: deque = deque(maxlen=32)  # (end time, tokens committed) of recent steps
         self.meter = IntervalMeter()  # for the autoscaler (record_autoscaling_stats)
 
-    def planned(self, ks: list[int], predicted_goodput: float | None, routed: int = 0) -> None:
+    def planned(self, ks: list[int], predicted_goodput: float | None) -> None:
         for k in ks:
             self.draft_length.observe(k)
         if predicted_goodput:
@@ -80,7 +80,6 @@ class PrometheusStats(LoopStats):
         self.meter.add("rounds", len(ks))
         self.meter.add("speculated", sum(1 for k in ks if k > 0))
         self.meter.add("k", sum(ks))
-        self.meter.add("routed", routed)
 
     def draft_wait(self, seconds: float) -> None:
         super().draft_wait(seconds)
@@ -140,6 +139,8 @@ class VerifierDeployment:
         # colocated drafters compute on this replica's hardware: drafting takes its cycles from verification
         self.loop.drafting_overlaps_verification = speculation is not None
         self.placement_checked = speculation is None
+        self.retired = metrics.Gauge("cosine_domain_drafters_retired", "1 while the verifier drafts every round on "
+                                     "the generalist so that the autoscaler may take the domain drafters' replicas")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        overrides: SpeculationOverrides | None = None):
@@ -180,7 +181,12 @@ class VerifierDeployment:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook: what the drafter autoscaler (autoscale/policy.py) needs to
         know of the verifier (a verifier with autoscaling_config takes part in the application's policy)."""
-        return verifier_signals(self.loop.stats.meter)
+        signals = verifier_signals(self.loop.stats.meter)
+        retirement = self.loop.planner.retirement
+        if retirement is not None:
+            signals[VERIFIER_RETIRED] = retirement.take()
+            self.retired.set(float(retirement.retired))
+        return signals
 
     def check_health(self) -> None:
         err = self.loop.failed()

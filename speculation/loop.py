@@ -106,10 +106,9 @@ class LoopStats:
         self.wait_seconds.append(seconds)
         self.totals["draft_wait_s"] += seconds
 
-    def planned(self, ks: list[int], predicted_goodput: float | None, routed: int = 0) -> None:
-        """The draft lengths chosen this round for the requests that may speculate (0: not this round), the
-        tokens per second the controller expects of its choice, and how many of the drafting requests draft with
-        routed drafters by the controller's choice (the others: on the generalist, or probing a routed mode)."""
+    def planned(self, ks: list[int], predicted_goodput: float | None) -> None:
+        """The draft lengths chosen this round for the requests that may speculate (0: not this round), and the
+        tokens per second the controller expects of its choice."""
 
     def drafter_round(self, name: str, drafted: int, accepted: int) -> None:
         self.recent_accepted.setdefault(name, deque(maxlen=200)).append(1 + accepted)
@@ -259,10 +258,7 @@ class VerifyLoop:
         # drafted ahead, the round runs beside the step being verified
         overlap = (self.stats.verify_seconds[-1] if self.stats.verify_seconds else 0.0) if ahead else self._overlap(rids)
         batch = self.planner.plan(contexts, overrides, overlap, ahead=bool(ahead))
-        # routed drafting asked for (a probe of a routed mode only measures it)
-        routed = 0 if getattr(self.controller, "probing", False) else sum(
-            1 for d in batch if not d.participation.generalist)
-        self.stats.planned(self.planner.chosen, getattr(self.controller, "predicted_goodput", None), routed)
+        self.stats.planned(self.planner.chosen, getattr(self.controller, "predicted_goodput", None))
         if not batch:
             return {}
         modes, scored = set(), 0

@@ -9,12 +9,14 @@ from config import AppConfig
 from speculation.goodput import SpeculationController
 from speculation.hill_climb import HillClimbController
 from speculation.messages import DraftRequest, Participation, SpeculationOverrides
+from speculation.retirement import DomainDrafterRetirement
 
 
 class DraftPlanner:
     def __init__(self, cfg: AppConfig):
         self.cfg = cfg
         self.controller = make_controller(cfg)
+        self.retirement = DomainDrafterRetirement.from_config(cfg)
         self.recent_k: deque = deque(maxlen=128)  # the chosen depths of requests that may speculate
         self.chosen: list[int] = []  # the last round's
 
@@ -41,6 +43,10 @@ class DraftPlanner:
                                       # up to n nodes per depth: the fused path and its branches
                                       budget=min(spec.tree_budget, mode.drafters_per_request * k),
                                       participation=mode, drafters=o.drafters, routing=o.routing, ahead=ahead))
+        if self.retirement is not None:
+            if not getattr(self.controller, "probing", False):  # a probe of a routed mode only measures it
+                self.retirement.observe(len(batch), sum(1 for d in batch if not d.participation.generalist))
+            batch = self.retirement.apply(batch)
         return batch
 
     def participation(self, o: SpeculationOverrides) -> Participation:
@@ -105,6 +111,8 @@ class DraftPlanner:
                   "zero_k_share": ks.count(0) / max(1, len(ks)),
                   "drafting_overlaps_verification": drafting_overlaps_verification,
                   "participation": str(c.mode) if c.mode else None}
+        if self.retirement is not None:
+            common |= {"domain_drafters_retired": self.retirement.retired, "routed_share": self.retirement.share()}
         if isinstance(c, HillClimbController):
             return common | c.state()
         return common | {

@@ -19,11 +19,9 @@ VERIFIER_DRAFT_WAIT = "draft_wait"  # share of wall time the verifier waited for
 VERIFIER_SPECULATING = "speculating"  # share of request rounds the controller gave drafts (k > 0); 1 when idle
 VERIFIER_MEAN_K = "mean_k"  # mean chosen draft length over those rounds
 VERIFIER_ROUNDS = "rounds"  # request rounds per second (0: no traffic)
-# request rounds per second given drafts, and those of them drafted by routed drafters rather than all on the
-# generalist (the controller's generalist participation): rates, so that their ratio over Serve's look-back window
-# weighs every interval by its rounds (a share per interval would count an interval without drafts as all routed)
-VERIFIER_DRAFTED = "drafted"
-VERIFIER_ROUTED = "routed"
+# 1 when the verifier kept the domain drafters retired through the whole interval: every round drafted on the
+# generalist, none called them (speculation/retirement.py); not reported where retirement is off
+VERIFIER_RETIRED = "retired"
 DRAFTER_GENERALIST = "generalist"  # 1 from a generalist drafter's replicas (trained on every domain), else 0
 
 
@@ -57,5 +55,4 @@ def verifier_signals(meter: IntervalMeter) -> dict[str, float]:
     rounds = sums["rounds"]
     return {VERIFIER_DRAFT_WAIT: sums["draft_wait_s"] / elapsed,
             VERIFIER_SPECULATING: sums["speculated"] / rounds if rounds else 1.0,
-            VERIFIER_MEAN_K: sums["k"] / rounds if rounds else 0.0, VERIFIER_ROUNDS: rounds / elapsed,
-            VERIFIER_DRAFTED: sums["speculated"] / elapsed, VERIFIER_ROUTED: sums["routed"] / elapsed}
+            VERIFIER_MEAN_K: sums["k"] / rounds if rounds else 0.0, VERIFIER_ROUNDS: rounds / elapsed}

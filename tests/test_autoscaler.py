@@ -13,8 +13,8 @@ from ray.serve.request_router import ReplicaID
 from autoscale.policy import DrafterAutoscaler, DrafterLoad, ReplicaPlanner, VerifierLoad, verifier_load
 from config import AutoscalerSpec, DrafterSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_REQUESTS,
-                                 DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT, VERIFIER_DRAFTED, VERIFIER_ROUNDS,
-                                 VERIFIER_ROUTED, VERIFIER_SPECULATING, IntervalMeter, drafter_signals,
+                                 DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT, VERIFIER_RETIRED, VERIFIER_ROUNDS,
+                                 VERIFIER_SPECULATING, IntervalMeter, drafter_signals,
                                  verifier_signals)
 
 SPEC = AutoscalerSpec(target_utilization=0.6, hysteresis=0.25, smoothing=1.0)
@@ -118,14 +118,12 @@ def test_signals_are_rates_over_the_reporting_interval():
         v.add("rounds")
         v.add("speculated", k > 0)
         v.add("k", k)
-    v.add("routed", 1)  # of the two drafted, one routed, one on the generalist
     v.add("draft_wait_s", 2.0)
     now[0] = 20.0
     assert verifier_signals(v) == {VERIFIER_DRAFT_WAIT: 0.2, VERIFIER_SPECULATING: 0.5, "mean_k": 1.75,
-                                   VERIFIER_ROUNDS: 0.4, VERIFIER_DRAFTED: 0.2, VERIFIER_ROUTED: 0.1}
+                                   VERIFIER_ROUNDS: 0.4}
     idle = verifier_signals(v)
     assert idle[VERIFIER_SPECULATING] == 1.0 and idle[VERIFIER_ROUNDS] == 0.0  # idle: not "speculation off"
-    assert idle[VERIFIER_ROUTED] == idle[VERIFIER_DRAFTED] == 0.0
 
 
 def _context(name: str, replicas: int, metrics: dict[str, list[float]], state: dict | None = None,
@@ -180,42 +178,40 @@ def test_the_serve_policy_brings_a_drafter_back_from_zero_when_the_verifier_spec
     assert decisions(speculating=1.0, rounds=0.0) == {"Drafter-code": 0, "Drafter-legal": 0}
 
 
-def test_domain_drafters_go_to_their_minimum_while_rounds_draft_on_the_generalist_and_return_when_routed():
-    """The controller puts whole rounds on the generalist where a batch spread over every domain's drafter costs
-    more: the domain drafters are asked nothing, and go to min_replicas (zero here); the generalist keeps what its
-    demand asks, also while it has no replica to say it is the generalist (the policy's state remembers)."""
+def test_domain_drafters_go_to_their_minimum_once_the_verifier_retired_them_for_a_whole_window():
+    """The verifier retires the domain drafters while the controller puts (nearly) every round on the generalist
+    (speculation/retirement.py): after a whole look-back window of that on every verifier replica they go to
+    min_replicas (zero here), and they come back as soon as one interval was not retired; the generalist keeps what
+    its demand asks, also while it has no replica to say it is the generalist (the policy's state remembers)."""
     policy = DrafterAutoscaler(smoothing=1.0)
     state: dict = {}
 
-    def decisions(routed: float, replicas: dict[str, int]) -> dict[str, int]:
-        # rates: the routed share is routed / drafted over the window
-        contexts = dict([_context("Verifier", 1, {VERIFIER_DRAFT_WAIT: [0.05], VERIFIER_SPECULATING: [0.9],
-                                                  VERIFIER_ROUNDS: [60.0], VERIFIER_DRAFTED: [50.0],
-                                                  VERIFIER_ROUTED: [50.0 * routed]})])
-        for name, n in replicas.items():
+    def decisions(retired: list[float], replicas: dict[str, int]) -> dict[str, int]:
+        # `retired`: each verifier replica's mean of its interval reports over the look-back window
+        n = len(retired)
+        contexts = dict([_context("Verifier", n, {VERIFIER_DRAFT_WAIT: [0.05] * n, VERIFIER_SPECULATING: [0.9] * n,
+                                                  VERIFIER_ROUNDS: [60.0] * n, VERIFIER_RETIRED: retired})])
+        for name, r in replicas.items():
             busy = 1.0 if name == "generic" else 0.0
-            metrics = {DRAFTER_BUSY: [busy] * n, DRAFTER_QUEUED: [0.0] * n, DRAFTER_REQUESTS: [4] * n,
-                       DRAFTER_GENERALIST: [float(name == "generic")] * n} if n else {}
-            contexts.update([_context(f"Drafter-{name}", n, metrics, low=0,
+            metrics = {DRAFTER_BUSY: [busy] * r, DRAFTER_QUEUED: [0.0] * r, DRAFTER_REQUESTS: [4] * r,
+                       DRAFTER_GENERALIST: [float(name == "generic")] * r} if r else {}
+            contexts.update([_context(f"Drafter-{name}", r, metrics, low=0,
                                       state=state.get(f"Drafter-{name}"))])
         out, new_state = policy(contexts)
         state.update({d.name: st for d, st in new_state.items()})
-        return {d.name[len("Drafter-"):]: n for d, n in out.items() if d.name.startswith("Drafter-")}
+        return {d.name[len("Drafter-"):]: r for d, r in out.items() if d.name.startswith("Drafter-")}
 
-    assert decisions(0.03, {"code": 1, "legal": 1, "generic": 1}) == {"code": 0, "legal": 0, "generic": 2}
-    assert decisions(0.03, {"code": 0, "legal": 0, "generic": 0}) == {"code": 0, "legal": 0, "generic": 1}
-    # a share between routed_below and routed_above does not bring them back (nor would it send them down)
-    assert decisions(0.2, {"code": 0, "legal": 0, "generic": 1}) == {"code": 0, "legal": 0, "generic": 2}
-    assert decisions(0.6, {"code": 0, "legal": 0, "generic": 1}) == {"code": 1, "legal": 1, "generic": 2}
-    assert decisions(0.2, {"code": 1, "legal": 1, "generic": 1}) == {"code": 1, "legal": 1, "generic": 2}
-    # the share weighs intervals by their drafted rounds; none drafted over the window: no share, no rule
-    quiet = verifier_load(_context("Verifier", 2, {VERIFIER_DRAFT_WAIT: [0.0, 0.0], VERIFIER_SPECULATING: [1.0, 0.5],
-                                                   VERIFIER_DRAFTED: [0.0, 40.0], VERIFIER_ROUTED: [0.0, 2.0]})[1])
-    assert quiet.routed == pytest.approx(0.05)
-    assert verifier_load(_context("Verifier", 1, {VERIFIER_DRAFT_WAIT: [0.0], VERIFIER_SPECULATING: [1.0],
-                                                  VERIFIER_DRAFTED: [0.0], VERIFIER_ROUTED: [0.0]})[1]).routed is None
-    d = ReplicaPlanner(SPEC).decide(DrafterLoad(0.0, 0.0), VerifierLoad(0.05, 0.9, 60.0, routed=0.0), 1, 1, 4, None)
-    assert (d.replicas, d.kind) == (1, "generalist")  # min_replicas still holds
+    # retired for part of the window, or on one replica only: not yet
+    assert decisions([0.8], {"code": 1, "legal": 1, "generic": 1}) == {"code": 1, "legal": 1, "generic": 2}
+    assert decisions([1.0, 0.9], {"code": 1, "legal": 1, "generic": 1}) == {"code": 1, "legal": 1, "generic": 2}
+    assert decisions([1.0], {"code": 1, "legal": 1, "generic": 1}) == {"code": 0, "legal": 0, "generic": 2}
+    assert decisions([1.0], {"code": 0, "legal": 0, "generic": 0}) == {"code": 0, "legal": 0, "generic": 1}
+    assert decisions([0.9], {"code": 0, "legal": 0, "generic": 1}) == {"code": 1, "legal": 1, "generic": 2}
+    # a verifier that does not report it (retirement off) never retires them
+    assert verifier_load(_context("Verifier", 1, {VERIFIER_DRAFT_WAIT: [0.0], VERIFIER_SPECULATING: [1.0]})[1]) \
+        .retired is False
+    d = ReplicaPlanner(SPEC).decide(DrafterLoad(0.0, 0.0), VerifierLoad(0.05, 0.9, 60.0, retired=True), 1, 1, 4, None)
+    assert (d.replicas, d.kind) == (1, "retired")  # min_replicas still holds
 
 
 def test_policy_kwargs_are_validated():

@@ -1,7 +1,7 @@
 """Draft planning without Ray or models: each request's bounds, Gamma_max, participation."""
 
 from config import AppConfig
-from speculation.messages import Participation, SpeculationOverrides
+from speculation.messages import DraftRequest, Participation, SpeculationOverrides
 from speculation.planner import DraftPlanner
 
 
@@ -100,3 +100,73 @@ def test_stopping_the_loop_outlasts_a_swallowed_cancellation():
         return stopping in done and loop.task.cancelled()
 
     assert asyncio.run(run())
+
+
+def _retiring_cfg(**retirement) -> AppConfig:
+    scaled = {"autoscaling_config": {"min_replicas": 0, "max_replicas": 2}}
+    return AppConfig(verifier={"model": "target"},
+                     drafters=[{"name": "a", "model": "a", "deployment": scaled},
+                               {"name": "b", "model": "b", "deployment": scaled},
+                               {"name": "g", "model": "g", "generalist": True}],
+                     speculation={"k": 4, "retirement": {"window_s": 10.0, "min_rounds": 4, **retirement}},
+                     routing={"drafters_per_request": 1})
+
+
+def test_domain_drafters_retire_when_the_controller_routes_few_rounds_and_return_when_it_routes_again():
+    """Below `below` of the window's rounds routed by the controller's choice, the remaining routed rounds draft on
+    the generalist too (no call reaches a domain drafter the autoscaler may be taking away); above `above`, they
+    are routed again. The share counts the controller's choices, not what retirement made of them, so a lone
+    request's rounds (always routed) bring them back."""
+    from speculation.retirement import DomainDrafterRetirement
+
+    now = [0.0]
+    retirement = DomainDrafterRetirement(_retiring_cfg().speculation.retirement, tree_budget=8, clock=lambda: now[0])
+    assert retirement.take() == 0.0
+    for _ in range(3):  # under min_rounds: too few to judge
+        retirement.observe(drafted=1, routed=0)
+    assert not retirement.retired
+    retirement.observe(drafted=8, routed=0)
+    assert retirement.retired and retirement.take() == 0.0  # not retired through the whole interval yet
+    assert retirement.take() == 1.0
+    routed = DraftRequest("r", [1], 4, budget=4, participation=Participation(1))
+    fixed = DraftRequest("f", [1], 4, budget=4, participation=Participation(1), drafters=["a"])
+    pair = DraftRequest("p", [1], 3, budget=6, participation=Participation(2, lockstep=True))
+    out = retirement.apply([routed, fixed, pair])
+    assert [d.participation for d in out] == [Participation(1, generalist=True), Participation(1),
+                                              Participation(1, generalist=True)]
+    assert out[2].budget == 3 and out[1] is fixed  # the request's own drafters are left as asked
+    now[0] = 5.0
+    retirement.observe(drafted=4, routed=2)  # 2 of 16: 12.5%, between the thresholds: still retired
+    assert retirement.retired
+    now[0] = 12.0  # the first rounds left the window: 2 of 4 routed
+    retirement.observe(drafted=0, routed=0)
+    assert not retirement.retired and retirement.take() == 0.0
+    assert retirement.apply([routed]) == [routed]
+
+
+def test_the_planner_retires_domain_drafters_only_where_the_autoscaler_can_take_them():
+    from speculation.retirement import DomainDrafterRetirement
+
+    assert DomainDrafterRetirement.from_config(_retiring_cfg()) is not None
+    assert DomainDrafterRetirement.from_config(_cfg(adaptive=True)) is None  # no generalist, nothing autoscaled
+    colocated = _retiring_cfg().model_copy(deep=True)
+    colocated.speculation.drafting_tier = "colocated"
+    assert DomainDrafterRetirement.from_config(colocated) is None
+    planner = DraftPlanner(_retiring_cfg())
+    c, chosen = planner.controller, [Participation(1, generalist=True)]
+
+    def choose(rids, caps, **_):  # the controller's choice of participation, set by the test
+        c.mode, c.probing = chosen[0], False
+        return dict(caps)
+
+    c.choose = choose
+    contexts = {f"r{i}": [i] for i in range(4)}
+    overrides = {r: SpeculationOverrides() for r in contexts}
+    for _ in range(5):
+        planner.plan(contexts, overrides)
+    assert planner.retirement.retired
+    chosen[0] = Participation(1)  # the controller routes: drafted on the generalist while retired
+    for _ in range(2):  # 4 of 24, then 8 of 28 routed by choice
+        assert all(d.participation.generalist for d in planner.plan(contexts, overrides))
+    batch = planner.plan(contexts, overrides)  # 12 of 32
+    assert not planner.retirement.retired and not any(d.participation.generalist for d in batch)
