@@ -42,10 +42,10 @@ def ablate(data_dir: Path, models_dir: Path, domains: list[str], steps: int, lr:
     """One run; `eval_at` adds the learning curve: the same measurements after those numbers of steps."""
     from model_family.acceptance import agreement_by_kind, held_out_sequences, measure
     from model_family.configs import drafter_config
-    from model_family.recipe import DRAFTER_BATCH
+    from model_family.recipe import DRAFTER_BATCH, distill_set_path
 
     start = time.time()
-    sets = {d: DistillSet.load(data_dir / "distill" / f"{d}.npz") for d in DOMAINS}
+    sets = {d: DistillSet.load(distill_set_path(data_dir, d)) for d in DOMAINS}
     if extra_generated:
         for d in domains:  # the generic drafter sees the same data of the measured domains as their drafters
             sets[d] = sets[d].concat(_extra(data_dir, models_dir, d, extra_generated, seed))

@@ -60,22 +60,26 @@ def greedy_continue(model: LlamaForCausalLM, prompts: torch.Tensor, new_tokens: 
 
 @torch.no_grad()
 def build_distill_set(target: LlamaForCausalLM, stream: np.ndarray, n_generated: int, n_text: int,
-                      prompt_len: int, seq_len: int, seed: int, desc: str, batch: int = 100) -> DistillSet:
+                      prompt_len: int, seq_len: int, seed: int, desc: str, batch: int = 100,
+                      label_batch: int = 50) -> DistillSet:
+    """Runs on the target's device. `batch` (continuations) and `label_batch` (soft labels) only set how many rows
+    go through the target at once: every prompt and text window is drawn before any of them runs."""
     target.eval()
+    device = next(target.parameters()).device
     rng = np.random.default_rng(seed)
     rows = []
     prompts = torch.from_numpy(sample_windows(stream, n_generated, prompt_len, rng))
     for i in tqdm(range(0, n_generated, batch), desc=f"{desc}: target continuations", unit="batch"):
-        rows.append(greedy_continue(target, prompts[i:i + batch], seq_len - prompt_len))
+        rows.append(greedy_continue(target, prompts[i:i + batch].to(device), seq_len - prompt_len).cpu())
     if n_text:
         rows.append(torch.from_numpy(sample_windows(stream, n_text, seq_len, rng)))
     tokens = torch.cat(rows)
     ids, probs = [], []
-    for i in tqdm(range(0, len(tokens), 50), desc=f"{desc}: target soft labels", unit="batch"):
-        logits = target(input_ids=tokens[i:i + 50, :-1]).logits
+    for i in tqdm(range(0, len(tokens), label_batch), desc=f"{desc}: target soft labels", unit="batch"):
+        logits = target(input_ids=tokens[i:i + label_batch, :-1].to(device)).logits
         p, idx = F.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
-        ids.append(idx.to(torch.int32).numpy().astype(np.uint16))
-        probs.append(p.numpy().astype(np.float16))
+        ids.append(idx.to(torch.int32).cpu().numpy().astype(np.uint16))
+        probs.append(p.cpu().numpy().astype(np.float16))
     return DistillSet(tokens.numpy().astype(np.uint16), np.concatenate(ids), np.concatenate(probs))
 
 
@@ -103,15 +107,19 @@ LOSSES = {"fkl": _fkl, "tvd": _tvd, "top1": _top1}
 
 def distill_drafter(config, sets: list[DistillSet], steps: int, batch: int, lr: float, seed: int,
                     desc: str, init: LlamaForCausalLM | None = None, loss: str = "fkl",
-                    checkpoint: Path | None = None,
-                    on_step: Callable[[int, LlamaForCausalLM], None] | None = None) -> tuple[LlamaForCausalLM, dict]:
+                    checkpoint: Path | None = None, checkpoint_every: int = 100,
+                    on_step: Callable[[int, LlamaForCausalLM], None] | None = None,
+                    device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, dict]:
     """Train a drafter on the union of `sets`, drawing each row from a uniformly chosen set; from scratch, or
-    fine-tuning `init` (a copy of it). `loss` is a divergence of `LOSSES`; `checkpoint` makes it resumable;
-    `on_step(steps_done, model)` runs after every step."""
+    fine-tuning `init` (a copy of it). `loss` is a divergence of `LOSSES`; `checkpoint` makes it resumable (saved
+    every `checkpoint_every` steps; one saved on another device resumes too); `on_step(steps_done, model)` runs
+    after every step. The model is initialised on the CPU, whatever the device, trains on `device` and is
+    returned there; the batches are drawn on the CPU as they are for `device="cpu"`."""
     set_seed(seed)
     model = LlamaForCausalLM(config)
     if init is not None:
         model.load_state_dict(init.state_dict())
+    model.to(device)
     divergence = LOSSES[loss]
 
     def batch_loss(rng: np.random.Generator) -> torch.Tensor:
@@ -120,10 +128,11 @@ def distill_drafter(config, sets: list[DistillSet], steps: int, batch: int, lr: 
         x = torch.from_numpy(np.stack([sets[s].tokens[r] for s, r in zip(which, rows)]).astype(np.int64))
         ids = torch.from_numpy(np.stack([sets[s].topk_ids[r] for s, r in zip(which, rows)]).astype(np.int64))
         p = torch.from_numpy(np.stack([sets[s].topk_p[r] for s, r in zip(which, rows)]).astype(np.float32))
+        x, ids, p = x.to(device), ids.to(device), p.to(device)
         logp = F.log_softmax(model(input_ids=x[:, :-1]).logits, dim=-1)
         return divergence(p, logp.gather(-1, ids))
 
-    seconds = fit(model, steps, lr, seed, desc, batch_loss, checkpoint=checkpoint,
+    seconds = fit(model, steps, lr, seed, desc, batch_loss, checkpoint=checkpoint, every=checkpoint_every,
                   on_step=None if on_step is None else lambda done: on_step(done, model))
     tokens = steps * batch * (sets[0].tokens.shape[1] - 1)
     return model, {"steps": steps, "tokens": tokens, "seconds": seconds, "loss": loss}

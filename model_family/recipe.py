@@ -55,6 +55,10 @@ N_GENERATED, N_TEXT, PROMPT_LEN, DISTILL_SEQ = 2000, 1000, 32, 128
 # model, and equal budgets keep the comparison fair: given 800 more steps on the mixed data, the generic drafter
 # gained 11-14% held-out accepted length, more than the domain drafters gained from their own (measured,
 # docs/model_card.md "Recipe ablation").
+# These are the shipped family's budgets. Top1 distillation with 2400 fine-tuning steps and 8000 or 24000
+# continuations per domain (`--device cuda`: minutes on a GPU) gives far better drafters, but its specialists only
+# match the generic drafter, and its likelihoods no longer rank drafters for routing's cold start
+# (docs/drafter_recipe.md, "The recipe at equal budget on a GPU").
 BASE_STEPS, DRAFTER_BATCH, BASE_LR = 350, 32, 3e-3
 FINETUNE_STEPS, FINETUNE_LR, DISTILL_LOSS = 250, 1.5e-3, "fkl"
 DRAFTERS = tuple(DOMAINS) + ("generic",)
@@ -74,18 +78,38 @@ def _target(models_dir: Path):
     return AutoModelForCausalLM.from_pretrained(models_dir / "target", dtype=torch.float32).eval()
 
 
-def step_distill_sets(data_dir: Path, models_dir: Path, seed: int = 0) -> None:
+def distill_set_path(data_dir: Path, domain: str) -> Path:
+    """The domain's distill set, named by its sizes: a set built with other budgets is never taken for this one."""
+    return data_dir / "distill" / f"{domain}-g{N_GENERATED}-t{N_TEXT}.npz"
+
+
+def step_distill_sets(data_dir: Path, models_dir: Path, seed: int = 0, device: str = "cpu") -> None:
+    """The target runs on `device`; on a GPU it takes larger batches, which change nothing in the sets."""
+    import torch
+
     from model_family.data import token_streams
     from model_family.distill import build_distill_set
 
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
     train = token_streams(data_dir, tok, "train")
-    target = _target(models_dir)
+    target = _target(models_dir).to(device)
+    batch, label_batch = (100, 50) if torch.device(device).type == "cpu" else (2000, 500)
     for i, d in enumerate(DOMAINS):
-        out = data_dir / "distill" / f"{d}.npz"
+        out = distill_set_path(data_dir, d)
         if not out.exists():
             build_distill_set(target, train[d], N_GENERATED, N_TEXT, PROMPT_LEN, DISTILL_SEQ,
-                              seed + i, desc=d).save(out)
+                              seed + i, desc=d, batch=batch, label_batch=label_batch).save(out)
+
+
+def _load_distill_set(data_dir: Path, domain: str):
+    from model_family.distill import DistillSet
+
+    path = distill_set_path(data_dir, domain)
+    s = DistillSet.load(path)
+    if s.tokens.shape != (N_GENERATED + N_TEXT, DISTILL_SEQ):
+        raise ValueError(f"{path}: {s.tokens.shape[0]} rows of {s.tokens.shape[1]} tokens, the recipe asks for "
+                         f"{N_GENERATED + N_TEXT} of {DISTILL_SEQ}; remove it and run the distill step again")
+    return s
 
 
 def _trained(path: Path, recipe: dict) -> bool:
@@ -93,18 +117,20 @@ def _trained(path: Path, recipe: dict) -> bool:
     return meta.exists() and json.loads(meta.read_text()).get("recipe") == recipe
 
 
-def step_drafters(data_dir: Path, models_dir: Path, seed: int = 0, only: list[str] | None = None) -> dict:
-    """The shared base, then each drafter fine-tuned from it. Resumable: drafters already trained with this
-    recipe are kept, and a model cut off mid-training continues from its checkpoint under data_dir."""
+def step_drafters(data_dir: Path, models_dir: Path, seed: int = 0, only: list[str] | None = None,
+                  device: str = "cpu") -> dict:
+    """The shared base, then each drafter fine-tuned from it, trained and evaluated on `device`, saved as soon as
+    it is done. Resumable: drafters already trained with this recipe are kept, and a model cut off mid-training
+    continues from its checkpoint under data_dir (on any device)."""
     import torch
 
     from model_family.data import token_streams
-    from model_family.distill import DistillSet, distill_drafter
+    from model_family.distill import distill_drafter
     from model_family.train import perplexity, save_model
 
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
     test = token_streams(data_dir, tok, "test")
-    sets = {d: DistillSet.load(data_dir / "distill" / f"{d}.npz") for d in DOMAINS}
+    sets = {d: _load_distill_set(data_dir, d) for d in DOMAINS}
     recipe = drafter_recipe()
     ckpts = data_dir / "checkpoints"
     todo = [n for n in (only or DRAFTERS) if not _trained(models_dir / f"drafter-{n}", recipe)]
@@ -112,7 +138,7 @@ def step_drafters(data_dir: Path, models_dir: Path, seed: int = 0, only: list[st
     if todo and not _trained(base_dir, recipe):
         base, stats = distill_drafter(drafter_config(), list(sets.values()), BASE_STEPS, DRAFTER_BATCH, BASE_LR,
                                       seed, desc="drafter-base", loss=DISTILL_LOSS,
-                                      checkpoint=ckpts / "drafter-base.ckpt")
+                                      checkpoint=ckpts / "drafter-base.ckpt", device=device)
         save_model(base, base_dir, tok, {"role": "drafter-base", "seed": seed, "recipe": recipe, **stats})
     report = {}
     for name in todo:
@@ -120,14 +146,14 @@ def step_drafters(data_dir: Path, models_dir: Path, seed: int = 0, only: list[st
         data = list(sets.values()) if name == "generic" else [sets[name]]
         model, stats = distill_drafter(drafter_config(), data, FINETUNE_STEPS, DRAFTER_BATCH, FINETUNE_LR, seed,
                                        desc=f"drafter-{name}", init=base, loss=DISTILL_LOSS,
-                                       checkpoint=ckpts / f"drafter-{name}.ckpt")
+                                       checkpoint=ckpts / f"drafter-{name}.ckpt", device=device)
         base_meta = json.loads((base_dir / "family.json").read_text())
         stats.update(init="drafter-base", steps=BASE_STEPS + stats["steps"], tokens=base_meta["tokens"] + stats["tokens"],
                      seconds=base_meta["seconds"] + stats["seconds"])
         stats["held_out_ppl"] = {d: round(perplexity(model, test[d]), 2) for d in DOMAINS}
         stats["params"] = sum(p.numel() for p in model.parameters())
         save_model(model, models_dir / f"drafter-{name}", tok,
-                   {"role": "drafter", "domain": name, "seed": seed, "recipe": recipe, **stats})
+                   {"role": "drafter", "domain": name, "seed": seed, "recipe": recipe, "device": device, **stats})
         report[name] = stats
     return report
 

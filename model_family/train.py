@@ -69,7 +69,9 @@ def fit(model, steps: int, lr: float, seed: int, desc: str,
     rng = np.random.default_rng(seed)
     first, spent = 0, 0.0
     if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        # onto the CPU first: a checkpoint saved on a GPU resumes anywhere (the model's and the optimiser's
+        # load_state_dict copy the tensors to wherever the model is)
+        state = torch.load(checkpoint, weights_only=False, map_location="cpu")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         rng.bit_generator.state = state["rng"]
@@ -102,13 +104,14 @@ def fit(model, steps: int, lr: float, seed: int, desc: str,
 
 @torch.no_grad()
 def perplexity(model, stream: np.ndarray, seq_len: int = 256, max_windows: int = 64) -> float:
-    """Held-out perplexity over non-overlapping windows."""
+    """Held-out perplexity over non-overlapping windows, on the model's device."""
     model.eval()
+    device = next(model.parameters()).device
     n = min(max_windows, (len(stream) - 1) // seq_len)
     total, count = 0.0, 0
     for i in range(0, n, 16):
         rows = [stream[j * seq_len:(j + 1) * seq_len + 1] for j in range(i, min(n, i + 16))]
-        x = torch.from_numpy(np.stack(rows).astype(np.int64))
+        x = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
         logits = model(input_ids=x[:, :-1]).logits
         total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum").item()
         count += x[:, 1:].numel()
@@ -116,9 +119,10 @@ def perplexity(model, stream: np.ndarray, seq_len: int = 256, max_windows: int =
 
 
 def save_model(model, out_dir: Path, tokenizer, meta: dict) -> None:
-    """fp16 storage halves the repository size; every consumer loads it back as fp32."""
+    """fp16 storage halves the repository size; every consumer loads it back as fp32. A model trained on a GPU is
+    saved from the CPU (where it is left), so the files are the same whatever the device."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
+    model.to(device="cpu", dtype=torch.float16).save_pretrained(out_dir, safe_serialization=True)
     model.to(torch.float32)
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg["dtype"] = "float32"

@@ -33,9 +33,9 @@ def _models_train(args) -> int:
         elif s == "target":
             recipe.step_target(data, models, args.seed)
         elif s == "distill":
-            recipe.step_distill_sets(data, models, args.seed)
+            recipe.step_distill_sets(data, models, args.seed, device=args.device)
         elif s == "drafters":
-            recipe.step_drafters(data, models, args.seed)
+            recipe.step_drafters(data, models, args.seed, device=args.device)
         elif s == "matrix":
             recipe.step_heldout_samples(data, models)
             _print_matrix(recipe.step_acceptance_matrix(models, Path(args.matrix_json)))
@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--models-dir", default=str(REPO_ROOT / "models"))
     t.add_argument("--matrix-json", default=str(REPO_ROOT / "models" / "acceptance_matrix.json"))
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu", help="where the distill and drafters steps run: cpu, or cuda on a "
+                   "GPU machine (the other steps run on the CPU)")
     t.set_defaults(func=_models_train)
 
     a = msub.add_parser("acceptance-matrix", help="every drafter x every domain, greedy chain speculation")
