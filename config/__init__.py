@@ -201,13 +201,16 @@ class RetirementSpec(_Strict):
     one). On where a generalist drafter exists and another drafter has an autoscaling_config."""
 
     below: float = Field(0.1, ge=0, lt=1, description="retire the domain drafters when fewer than this share of "
-                         "the drafted request rounds of the last window_s are routed by the controller's choice "
-                         "(the rest on the generalist)")
+                         "the last window_rounds drafted request rounds are routed by the controller's choice (the "
+                         "rest on the generalist)")
     above: float = Field(0.3, gt=0, le=1, description="bring them back when more than this share is routed by the "
                          "controller's choice again (above `below`: a share near one threshold does not start and "
                          "stop replicas)")
-    window_s: float = Field(10.0, gt=0, description="the window the routed share is measured over")
-    min_rounds: int = Field(20, ge=1, description="drafted request rounds the window needs before the domain "
+    window_rounds: int = Field(200, ge=1, description="the drafted request rounds (a round of n drafting requests "
+                               "counts n) the routed share is measured over: a count, not a time, so that a pause "
+                               "in traffic does not empty it and the first lone requests after it (always routed) do "
+                               "not read as a routed majority")
+    min_rounds: int = Field(100, ge=1, description="drafted request rounds the window needs before the domain "
                             "drafters retire")
 
     @model_validator(mode="after")

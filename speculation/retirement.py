@@ -14,7 +14,6 @@ preferring routing again) brings them back.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import replace
 
@@ -23,9 +22,10 @@ from speculation.messages import DraftRequest, Participation
 
 
 class DomainDrafterRetirement:
-    def __init__(self, spec: RetirementSpec, tree_budget: int, clock=time.monotonic):
-        self.spec, self.tree_budget, self.clock = spec, tree_budget, clock
-        self.rounds: deque[tuple[float, int, int]] = deque()  # (time, drafted, routed by choice) per round
+    def __init__(self, spec: RetirementSpec, tree_budget: int):
+        self.spec, self.tree_budget = spec, tree_budget
+        self.rounds: deque[tuple[int, int]] = deque()  # (drafted, routed by choice) per round, the newest last
+        self.drafted = self.routed = 0  # their sums
         self.retired = False
         self.held_since_take = False  # retired through the whole interval since the last `take`
 
@@ -40,22 +40,21 @@ class DomainDrafterRetirement:
 
     def share(self) -> float | None:
         """The routed share of the window's drafted request rounds (None: none drafted)."""
-        drafted = sum(d for _, d, _ in self.rounds)
-        return sum(r for _, _, r in self.rounds) / drafted if drafted else None
+        return self.routed / self.drafted if self.drafted else None
 
     def observe(self, drafted: int, routed: int) -> None:
         """A round: `drafted` request rounds, `routed` of them routed by the controller's choice."""
-        now = self.clock()
-        self.rounds.append((now, drafted, routed))
-        while self.rounds and self.rounds[0][0] < now - self.spec.window_s:
-            self.rounds.popleft()
-        share = self.share()
-        if share is None:
+        if not drafted:
             return
+        self.rounds.append((drafted, routed))
+        self.drafted, self.routed = self.drafted + drafted, self.routed + routed
+        while self.drafted - self.rounds[0][0] >= self.spec.window_rounds:
+            d, r = self.rounds.popleft()
+            self.drafted, self.routed = self.drafted - d, self.routed - r
+        share = self.routed / self.drafted
         if self.retired and share > self.spec.above:
             self.retired = self.held_since_take = False
-        elif not self.retired and share < self.spec.below and \
-                sum(d for _, d, _ in self.rounds) >= self.spec.min_rounds:
+        elif not self.retired and share < self.spec.below and self.drafted >= self.spec.min_rounds:
             self.retired = True
 
     def apply(self, batch: list[DraftRequest]) -> list[DraftRequest]:

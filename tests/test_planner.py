@@ -108,7 +108,7 @@ def _retiring_cfg(**retirement) -> AppConfig:
                      drafters=[{"name": "a", "model": "a", "deployment": scaled},
                                {"name": "b", "model": "b", "deployment": scaled},
                                {"name": "g", "model": "g", "generalist": True}],
-                     speculation={"k": 4, "retirement": {"window_s": 10.0, "min_rounds": 4, **retirement}},
+                     speculation={"k": 4, "retirement": {"window_rounds": 20, "min_rounds": 4, **retirement}},
                      routing={"drafters_per_request": 1})
 
 
@@ -116,18 +116,18 @@ def test_domain_drafters_retire_when_the_controller_routes_few_rounds_and_return
     """Below `below` of the window's rounds routed by the controller's choice, the remaining routed rounds draft on
     the generalist too (no call reaches a domain drafter the autoscaler may be taking away); above `above`, they
     are routed again. The share counts the controller's choices, not what retirement made of them, so a lone
-    request's rounds (always routed) bring them back."""
+    request's rounds (always routed) bring them back; the window is a count of request rounds, so a pause in
+    traffic keeps it as it was."""
     from speculation.retirement import DomainDrafterRetirement
 
-    now = [0.0]
-    retirement = DomainDrafterRetirement(_retiring_cfg().speculation.retirement, tree_budget=8, clock=lambda: now[0])
+    retirement = DomainDrafterRetirement(_retiring_cfg().speculation.retirement, tree_budget=8)
     assert retirement.take() == 0.0
     for _ in range(3):  # under min_rounds: too few to judge
         retirement.observe(drafted=1, routed=0)
     assert not retirement.retired
     retirement.observe(drafted=8, routed=0)
     assert retirement.retired and retirement.take() == 0.0  # not retired through the whole interval yet
-    assert retirement.take() == 1.0
+    assert retirement.take() == 1.0  # an interval without rounds (a pause) keeps it
     routed = DraftRequest("r", [1], 4, budget=4, participation=Participation(1))
     fixed = DraftRequest("f", [1], 4, budget=4, participation=Participation(1), drafters=["a"])
     pair = DraftRequest("p", [1], 3, budget=6, participation=Participation(2, lockstep=True))
@@ -135,11 +135,11 @@ def test_domain_drafters_retire_when_the_controller_routes_few_rounds_and_return
     assert [d.participation for d in out] == [Participation(1, generalist=True), Participation(1),
                                               Participation(1, generalist=True)]
     assert out[2].budget == 3 and out[1] is fixed  # the request's own drafters are left as asked
-    now[0] = 5.0
-    retirement.observe(drafted=4, routed=2)  # 2 of 16: 12.5%, between the thresholds: still retired
-    assert retirement.retired
-    now[0] = 12.0  # the first rounds left the window: 2 of 4 routed
-    retirement.observe(drafted=0, routed=0)
+    retirement.observe(drafted=8, routed=0)  # 19 request rounds, none routed
+    for _ in range(6):  # lone requests after the pause: 6 of the last 22 routed, between the thresholds
+        retirement.observe(drafted=1, routed=1)
+    assert retirement.retired and retirement.drafted == 22 and 0.1 < retirement.share() < 0.3
+    retirement.observe(drafted=1, routed=1)  # 7 of 23
     assert not retirement.retired and retirement.take() == 0.0
     assert retirement.apply([routed]) == [routed]
 
@@ -166,7 +166,6 @@ def test_the_planner_retires_domain_drafters_only_where_the_autoscaler_can_take_
         planner.plan(contexts, overrides)
     assert planner.retirement.retired
     chosen[0] = Participation(1)  # the controller routes: drafted on the generalist while retired
-    for _ in range(2):  # 4 of 24, then 8 of 28 routed by choice
-        assert all(d.participation.generalist for d in planner.plan(contexts, overrides))
-    batch = planner.plan(contexts, overrides)  # 12 of 32
+    assert all(d.participation.generalist for d in planner.plan(contexts, overrides))  # 4 of 20 routed by choice
+    batch = planner.plan(contexts, overrides)  # 8 of 20
     assert not planner.retirement.retired and not any(d.participation.generalist for d in batch)
