@@ -1,0 +1,234 @@
+"""The docs' results can be checked: every raw-data file they name as present exists, and the README's headline
+ratios are the ratios of the figures they come from in docs/benchmarks.md's current tables.
+
+Fast (reads four markdown files); no marks."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ["docs/benchmarks.md", "docs/simulation.md", "docs/model_card.md", "README.md"]
+PATH_RE = re.compile(r"bench_results/[\w./-]+\.json|models/[\w-]+\.json")
+LOST = "was not kept"  # the docs' wording for a raw file that is gone: "raw JSON of this run was not kept (...)"
+# An output a command writes is not named as present: `--json PATH` in a command line, "writes `PATH`" in prose.
+OUTPUT_BEFORE = re.compile(r"(--json\s+|writes\s+`?)$")
+
+
+def _read(rel: str) -> str:
+    return (ROOT / rel).read_text(encoding="utf-8")
+
+
+def _named_as_present(rel: str) -> list[tuple[int, str]]:
+    found = []
+    for n, line in enumerate(_read(rel).splitlines(), 1):
+        if LOST in line:
+            continue
+        for m in PATH_RE.finditer(line):
+            if not OUTPUT_BEFORE.search(line[:m.start()]):
+                found.append((n, m.group(0)))
+    return found
+
+
+@pytest.mark.parametrize("rel", DOCS)
+def test_every_raw_file_named_as_present_exists(rel):
+    missing = [f"{rel}:{n}: {p}" for n, p in _named_as_present(rel) if not (ROOT / p).is_file()]
+    assert not missing, "named as present but not in the repository (say it \"was not kept\"):\n" + "\n".join(missing)
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """(heading, body up to the next heading of any level); code blocks are not headings."""
+    out, head, body, fence = [], "", [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        if not fence and re.match(r"#{1,6} ", line):
+            out.append((head, "\n".join(body)))
+            head, body = line, []
+        else:
+            body.append(line)
+    out.append((head, "\n".join(body)))
+    return out
+
+
+@pytest.mark.parametrize("rel", ["docs/benchmarks.md", "docs/simulation.md"])
+def test_a_section_naming_a_lost_file_says_so(rel):
+    """A command's output file that is not in the repository needs the section's "was not kept" line."""
+    bad = []
+    for head, body in _sections(_read(rel)):
+        lost = sorted({p for p in PATH_RE.findall(body) if not (ROOT / p).is_file()})
+        if lost and LOST not in body:
+            bad.append(f"{head}: {', '.join(lost)}")
+    assert not bad, "sections naming raw files that are not in the repository without saying so:\n" + "\n".join(bad)
+
+
+# --- the README's headline results -------------------------------------------------------------------------------
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = heading.lstrip("#").strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _tables(body: str) -> list[list[dict[str, str]]]:
+    """Markdown tables as rows keyed by header; a repeated header name gets " #2", " #3"."""
+    tables, lines = [], body.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"\|(\s*:?-+:?\s*\|)+\s*$", lines[i + 1]):
+            header, seen = [], {}
+            for h in _cells(lines[i]):
+                seen[h] = seen.get(h, 0) + 1
+                header.append(h if seen[h] == 1 else f"{h} #{seen[h]}")
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(dict(zip(header, _cells(lines[i]))))
+                i += 1
+            tables.append(rows)
+        else:
+            i += 1
+    return tables
+
+
+def _benchmark_sections() -> dict[str, str]:
+    return {_slug(h): body for h, body in _sections(_read("docs/benchmarks.md")) if h}
+
+
+NUM = r"(\d+(?:\.\d+)?)"
+
+
+def _lead(cell: str) -> str:
+    m = re.match(NUM, cell.replace("*", ""))
+    assert m, f"no figure at the start of {cell!r}"
+    return m.group(1)
+
+
+def _decimals(figure: str) -> int:
+    return len(figure.split(".")[1]) if "." in figure else 0
+
+
+def _ratio_ok(printed: str, a: str, b: str) -> bool:
+    """printed (a ratio with its own decimals) equals a / b within the rounding of all three figures."""
+    fa, fb, fp = float(a), float(b), float(printed)
+    exact = fa / fb
+    slack = 0.5 * 10 ** -_decimals(printed)
+    slack += exact * (0.5 * 10 ** -_decimals(a) / fa + 0.5 * 10 ** -_decimals(b) / fb)
+    return abs(fp - exact) <= slack + 1e-9
+
+
+ANCHORS = "cosine-bench-anchors-ours-against-vllms-own-methods-2-core-cpu"
+AUTOSCALER = "the-autoscaler-drafter-replica-seconds-against-goodput-every-rate"
+GPU = "gpu-cosine-bench-engine-on-one-nvidia-h200"
+SERVED = "ours: vLLM verifier + drafting tier, served (Ray Serve, HTTP)"
+TOKS = "tok/s median (min-max)"
+
+# README row (by the start of its label) -> its section, and for each figure of "ours" and of "baseline" the
+# table row (column values that pick it) and the column it is read from.
+SOURCES = {
+    "Concurrency 1: ours served (Ray Serve, HTTP) against vLLM target-only": (
+        ANCHORS, [({"system": SERVED, "concurrency": "1"}, TOKS)],
+        [({"system": "vLLM target-only", "concurrency": "1"}, TOKS)]),
+    "Concurrency 1: ours served against vLLM's `draft_model`": (
+        ANCHORS, [({"system": SERVED, "concurrency": "1"}, TOKS)],
+        [({"system": "vLLM draft_model, domain drafter", "concurrency": "1"}, TOKS)]),
+    "Concurrency 8: ours served against vLLM target-only": (
+        ANCHORS, [({"system": SERVED, "concurrency": "8"}, TOKS)],
+        [({"system": "vLLM target-only", "concurrency": "8"}, TOKS)]),
+    "Concurrency 8: ours served against vLLM's `draft_model`": (
+        ANCHORS, [({"system": SERVED, "concurrency": "8"}, TOKS)],
+        [({"system": "vLLM draft_model, generic drafter", "concurrency": "8"}, TOKS)]),
+    "Autoscaler at 2 requests/s": (
+        AUTOSCALER,
+        [({"rate req/s": "2"}, "drafter replica-s #2"), ({"rate req/s": "2"}, "autoscaler tok/s")],
+        [({"rate req/s": "2"}, "drafter replica-s"), ({"rate req/s": "2"}, "fixed layout tok/s")]),
+    "One NVIDIA H200, batch 1": (
+        GPU, [({"method": "ours: chain, domain drafter, k=4", "batch": "1"}, "tok/s")],
+        [({"method": "target-only (our engine)", "batch": "1"}, "tok/s")]),
+}
+
+
+def _source_figure(section: str, pick: dict[str, str], column: str) -> str:
+    body = _benchmark_sections()[section]
+    rows = [r for t in _tables(body) for r in t if all(r.get(k, "").replace("*", "") == v for k, v in pick.items())]
+    assert len(rows) == 1, f"{section}: {len(rows)} rows match {pick}"
+    return _lead(rows[0][column])
+
+
+def _readme_results() -> list[tuple[str, str, str, str, str]]:
+    """(label, link anchor, ours, baseline, ratios) of each row of the README's headline table."""
+    text = _read("README.md")
+    start = text.index("## Headline results")
+    body = text[start:].split("\n## ", 1)[0]
+    rows = []
+    for row in _tables(body)[0]:
+        label_cell = row["result"]
+        m = re.match(r"\[(.+?)\]\(docs/benchmarks\.md#([\w-]+)\)", label_cell)
+        assert m, f"a headline result links to its section of docs/benchmarks.md: {label_cell!r}"
+        rows.append((m.group(1), m.group(2), row["ours"], row["baseline"], row["ours / baseline"]))
+    return rows
+
+
+def test_readme_opens_with_the_two_commands_and_the_results():
+    text = _read("README.md")
+    first = text[:text.index("## Headline results")]
+    assert "make run" in first and "make test" in first
+    assert text.index("## Headline results") < text.index("## The deployment graph")
+    assert 4 <= len(_readme_results()) <= 7
+
+
+def test_readme_results_link_to_existing_sections():
+    sections = _benchmark_sections()
+    for label, anchor, *_ in _readme_results():
+        assert anchor in sections, f"{label}: no section #{anchor} in docs/benchmarks.md"
+
+
+def test_readme_ratios_are_the_ratios_of_the_benchmarks_figures():
+    rows = _readme_results()
+    assert {next((k for k in SOURCES if label.startswith(k)), None) for label, *_ in rows} == set(SOURCES), \
+        "every headline row has its source here, and every source a row"
+    for label, anchor, ours_cell, base_cell, ratio_cell in rows:
+        key = next(k for k in SOURCES if label.startswith(k))
+        section, ours_src, base_src = SOURCES[key]
+        assert anchor == section, f"{label}: links to #{anchor}, its figures are in #{section}"
+        ours, base = re.findall(NUM, ours_cell), re.findall(NUM, base_cell)
+        ratios = re.findall(r"(\d+\.\d+)x", ratio_cell)
+        assert len(ours) == len(base) == len(ratios) == len(ours_src), (label, ours, base, ratios)
+        for a, b, r, (pick_a, col_a), (pick_b, col_b) in zip(ours, base, ratios, ours_src, base_src):
+            assert a == _source_figure(section, pick_a, col_a), f"{label}: {a} is not docs/benchmarks.md's figure"
+            assert b == _source_figure(section, pick_b, col_b), f"{label}: {b} is not docs/benchmarks.md's figure"
+            assert _ratio_ok(r, a, b), f"{label}: {r}x is not {a} / {b} = {float(a) / float(b):.4f}"
+
+
+def test_the_source_tables_ratios_match_their_figures():
+    """The speed-ups and ratios printed in the tables the README quotes agree with the figures beside them."""
+    sections = _benchmark_sections()
+    (anchors,) = _tables(sections[ANCHORS])
+    base = {r["concurrency"]: _lead(r[TOKS]) for r in anchors if r["system"] == "vLLM target-only"}
+    for r in anchors:
+        printed = _lead(r["speed-up vs vLLM target-only"])
+        assert _ratio_ok(printed, _lead(r[TOKS]), base[r["concurrency"]]), (r["system"], r["concurrency"])
+    (gpu,) = _tables(sections[GPU])
+    base = {r["batch"]: _lead(r["tok/s"]) for r in gpu if r["method"] == "target-only (our engine)"}
+    for r in gpu:
+        assert _ratio_ok(_lead(r["speed-up vs target-only"]), _lead(r["tok/s"]), base[r["batch"]]), r["method"]
+    (autoscaler,) = _tables(sections[AUTOSCALER])
+    for r in autoscaler:
+        goodput = re.search(r", (\d+\.\d+)x$", r["autoscaler tok/s"])
+        assert goodput and _ratio_ok(goodput.group(1), _lead(r["autoscaler tok/s"]), _lead(r["fixed layout tok/s"]))
+        replicas = re.search(r"\((\d+\.\d+)x\)", r["drafter replica-s #2"])
+        if replicas:
+            assert _ratio_ok(replicas.group(1), _lead(r["drafter replica-s #2"]), _lead(r["drafter replica-s"]))
+
+
+def test_ratio_check_catches_an_inconsistent_edit():
+    assert _ratio_ok("1.32", "163.0", "123.0")      # 1.3252: within rounding
+    assert not _ratio_ok("1.34", "163.0", "123.0")
+    assert not _ratio_ok("0.15", "60", "359")       # 0.167
+    assert _ratio_ok("0.15", "54", "359")
