@@ -1,7 +1,8 @@
 """The one configuration schema of the application, passed as Serve application `args` and validated at deploy.
 
 Model references are a directory, the name of a shipped model (`target`, `drafter-code`, ...), or a Hugging Face
-model id (resolved by transformers/vLLM on the machine that loads it).
+model id, optionally pinned to a revision as `org/name@revision` (model_family/sources.py: resolved with
+huggingface_hub on the node that loads the model, honouring its HF_HOME, HF_HUB_OFFLINE and HF_TOKEN).
 """
 
 from __future__ import annotations
@@ -72,8 +73,23 @@ class DrafterSpec(_Strict):
                                   "target, assisted by a domain drafter")
     assistant_k: int = Field(4, ge=1, le=16, description="the assistant's tokens checked per forward pass of this "
                              "drafter")
-    max_requests: int = Field(64, ge=1, description="requests holding a KV cache in one replica")
-    max_len: int = Field(2048, ge=64, description="longest context (tokens) a replica drafts for")
+    max_requests: int = Field(64, ge=1, description="requests holding a KV cache in one replica (fewer where "
+                              "kv_cache_gib does not hold that many at max_len)")
+    max_len: int | None = Field(None, ge=64, description="longest context (tokens) a replica drafts for; null: the "
+                                "verifier's max_len (capped at the drafter's max_position_embeddings, said at "
+                                "startup)")
+    kv_cache_gib: float = Field(2.0, gt=0, description="KV cache memory of a replica: its request slots are "
+                                "min(max_requests, what fits at max_len), reported at startup; not even one "
+                                "request fitting is a startup error")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and KV cache; "
+                                                                    "auto: bfloat16 (float16 where the GPU lacks "
+                                                                    "it) on a GPU, float32 on a CPU")
+    runner: Literal["auto", "fast", "transformers"] = Field("auto", description="the drafter's engine. fast: this "
+                                                            "project's batched runner, for the architectures proven "
+                                                            "equal to transformers (llama, mistral, qwen2, qwen3); "
+                                                            "transformers: any other causal LM transformers loads, "
+                                                            "stepped through its own forward; auto: fast where it is "
+                                                            "proven, else transformers")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs; auto: a GPU if the "
                                                   "replica sees one (ray_actor_options.num_gpus), else the CPU")
     threads: int | None = Field(1, ge=1, description="torch CPU threads of a replica (a drafter step is too small "
@@ -116,6 +132,9 @@ class VerifierSpec(_Strict):
     max_len: int = Field(2048, ge=64, description="context length (prompt + generated tokens)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the torch engine runs; auto: a GPU "
                                                   "if the replica sees one (ray_actor_options.num_gpus), else the CPU")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="the target's weights; "
+                                                                    "auto: torch engine as drafters' dtype, vllm: "
+                                                                    "vLLM's own choice (its `dtype: auto`)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads of a replica; null: the replica's "
                                 "num_cpus if it reserves any, else every core of its machine (Ray would give a "
                                 "replica without num_cpus one thread)")
@@ -328,7 +347,8 @@ class IngressSpec(_Strict):
 
 
 class AppConfig(_Strict):
-    tokenizer: str = Field("tokenizer", description="the tokenizer shared by the target and every drafter")
+    tokenizer: str | None = Field(None, description="the tokenizer of the target, which every drafter must share "
+                                  "(checked at startup); null: the target model's own")
     ingress: IngressSpec = Field(default_factory=IngressSpec, description="the OpenAI-compatible HTTP front")
     verifier: VerifierSpec = Field(..., description="the target model's deployment")
     drafters: list[DrafterSpec] = Field(default_factory=list, description="one deployment per drafter (domain)")
@@ -372,6 +392,11 @@ class AppConfig(_Strict):
             if scaled:
                 raise ValueError(f"speculation.drafting_tier: colocated runs every drafter inside the verifier's "
                                  f"replica; drafters {scaled} ask for replicas of their own (use deployments)")
+        for d in self.drafters:
+            if d.max_len is None:
+                d.max_len = self.verifier.max_len
+        if self.tokenizer is None:
+            self.tokenizer = self.verifier.model
         if self.routing.drafters_per_request > max(1, len(self.drafters)):
             self.routing.drafters_per_request = max(1, len(self.drafters))
         return self

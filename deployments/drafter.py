@@ -16,8 +16,10 @@ from speculation.signals import IntervalMeter, drafter_signals
 
 @serve.deployment(name="Drafter")
 class DrafterDeployment:
-    def __init__(self, spec: DrafterSpec):
-        self.server = DrafterServer.from_spec(spec, actor_cpus=spec.deployment.ray_actor_options.get("num_cpus"))
+    def __init__(self, spec: DrafterSpec, vocab_limit: int | None = None):
+        """`vocab_limit`: the token ids the target has (`engines.build.check_models`, run by the graph builder)."""
+        self.server = DrafterServer.from_spec(spec, actor_cpus=spec.deployment.ray_actor_options.get("num_cpus"),
+                                              vocab_limit=vocab_limit)
         self.generalist = spec.generalist
         self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -1,15 +1,73 @@
-"""Builds the verifier engine named by the configuration."""
+"""Builds the verifier engine named by the configuration, and checks at startup that its models serve together."""
 
 from __future__ import annotations
 
-from config import AppConfig
-from model_family.paths import model_path
+import logging
+
+from config import AppConfig, DrafterSpec
+from model_family import compat
+from model_family.sources import resolve_model
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(cfg: AppConfig):
-    from transformers import AutoTokenizer
+    return compat.load_tokenizer(resolve_model(cfg.tokenizer, tokenizer_only=True))
 
-    return AutoTokenizer.from_pretrained(str(model_path(cfg.tokenizer)))
+
+def check_models(cfg: AppConfig, preloaded: set[str] = frozenset()) -> int:
+    """Before any replica serves: every model of the configuration can be had (ids resolved on this node: its
+    tokenizer and config files only) and every drafter, assistant and partner shares the target's vocabulary.
+    Raises `ModelUnavailable` or `IncompatibleModels` with what is wrong and how to fix it. Returns the number of
+    token ids drafters may propose (those the target's tokenizer and embedding both have). `preloaded`: drafters
+    given as model objects (tests, benchmarks), whose `model` field names no model to check."""
+    target_tok = load_tokenizer(cfg)
+    others = [("collaboration partner", cfg.verifier.collaboration.partner)] if cfg.verifier.collaboration else []
+    if cfg.speculation.mode != "off":
+        for d in cfg.drafters:
+            if d.name in preloaded:
+                continue
+            others.append((f"drafter {d.name}", d.model))
+            if d.assistant:
+                others.append((f"assistant of drafter {d.name}", d.assistant))
+    target = resolve_model(cfg.verifier.model, tokenizer_only=True)
+    seen: dict[str, object] = {}
+    for role, ref in others:
+        if ref not in seen:
+            seen[ref] = compat.load_tokenizer(resolve_model(ref, tokenizer_only=True))
+        for warning in compat.check_vocabulary(role, ref, seen[ref], target_tok, cfg.tokenizer):
+            log.warning(warning)
+    if cfg.speculation.mode != "off":
+        for d in cfg.drafters:
+            if d.name not in preloaded:
+                check_drafter_memory(d)
+    return compat.shared_vocab_size(target_tok, target)
+
+
+def check_drafter_memory(d: DrafterSpec) -> None:
+    """A drafter replica's KV budget must hold one request at its max_len (`kv_cache_gib`); a max_len past the
+    model's positions is capped, and said."""
+    import torch
+    from transformers import AutoConfig
+
+    from engines.runner import kv_bytes_per_token, resolve_max_len
+    from engines.verifier import resolve_dtype
+
+    config = AutoConfig.from_pretrained(resolve_model(d.model, tokenizer_only=True)).get_text_config(decoder=True)
+    n = resolve_max_len(config, d.max_len)
+    if n < d.max_len:
+        log.warning(f"drafter {d.name}: max_len {d.max_len} is past its model's {n} positions; contexts longer than "
+                    f"{n} tokens get no drafts from it")
+    gpu = d.device == "cuda" or (d.device == "auto" and (d.deployment.ray_actor_options.get("num_gpus") or 0) > 0)
+    # as the replica will resolve it (bf16 and fp16 take the same room), without a GPU on this node
+    dtype = torch.bfloat16 if gpu and d.dtype == "auto" else resolve_dtype(d.dtype, "cpu")
+    per_request = kv_bytes_per_token(config, dtype) * n
+    budget = d.kv_cache_gib * 2**30
+    if per_request > budget:
+        raise compat.IncompatibleModels(
+            f"drafter {d.name}: one request at max_len {n} needs {per_request / 2**30:.3f} GiB of KV cache "
+            f"({d.model!r} in {dtype}), more than its kv_cache_gib {d.kv_cache_gib}: lower max_len or raise "
+            f"kv_cache_gib")
 
 
 def build_verifier_engine(cfg: AppConfig, stat_loggers: list | None = None):
@@ -20,20 +78,22 @@ def build_verifier_engine(cfg: AppConfig, stat_loggers: list | None = None):
         from engines.collaborative import Combination, CollaborativeEngine
 
         c = v.collaboration
-        return CollaborativeEngine(str(model_path(v.model)), str(model_path(c.partner)),
+        return CollaborativeEngine(str(resolve_model(v.model)), str(resolve_model(c.partner)),
                                    Combination(c.combine, c.weight, c.mu), k=c.k, alternate=c.alternate,
                                    max_batch=v.max_batch, max_len=v.max_len, tokenizer=tokenizer, device=v.device)
     if v.engine == "torch":
         from engines.verifier import TorchVerifierEngine
 
-        return TorchVerifierEngine(str(model_path(v.model)), max_batch=v.max_batch, max_len=v.max_len,
-                                   tokenizer=tokenizer, device=v.device)
+        path = resolve_model(v.model)
+        return TorchVerifierEngine(str(path), max_batch=v.max_batch, max_len=v.max_len, tokenizer=tokenizer,
+                                   eos_token_ids=compat.eos_token_ids(path, tokenizer), device=v.device,
+                                   dtype=v.dtype)
     from engines.vllm_engine import VllmVerifierEngine
 
     k = cfg.speculation.k if cfg.speculation.mode != "off" else 0
-    eos = tokenizer.eos_token_id
-    return VllmVerifierEngine(str(model_path(v.model)), max_batch=v.max_batch, max_len=v.max_len, k=k,
-                              tokenizer=tokenizer, eos_token_ids=() if eos is None else (eos,),
+    path = resolve_model(v.model)
+    return VllmVerifierEngine(str(path), max_batch=v.max_batch, max_len=v.max_len, k=k, dtype=v.dtype,
+                              tokenizer=tokenizer, eos_token_ids=compat.eos_token_ids(path, tokenizer),
                               tensor_parallel_size=v.tensor_parallel_size, kv_cache_gib=v.kv_cache_gib,
                               seed=v.seed, stat_loggers=stat_loggers, **v.engine_kwargs)
 
@@ -44,7 +104,7 @@ def target_input_embeddings(cfg: AppConfig):
 
     from safetensors import safe_open
 
-    path = model_path(cfg.verifier.model)
+    path = resolve_model(cfg.verifier.model)
     for f in sorted(glob.glob(str(path / "*.safetensors"))):
         with safe_open(f, framework="pt") as st:
             if "model.embed_tokens.weight" in st.keys():

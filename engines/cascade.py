@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import torch
 
-from engines.drafter import DrafterEngine, Proposal
+from engines.drafter import DrafterEngine
+from engines.interface import Proposal
 
 
 class CascadeDrafterEngine(DrafterEngine):
     def __init__(self, model, assistant, name: str = "drafter", assistant_k: int = 4, max_requests: int = 64,
-                 max_len: int | None = 2048, device: str | None = None, **kw):
-        super().__init__(model, name=name, max_requests=max_requests, max_len=max_len, device=device, **kw)
-        self.assistant = DrafterEngine(assistant, name=f"{name}/assistant", max_requests=max_requests,
-                                       max_len=max_len, device=device or self.runner.device.type)  # beside it
+                 max_len: int | None = 2048, device: str | None = None, dtype: str = "auto", **kw):
+        """`kw`: more `DrafterEngine` arguments, for this drafter (`runner`, `kv_cache_bytes`, ...). The assistant
+        runs beside it, in the same dtype, on the runner "auto" picks, with as many request slots (its keys/values
+        are not part of `kv_cache_bytes`)."""
+        super().__init__(model, name=name, max_requests=max_requests, max_len=max_len, device=device, dtype=dtype,
+                         **kw)
+        self.assistant = DrafterEngine(assistant, name=f"{name}/assistant", max_requests=self.max_requests,
+                                       max_len=max_len, device=device or self.runner.device.type, dtype=dtype,
+                                       vocab_limit=self.vocab_limit)
         self.assistant_k = assistant_k
         self.assistant_accepted = 0  # the assistant's tokens this drafter kept, and those it drafted
         self.assistant_drafted = 0
@@ -56,7 +62,7 @@ class CascadeDrafterEngine(DrafterEngine):
                 pending, guess = self.states[r].pending, [p.token for p in guesses.get(r, [])]
                 base = len(pending) - 1  # the row that predicts the first token after the pending ones
                 n = 0
-                while n < len(guess) and int(lg[base + n].argmax()) == guess[n]:
+                while n < len(guess) and int(lg[base + n, :self.vocab_limit].argmax()) == guess[n]:
                     n += 1
                 self.assistant_drafted += len(guess)
                 self.assistant_accepted += n

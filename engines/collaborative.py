@@ -28,10 +28,11 @@ from typing import Literal
 
 import torch
 
+from engines.interface import StepOutput
 from engines.rules import verify_token
 from engines.runner import LlamaRunner
 from engines.sampling import SamplingParams, target_probs
-from engines.verifier import StepOutput, TorchVerifierEngine, load_causal_lm
+from engines.verifier import TorchVerifierEngine, load_causal_lm
 
 PARTNER, TARGET = "partner", "target"  # who proposed a token (per-proposer statistics)
 

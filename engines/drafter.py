@@ -10,12 +10,16 @@ drafter that never saw a request, or lost it, rebuilds it from the full context,
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from engines.runner import CacheFull, LlamaRunner
+from engines.drafter_runners import make_drafter_runner, refuse_unless_causal_lm
+from engines.interface import CacheFull, Proposal
 from engines.verifier import load_causal_lm
+
+log = logging.getLogger(__name__)
 
 LONG_PENDING = 16  # pending runs longer than this (prompts) are prefilled apart from the one-token steps
 
@@ -27,30 +31,36 @@ LOGLIK_FLOOR = -8.0
 
 
 @dataclass
-class Proposal:
-    token: int
-    prob: float  # the drafter's probability of `token` (its confidence)
-    top_tokens: list[int]
-    top_probs: list[float]
-    context_loglik: float | None = None  # mean log-probability of the fed tokens (when more than one was fed)
-
-
-@dataclass
 class _State:
     pending: list[int] = field(default_factory=list)
 
 
 class DrafterEngine:
     """One drafter model, drafting greedily for many requests (its tokens are verified as deterministic
-    proposals, which is lossless for sampling too)."""
+    proposals, which is lossless for sampling too). The `DraftingEngine` protocol (engines/interface.py)."""
 
     def __init__(self, model, name: str = "drafter", max_requests: int = 64, max_len: int | None = 2048,
-                 top_alternatives: int = 4, device: str | None = None):
-        """`device`: where to load the model ("auto": a GPU if this process has one); None leaves a model object
-        where it is."""
-        self.model = load_causal_lm(model, device)
-        self.runner = LlamaRunner(self.model, max_slots=max_requests, max_len=max_len)
+                 top_alternatives: int = 4, device: str | None = None, runner: str = "auto", dtype: str = "auto",
+                 kv_cache_bytes: int | None = None, vocab_limit: int | None = None):
+        """`model`: a causal LM, or its local directory (anything else is refused, saying why). `device`: where to
+        load the model ("auto": a GPU if this process has one); None leaves a model object where it is. `dtype`: of
+        a model loaded from its directory (`resolve_dtype`: "auto" is bf16 on a GPU, fp32 on a CPU). `runner`:
+        "auto", "fast" or "transformers" (`make_drafter_runner`: the fast runner only for architectures tested
+        equal to transformers). `kv_cache_bytes`: a budget for the requests' keys/values; the engine holds
+        `max_requests` = min(max_requests, the requests it fits at max_len) (ValueError if none fits; None: no
+        budget). `vocab_limit`: propose only token ids below it, the ids the target has (its probabilities are
+        then over those ids; None: every id of the drafter's vocabulary)."""
+        refuse_unless_causal_lm(model)
+        self.model = load_causal_lm(model, device, dtype)
+        self.runner = make_drafter_runner(self.model, max_requests, max_len, runner, kv_cache_bytes)
+        self.max_requests = self.runner.max_slots
+        self.kv_cache_bytes = self.runner.kv_cache_bytes  # the most the requests' keys/values take
+        budget = f" (budget {kv_cache_bytes} bytes)" if kv_cache_bytes is not None else ""
+        log.info("drafter %s: %s for %s on %s, %d request slots at max_len %d, KV cache %d bytes%s", name,
+                 type(self.runner).__name__, self.model.config.model_type, self.runner.device, self.max_requests,
+                 self.runner.max_len, self.kv_cache_bytes, budget)
         self.name = name
+        self.vocab_limit = vocab_limit
         self.top_alternatives = top_alternatives
         self.states: dict[str, _State] = {}
         self.forward_passes = 0
@@ -106,6 +116,7 @@ class DrafterEngine:
 
     def _propose(self, logits: torch.Tensor) -> list[Proposal]:
         """A proposal from each row of `logits` [n, vocab], all rows in one pass (a step's requests together)."""
+        logits = logits[:, :self.vocab_limit]
         q = torch.softmax(logits.float(), dim=-1)
         tokens = logits.argmax(-1)
         probs = q.gather(-1, tokens[:, None])[:, 0]

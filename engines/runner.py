@@ -1,4 +1,4 @@
-"""Batched Llama forward passes with one KV cache per request, for chains and token trees.
+"""Batched forward passes of Llama-architecture models with one KV cache per request, for chains and token trees.
 
 All requests live in slots of one preallocated cache ([layers, slots, heads, max_len, head_dim] for keys and for
 values). Active requests are kept in the lowest slots so a step attends over a view of the cache instead of a
@@ -8,7 +8,10 @@ positions prefix_len + depth. Their keys/values are written after the prefix but
 when `commit` keeps them, which is also how rejected draft tokens are rolled back.
 
 The layers of the Hugging Face model are reused as they are (projections, norms, MLP, rotary embedding), so the
-numbers match `transformers` up to the attention kernel's rounding.
+numbers match `transformers` up to the attention kernel's rounding. That holds for the architectures in
+`FAST_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3) and is checked per model (`fast_runner_refusal`: e.g. a sliding
+attention window shorter than the context is refused); any other causal LM runs as a drafter through
+engines/transformers_runner.py.
 
 The runner works on whatever device the model is on (CPU, or CUDA after `model.to("cuda")`): the cache lives
 there, the step's index tensors are built on the host and copied over, and logits come back to the host, where the
@@ -27,7 +30,12 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engines.graphs import DEVICE_LOCK, GRAPH_MAX_NEW, StepGraphs
+from engines.interface import CacheFull
 from engines.weights import LlamaWeights
+
+# The architectures this runner's layers reproduce, each tested token for token against transformers
+# (tests/test_drafter_architectures.py): Llama's layers, with q/k biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -36,10 +44,6 @@ class _Slot:
     length: int = 0  # tokens whose keys/values are in the cache
     pending: int = 0  # tokens written by the last forward, not yet committed
     tokens: list[int] = field(default_factory=list)  # the cached tokens, for callers that need them
-
-
-class CacheFull(RuntimeError):
-    pass
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -53,21 +57,70 @@ def chain_parents(n: int) -> list[int]:
     return list(range(-1, n - 1))
 
 
+def resolve_max_len(config, max_len: int | None) -> int:
+    """The context a runner holds: `max_len`, at most the model's position limit (None: that limit)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None and max_len is None:
+        raise ValueError(f"model_type {config.model_type!r} states no position limit: give max_len")
+    return min(max_len or limit, limit) if limit else max_len
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Keys and values of one position over all layers, from the model's attention shape: what a runner's cache
+    takes per token (multi-head, multi-query and grouped-query attention)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+
+
+def sliding_window(config) -> int | None:
+    """The window of the model's sliding-window attention layers (queries see only the last `window` positions),
+    None where every layer attends over the whole context."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)  # Qwen2/3 window some layers only, where configured; Mistral all
+    return None if window is None or (types is not None and "sliding_attention" not in types) else window
+
+
+def fast_runner_refusal(config, max_len: int | None) -> str | None:
+    """Why `LlamaRunner` would not compute what transformers computes for this model at this `max_len`, or None
+    where it does."""
+    kind = config.model_type
+    if kind not in FAST_MODEL_TYPES:
+        return (f"the fast runner cannot run model_type {kind!r}: it runs only the architectures tested equal to "
+                f"transformers ({', '.join(FAST_MODEL_TYPES)}); a drafter of it runs with runner='transformers'")
+    n = resolve_max_len(config, max_len)
+    window = sliding_window(config)
+    if window is not None and window < n:  # the fast runner attends over the whole context
+        return (f"the fast runner cannot run this {kind!r} model at max_len {n}: its attention sees only the last "
+                f"{window} positions and the fast runner's the whole context; use max_len <= {window}, or (a "
+                f"drafter) runner='transformers'")
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if "dynamic" in rope_type or rope_type == "longrope":  # the runner's cos/sin table is built once
+        return (f"the fast runner cannot run this {kind!r} model: its rotary embedding ({rope_type}) changes with "
+                f"the sequence length; a drafter of it runs with runner='transformers'")
+    return None
+
+
 class LlamaRunner:
     def __init__(self, model, max_slots: int = 16, max_len: int | None = None, prepack: bool = True,
                  graphs: bool | None = None):
-        """`model`: a Llama causal LM. `graphs`: run chain steps of up to `GRAPH_MAX_NEW` new tokens per request at
-        bucketed, padded shapes, replayed from CUDA graphs on a GPU (None: on for a model on CUDA;
-        engines/graphs.py)."""
+        """`model`: a causal LM of an architecture in `FAST_MODEL_TYPES` (ValueError otherwise, or where
+        `fast_runner_refusal` finds it would differ from transformers). `graphs`: run chain steps of up to
+        `GRAPH_MAX_NEW` new tokens per request at bucketed, padded shapes, replayed from CUDA graphs on a GPU (None:
+        on for a model on CUDA; engines/graphs.py)."""
+        cfg = model.config
+        refusal = fast_runner_refusal(cfg, max_len)
+        if refusal:
+            raise ValueError(refusal)
         model = model.eval()
         self.model = model
-        cfg = model.config
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
-        self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_len = resolve_max_len(cfg, max_len)
         self.max_slots = max_slots
         self.w = LlamaWeights(model, prepack, self.max_len)
         dtype = next(model.parameters()).dtype
@@ -80,6 +133,7 @@ class LlamaRunner:
         shape = (self.n_layers, max_slots + (1 if use_graphs else 0), self.n_kv, self.max_len, self.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_cache_bytes = 2 * self.k.numel() * self.k.element_size()
         self.requests: dict[str, _Slot] = {}
         self.forward_seconds = 0.0  # time spent in forward passes (benchmarks split it from orchestration)
 
@@ -258,10 +312,13 @@ class LlamaRunner:
         for li in range(self.n_layers):
             norm_in, norm_post = w.norms[li]
             q, k, v = w.qkv[li](w.norm(norm_in, h)).split(w.qkv_sizes, dim=-1)
-            q = q.view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
-            k = k.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
+            q = q.view(B, N, self.n_heads, self.head_dim)
+            k = k.view(B, N, self.n_kv, self.head_dim)
+            if w.qk_norms is not None:  # Qwen3: each head's query and key RMS-normed, before the rotary embedding
+                q_norm, k_norm = w.qk_norms[li]
+                q, k = w.norm(q_norm, q), w.norm(k_norm, k)
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             v = v.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
             store(li, k, v)
             keys, values = attended(li)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=w.scaling,
@@ -289,9 +346,10 @@ class LlamaRunner:
 
 
 @torch.no_grad()
-def step_seconds(model, batch: int, context: int, new: int, repeats: int = 5) -> float:
-    """Median time of one batched step feeding `new` chain tokens per request after `context` cached tokens."""
-    runner = LlamaRunner(model, max_slots=batch, max_len=context + new + 8)
+def step_seconds(model, batch: int, context: int, new: int, repeats: int = 5, make_runner=None) -> float:
+    """Median time of one batched step feeding `new` chain tokens per request after `context` cached tokens.
+    `make_runner(model, max_slots, max_len)`: the runner to time (a drafter's own kind); None: `LlamaRunner`."""
+    runner = (make_runner or LlamaRunner)(model, max_slots=batch, max_len=context + new + 8)
     rids = [f"r{i}" for i in range(batch)]
     prefix = [3 + (i % 1000) for i in range(context)]
     for r in rids:

@@ -19,57 +19,11 @@ from pathlib import Path
 import torch
 
 from engines.draft import Draft
+from engines.interface import RequestCounts, StepOutput, check_prompt
 from engines.rules import verify_greedy, verify_sampling
 from engines.runner import LlamaRunner, tree_depths
 from engines.sampling import SamplingParams, target_probs
 from engines.stopping import StopChecker
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]  # committed and emitted by this step (stops applied)
-    num_draft_tokens: int  # draft nodes that were verified
-    num_accepted_tokens: int  # draft nodes accepted
-    accepted_drafters: list[str | None]
-    finished: bool
-    finish_reason: str | None
-    text: str | None = None  # text so far, when stop strings are in use
-    draft_depth: int = 0  # longest root-to-leaf path of the verified draft (its length as a chain)
-
-
-@dataclass
-class RequestCounts:
-    """A request's speculation counters, in both engines; `stats` gives them as the OpenAI usage extras."""
-
-    generated: list[int] = field(default_factory=list)
-    verify_steps: int = 0
-    draft_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    drafters_used: set = field(default_factory=set)
-
-    def verified(self, drafted: int, accepted: int, drafters) -> None:
-        """One verify step; `drafted` 0: the request decoded without a draft."""
-        self.verify_steps += 1
-        if drafted:
-            self.draft_steps += 1
-            self.drafted += drafted
-            self.accepted += accepted
-            self.drafters_used.update(n for n in drafters if n)
-
-    def stats(self) -> dict:
-        return {
-            "completion_tokens": len(self.generated),
-            "verify_steps": self.verify_steps,
-            "num_drafts": self.draft_steps,
-            "num_draft_tokens": self.drafted,
-            "num_accepted_tokens": self.accepted,
-            # vLLM's definitions: 1 + accepted / drafts, accepted / drafted
-            "mean_acceptance_length": 1 + self.accepted / self.draft_steps if self.draft_steps else 1.0,
-            "draft_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-            "drafters_used": sorted(self.drafters_used),
-        }
 
 
 @dataclass
@@ -82,24 +36,32 @@ class _Request(RequestCounts):
     last_token: int = -1  # committed, not yet in the KV cache
 
 
-def check_prompt(prompt_ids: list[int], max_len: int) -> None:
-    if not prompt_ids:
-        raise ValueError("empty prompt")
-    if len(prompt_ids) >= max_len:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {max_len}")
-
-
 def resolve_device(device: str = "auto") -> str:
     """"auto": the GPU Ray assigned to this replica (CUDA_VISIBLE_DEVICES), else the CPU."""
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def load_causal_lm(model_or_path, device: str | None = None):
-    """A model object as it is (on its own device unless `device` is given), or loaded from a path or id."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """"auto": bf16 on a GPU that has it (fp16 on one that does not), fp32 on a CPU (its bf16 matmuls are slower
+    there and drafts would round differently from the CPU-tested path); else the named dtype."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_causal_lm(model_or_path, device: str | None = None, dtype: str = "auto"):
+    """A model object as it is (on its own device unless `device` is given), or loaded from a local directory in
+    `dtype` (`resolve_dtype`) on `device` (None: the CPU)."""
     if isinstance(model_or_path, (str, Path)):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=torch.float32)
+        where = resolve_device(device or "cpu")
+        model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=resolve_dtype(dtype, where))
     else:
         model = model_or_path
     return (model.to(resolve_device(device)) if device else model).eval()
@@ -111,8 +73,8 @@ class TorchVerifierEngine:
 
     def __init__(self, model, max_batch: int = 16, max_len: int | None = 2048, tokenizer=None,
                  eos_token_ids: tuple[int, ...] | None = None, max_draft_tokens: int = 64, device: str | None = None,
-                 trees: bool = True):
-        self.model = load_causal_lm(model, device)
+                 trees: bool = True, dtype: str = "auto"):
+        self.model = load_causal_lm(model, device, dtype)
         self.runner = LlamaRunner(self.model, max_slots=max_batch, max_len=max_len)
         self.device = self.runner.device.type
         self.tokenizer = tokenizer

@@ -17,7 +17,7 @@ from engines import vllm_hooks
 from engines.draft import Draft
 from engines.sampling import SamplingParams
 from engines.stopping import StopChecker
-from engines.verifier import RequestCounts, StepOutput, check_prompt
+from engines.interface import RequestCounts, StepOutput, check_prompt
 
 
 @dataclass

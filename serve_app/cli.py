@@ -10,6 +10,7 @@ from pathlib import Path
 
 from model_family import DOMAINS
 from model_family.paths import REPO_ROOT, model_path, models_dir
+from model_family.sources import ModelUnavailable, resolve_model, shipped
 
 RECIPE_STEPS = ("corpora", "tokenizer", "target", "distill", "drafters", "matrix")
 # Wall-clock minutes of each step measured on a 2-core x86-64 CPU (see docs/model_card.md).
@@ -67,12 +68,39 @@ def _models_card(args) -> int:
 
 
 def _models_acceptance(args) -> int:
+    if args.target or args.drafter or args.prompts_file:
+        return _acceptance_any(args)
     from model_family.recipe import step_acceptance_matrix
 
     matrix = step_acceptance_matrix(models_dir(), Path(args.json), k=args.k, n_prompts=args.prompts,
                                     new_tokens=args.new_tokens)
     print(f"wrote {args.json}")
     return 1 if _print_matrix(matrix) and args.strict else 0
+
+
+def _acceptance_any(args) -> int:
+    """The matrix for any target, drafters and prompt file (benchmarks/acceptance.py)."""
+    from benchmarks.acceptance import acceptance_matrix, format_matrix
+
+    if not (args.target and args.drafter and args.prompts_file):
+        raise SystemExit("cosine: error: --target, --drafter NAME=MODEL (one or more) and --prompts-file go together")
+    drafters = {}
+    for d in args.drafter:
+        name, sep, ref = d.partition("=")
+        if not sep or not name or not ref:
+            raise SystemExit(f"cosine: error: --drafter {d!r}: expected NAME=MODEL (a shipped name, directory or id)")
+        drafters[name] = ref
+    try:  # a bad prompt file, or a drafter no engine runs: one line, like a model that cannot be had
+        result = acceptance_matrix(args.target, drafters, Path(args.prompts_file), k=args.k,
+                                   new_tokens=args.new_tokens, device=args.device, dtype=args.dtype)
+    except ValueError as e:
+        print(f"cosine: error: {e}", file=sys.stderr)
+        return 2
+    print(f"mean accepted length per verification (k={args.k}, greedy, bonus token included; * best per domain)")
+    print(format_matrix(result))
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0
 
 
 def _models_ablate(args) -> int:
@@ -108,11 +136,12 @@ def _models_latency(args) -> int:
 def _generate(args) -> int:
     """Plain decoding with transformers, or speculative decoding (the service's loop, in process) with --drafter."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from engines.verifier import load_causal_lm
     from model_family.samples import domain_prompts
 
-    path = model_path(args.model)
+    path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [("given", args.prompt)] if args.prompt else domain_prompts(per_domain=1)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
@@ -121,7 +150,7 @@ def _generate(args) -> int:
     if args.drafter:
         outs, seconds = _speculative(ids, args, [d for d, _ in prompts])
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = load_causal_lm(str(path), "cpu")
         outs, seconds = [], []
         for p in ids:
             t = time.time()
@@ -152,10 +181,17 @@ def _speculative(prompts: list[list[int]], args, domains: list[str]):
     from speculation.inprocess import build_loop, generate_all
     from speculation.messages import SpeculationOverrides
 
-    # --drafter auto: the prompt's own domain when it is a held-out sample, else the generic drafter
-    names = [(d if d in DOMAINS else "generic") if args.drafter == "auto" else args.drafter for d in domains]
+    # --drafter auto: the prompt's own domain when it is a held-out sample, else the generic drafter; a shipped
+    # drafter by its domain; else a model source (an id or a directory)
+    if args.drafter == "auto":
+        names = [d if d in DOMAINS else "generic" for d in domains]
+        models = {n: f"drafter-{n}" for n in names}
+    elif shipped(f"drafter-{args.drafter}") is not None:
+        names, models = [args.drafter] * len(domains), {args.drafter: f"drafter-{args.drafter}"}
+    else:
+        names, models = ["drafter"] * len(domains), {"drafter": args.drafter}
     cfg = AppConfig(verifier={"model": args.model, "max_batch": 1},
-                    drafters=[{"name": n, "model": f"drafter-{n}"} for n in dict.fromkeys(names)],
+                    drafters=[{"name": n, "model": models[n]} for n in dict.fromkeys(names)],
                     speculation={"k": args.k, "adaptive": False, "draft_timeout_ms": 60_000})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
 
@@ -177,12 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate with one model of the family (plain decoding)")
-    g.add_argument("--model", default="target", help="target, bench-target, drafter-<domain>, or a directory")
+    g.add_argument("--model", default="target", help="a shipped model (target, bench-target, drafter-<domain>), a "
+                   "directory, or a Hugging Face id (org/name[@revision])")
     g.add_argument("--prompt", help="text to continue (default: one held-out prompt per domain)")
     g.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--drafter", help="speculative decoding with drafter-<NAME> (auto: the prompt's domain)")
+    g.add_argument("--drafter", help="speculative decoding with this drafter: a shipped domain (code, ...; auto: "
+                   "the prompt's domain), a directory, or a Hugging Face id")
     g.add_argument("--k", type=int, default=4, help="draft length for --drafter")
     g.set_defaults(func=_generate)
 
@@ -201,12 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "GPU machine (the other steps run on the CPU)")
     t.set_defaults(func=_models_train)
 
-    a = msub.add_parser("acceptance-matrix", help="every drafter x every domain, greedy chain speculation")
+    a = msub.add_parser("acceptance-matrix", help="every drafter x every domain, greedy chain speculation (the "
+                        "shipped family, or --target/--drafter/--prompts-file: any models on your prompts)")
     a.add_argument("--k", type=int, default=4)
     a.add_argument("--prompts", type=int, default=24, help="held-out prompts per domain")
     a.add_argument("--new-tokens", type=int, default=64)
     a.add_argument("--json", default="acceptance_matrix.json")
     a.add_argument("--strict", action="store_true", help="exit 1 when the acceptance criteria are not met")
+    a.add_argument("--target", help="any target (shipped name, directory or Hugging Face id) instead of the shipped "
+                   "family's; with --drafter and --prompts-file")
+    a.add_argument("--drafter", action="append", help="NAME=MODEL, a candidate drafter (repeat the option)")
+    a.add_argument("--prompts-file", help='JSON lines: {"domain": ..., "prompt": ...} or {"domain": ..., '
+                   '"messages": [...]}')
+    a.add_argument("--device", default="cpu", help="with --target: cpu or cuda")
+    a.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     a.set_defaults(func=_models_acceptance)
 
     ab = msub.add_parser("ablate", help="one distillation recipe change: domain drafters' margin over a generic "
@@ -249,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "goodput controller's starting models (speculation.controller.*_seed_ms)")
     pr.add_argument("config", nargs="?", default=str(REPO_ROOT / "examples" / "local.yaml"))
     pr.set_defaults(func=_profile)
+
+    pk = sub.add_parser("package", help="this project's code as one zip for a Serve config's runtime_env "
+                        "(working_dir), so that every node of a cluster runs it (docs/deploy.md)")
+    pk.add_argument("--out", default=".", help="the zip's path, or a directory for cosine-serve.zip")
+    pk.set_defaults(func=_package)
 
     c = sub.add_parser("config", help="the configuration schema (every tunable, with descriptions)")
     csub = c.add_subparsers(dest="config_command", required=True)
@@ -412,13 +463,22 @@ def _profile(args) -> int:
         getattr(engine, "shutdown", lambda: None)()
     draft = None
     if cfg.drafters:
-        draft = fit_draft_latency(load_causal_lm(str(model_path(cfg.drafters[0].model)), "cpu"), b)
+        draft = fit_draft_latency(load_causal_lm(str(resolve_model(cfg.drafters[0].model)), "cpu"), b)
     print(f"# measured by `cosine profile {args.config}`: t = a + b * n in ms (n: tokens in a verify step; "
           "requests in a drafter step)")
     print("speculation:\n  controller:")
     print(f"    verify_seed_ms: [{1000 * verify.a:.3f}, {1000 * verify.b:.3f}]")
     if draft is not None:
         print(f"    draft_seed_ms: [{1000 * draft.a:.3f}, {1000 * draft.b:.3f}]")
+    return 0
+
+
+def _package(args) -> int:
+    from serve_app.package import build_package
+
+    out = build_package(Path(args.out)).resolve()
+    print(f"{out} ({out.stat().st_size // 1024} KiB). Copy it to the same path on every node, or upload it, and set "
+          f"in the Serve config:\n  runtime_env: {{working_dir: \"file://{out}\"}}  (or https://... / s3://...)")
     return 0
 
 
@@ -463,8 +523,21 @@ def _bench_engine(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """A command's failure that the user can fix (a model that cannot be had or does not fit the target, a bad
+    configuration) is one line on stderr and exit status 2, not a traceback."""
+    from pydantic import ValidationError
+
+    from model_family.compat import IncompatibleModels
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ModelUnavailable, IncompatibleModels) as e:
+        print(f"cosine: error: {e}", file=sys.stderr)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+        print(f"cosine: error: invalid configuration: {problems}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

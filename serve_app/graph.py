@@ -10,6 +10,7 @@ from ray.serve import Application
 
 from config import DRAFTER_AUTOSCALING_DEFAULTS, AppConfig, DrafterSpec
 from deployments.drafter import DrafterDeployment
+from engines.build import check_models
 from deployments.speculation import SpeculationDeployment
 from deployments.verifier import VerifierDeployment
 from serve_app.ingress import IngressDeployment
@@ -39,10 +40,12 @@ def verifier_options(cfg: AppConfig, drafters: list[dict]) -> dict:
 
 def build_app(args: dict) -> Application:
     cfg = AppConfig.model_validate(args or {})  # a bad config fails here, at deploy time, with pydantic's message
+    vocab_limit = check_models(cfg)  # so do models that cannot be had or do not share the target's vocabulary
     speculation, drafter_opts = None, []
     if cfg.speculation.mode != "off" and cfg.speculation.drafting_tier == "deployments":
         drafter_opts = [drafter_options(d) for d in cfg.drafters]
-        drafters = {d.name: DrafterDeployment.options(**o).bind(d) for d, o in zip(cfg.drafters, drafter_opts)}
+        drafters = {d.name: DrafterDeployment.options(**o).bind(d, vocab_limit)
+                    for d, o in zip(cfg.drafters, drafter_opts)}
         speculation = SpeculationDeployment.options(**cfg.speculation.deployment.serve_options()).bind(cfg, drafters)
     verifier = VerifierDeployment.options(**verifier_options(cfg, drafter_opts)).bind(cfg, speculation)
     return IngressDeployment.options(**cfg.ingress.deployment.serve_options()).bind(cfg, verifier)

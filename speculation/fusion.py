@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engines.draft import Draft, TreeBuilder
-from engines.drafter import Proposal
+from engines.interface import Proposal
 
 
 @dataclass

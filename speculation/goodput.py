@@ -77,11 +77,11 @@ def fit_verify_latency(model, batch: int, context: int = 128, news=(1, 3, 5, 9))
     return lat
 
 
-def fit_draft_latency(model, batch: int, context: int = 128) -> LinearLatency:
-    """t(batch size) of one lockstep drafter step (one new token per request)."""
+def fit_draft_latency(model, batch: int, context: int = 128, make_runner=None) -> LinearLatency:
+    """t(batch size) of one lockstep drafter step (one new token per request); `make_runner`: as `step_seconds`."""
     lat = LinearLatency()
     for b in sorted({1, max(1, batch // 2), batch}):
-        lat.samples.append((b, step_seconds(model, b, context, 1)))
+        lat.samples.append((b, step_seconds(model, b, context, 1, make_runner=make_runner)))
     lat.refit()
     return lat
 

@@ -15,12 +15,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from config import AppConfig, DrafterSpec
-from engines.build import build_verifier_engine, cpu_threads, set_thread_torch_threads
+from engines.build import build_verifier_engine, check_models, cpu_threads, set_thread_torch_threads
 from engines.cascade import CascadeDrafterEngine
 from engines.drafter import DrafterEngine
-from engines.runner import CacheFull
+from engines.drafter_runners import make_drafter_runner
+from engines.interface import CacheFull
+from engines.runner import LlamaRunner
 from engines.sampling import SamplingParams
-from model_family.paths import model_path
+from model_family.sources import resolve_model
 from speculation.coordinator import SpeculationCoordinator
 from speculation.goodput import LinearLatency, fit_draft_latency
 from speculation.loop import VerifyLoop
@@ -40,12 +42,12 @@ class DrafterServer:
     RELEASED_REMEMBERED = 4096  # request ids are never reused; the most recent releases are enough to catch late calls
 
     def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048, device: str | None = None,
-                 threads: int = 1, assistant=None, assistant_k: int = 4):
+                 threads: int = 1, assistant=None, assistant_k: int = 4, **engine_kw):
         """`model`: a model, its path, or a `DrafterEngine` to serve as it is (its caches and CUDA graphs kept from a
         loop before; benchmarks reuse engines so). `assistant`: a smaller model that drafts this drafter's chains
-        for it (`CascadeDrafterEngine`)."""
+        for it (`CascadeDrafterEngine`). `engine_kw`: more `DrafterEngine` arguments (dtype, runner, KV budget)."""
         self.name = name
-        kw = dict(name=name, max_requests=max_requests, max_len=max_len, device=device)
+        kw = dict(name=name, max_requests=max_requests, max_len=max_len, device=device, **engine_kw)
         if isinstance(model, DrafterEngine):
             self.engine = model
         elif assistant is None:
@@ -58,20 +60,29 @@ class DrafterServer:
         self.released: OrderedDict[str, None] = OrderedDict()
 
     @classmethod
-    def from_spec(cls, spec: DrafterSpec, model=None, actor_cpus: float | None = None) -> DrafterServer:
-        """The configured drafter; a loaded `model` replaces loading it from its path (and stays where it is)."""
+    def from_spec(cls, spec: DrafterSpec, model=None, actor_cpus: float | None = None,
+                  vocab_limit: int | None = None) -> DrafterServer:
+        """The configured drafter; a loaded `model` replaces loading it from its path (and stays where it is).
+        `vocab_limit`: ids the target has (`engines.build.check_models`); the drafter never proposes others."""
         threads = cpu_threads(spec.threads, actor_cpus)
-        assistant = str(model_path(spec.assistant)) if spec.assistant else None
+        assistant = str(resolve_model(spec.assistant)) if spec.assistant else None
         loaded = model is not None
-        return cls(spec.name, model if loaded else str(model_path(spec.model)), spec.max_requests, spec.max_len,
-                   None if loaded else spec.device, threads, assistant, spec.assistant_k)
+        return cls(spec.name, model if loaded else str(resolve_model(spec.model)), spec.max_requests, spec.max_len,
+                   None if loaded else spec.device, threads, assistant, spec.assistant_k, dtype=spec.dtype,
+                   runner=spec.runner, kv_cache_bytes=int(spec.kv_cache_gib * 2**30), vocab_limit=vocab_limit)
 
     def batch_cost(self, batch: int = 8, context: int = 128) -> LinearLatency:
         """This drafter's step time on its hardware, t(requests in the step) = a + b * requests, measured up to
         `batch` requests on the drafter's own thread, with its torch threads (a step's fixed cost a is Python,
         launches and weights read once; b grows with the batch). Splitting a call's requests over more replicas
         saves only the b part: the autoscaler's `scalable` signal."""
-        return self.executor.submit(fit_draft_latency, self.engine.model, max(2, batch), context).result()
+        kind = "fast" if isinstance(self.engine.runner, LlamaRunner) else "transformers"
+
+        def make_runner(model, max_slots: int, max_len: int):
+            return make_drafter_runner(model, max_slots, max_len, kind)
+
+        return self.executor.submit(fit_draft_latency, self.engine.model, max(2, batch), context,
+                                    make_runner).result()
 
     async def run(self, calls: list[DrafterCall]) -> DrafterReply:
         """`step` on the drafter's own thread (the event loop goes on meanwhile)."""
@@ -129,9 +140,11 @@ class InProcessDraftingTier:
 
     @classmethod
     def from_config(cls, cfg: AppConfig, models: dict | None = None) -> InProcessDraftingTier:
-        """The configured drafters; `models` (name -> loaded model) replaces loading them from their paths."""
+        """The configured drafters, checked against the target (`check_models`); `models` (name -> loaded model)
+        replaces loading them from their paths."""
         models = models or {}
-        servers = {d.name: DrafterServer.from_spec(d, models.get(d.name)) for d in cfg.drafters}
+        vocab = check_models(cfg, preloaded=set(models))
+        servers = {d.name: DrafterServer.from_spec(d, models.get(d.name), vocab_limit=vocab) for d in cfg.drafters}
         return cls(SpeculationCoordinator.from_config(cfg), servers)
 
     async def _step(self, name: str, calls: list[DrafterCall]) -> dict[str, list[Proposal]]:

@@ -5,7 +5,7 @@
     Verifier --[TokenChunk]--> ingress (one per request and verify step)
 
 Plain dataclasses: Serve pickles them as they are, and there is no codec. Tokens proposed by drafters are
-`engines.drafter.Proposal`; drafts (chains or token trees) are `engines.draft.Draft`.
+`engines.interface.Proposal`; drafts (chains or token trees) are `engines.draft.Draft`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engines.draft import Draft
-from engines.drafter import Proposal
+from engines.interface import Proposal
 
 __all__ = ["Draft", "DraftRequest", "DrafterCall", "DrafterReply", "Participation", "Proposal",
            "SpeculationOverrides", "TokenChunk"]

@@ -54,3 +54,36 @@ def test_criteria_check_accepts_a_specialised_family_and_flags_violations():
     broken = copy.deepcopy(_matrix(own=2.6, generic=2.0, other=1.5))
     broken["drafters"]["code"]["code"]["mean_accepted_length"] = 1.9
     assert check_acceptance(broken)
+
+
+def test_the_matrix_for_any_target_measures_drafters_through_the_drafter_engine(models, tmp_path, heldout):
+    """`cosine models acceptance-matrix --target --drafter --prompts-file`: a user's prompts (JSON lines with a
+    domain), the target drafting for itself accepts every drafted token, a domain drafter less; a bad prompt file is
+    one line naming the line."""
+    import json
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"domain": d, "prompt": heldout[d][5][:200]}) for d in ("code", "legal"))
+                       + "\n" + json.dumps({"domain": "chat", "messages": [{"role": "user", "content": "Hi"}]}))
+    out = tmp_path / "matrix.json"
+    run = subprocess.run([sys.executable, "-m", "serve_app.cli", "models", "acceptance-matrix", "--target", "target",
+                          "--drafter", "self=target", "--drafter", f"code={models / 'drafter-code'}",
+                          "--prompts-file", str(prompts), "--k", "4", "--new-tokens", "16", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["domains"] == ["chat", "code", "legal"]
+    me, code = result["drafters"]["self"], result["drafters"]["code"]
+    for d in result["domains"]:
+        assert me["domains"][d]["acceptance_rate"] == 1.0
+        assert me["domains"][d]["mean_accepted_length"] >= code["domains"][d]["mean_accepted_length"]
+    assert 1.0 < code["domains"]["code"]["mean_accepted_length"] < me["domains"]["code"]["mean_accepted_length"]
+    assert me["runner"] == "LlamaRunner" and me["ms_per_drafted_token"] > 0
+    assert "| self |" in run.stdout
+    prompts.write_text('{"domain": "code"}\n')
+    bad = subprocess.run([sys.executable, "-m", "serve_app.cli", "models", "acceptance-matrix", "--target", "target",
+                          "--drafter", "self=target", "--prompts-file", str(prompts), "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and f"{prompts}:1:" in bad.stderr and "Traceback" not in bad.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.drafter import Proposal
+from engines.interface import Proposal
 from speculation.fusion import FusionTree, fuse_chains
 from config import RoutingSpec
 from speculation.routing import Router, alignment

@@ -66,3 +66,23 @@ def test_expand_rows_repeats_each_requests_value_over_its_draft_rows(dtype):
     out = torch.empty(6, dtype=dtype)
     vllm_hooks.expand_rows(out, x, cu, 0, 1)
     assert out.tolist() == [3, 3, 1, 1, 1, 5]
+
+
+def test_what_the_hooks_need_on_cuda_is_where_it_was_and_forced():
+    """vLLM 0.32 keeps custom_class proposers off Model Runner V2 and async scheduling; the engine forces both
+    where a user's settings would turn them on, and refuses settings that contradict them."""
+    from vllm.config.vllm import VllmConfig
+
+    src = inspect.getsource(VllmConfig)
+    assert '"custom_class"' in src and "use_v2_model_runner" in src and "async_scheduling" in src
+    with pytest.raises(ValueError, match="async_scheduling"):
+        vllm_hooks.force_external_draft_support({"async_scheduling": True})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        with pytest.raises(ValueError, match="V2 model runner"):
+            vllm_hooks.force_external_draft_support({})
+        mp.delenv("VLLM_USE_V2_MODEL_RUNNER")
+        vllm_hooks.force_external_draft_support({})
+        import os
+
+        assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
