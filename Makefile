@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRA ?= cpu
 
-.PHONY: setup run test bench-target bench-engine acceptance-matrix clean prometheus
+.PHONY: setup run test test-fast bench-target bench-engine acceptance-matrix clean prometheus
 
 setup: $(VENV)/.installed prometheus
 
@@ -31,6 +31,10 @@ run: setup
 
 test: setup
 	$(VENV)/bin/pytest -q tests
+
+# The edit-test loop: everything but the tests marked slow (vLLM engines, Ray clusters, subprocesses).
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow" tests
 
 bench-target: setup
 	$(VENV)/bin/cosine models bench-target

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from model_family import DOMAINS
@@ -56,6 +57,7 @@ def test_criteria_check_accepts_a_specialised_family_and_flags_violations():
     assert check_acceptance(broken)
 
 
+@pytest.mark.slow
 def test_the_matrix_for_any_target_measures_drafters_through_the_drafter_engine(models, tmp_path, heldout):
     """`cosine models acceptance-matrix --target --drafter --prompts-file`: a user's prompts (JSON lines with a
     domain), the target drafting for itself accepts every drafted token, a domain drafter less; a bad prompt file is

@@ -1,9 +1,11 @@
-"""`serve deploy` of the production graph shape onto a local multi-node Ray cluster.
+"""`serve deploy cluster.yaml` onto a local multi-node Ray cluster, with the models by their hub ids.
 
 Three Ray nodes on this machine stand in for the cluster of cluster.yaml, started with the custom resources it
 asks for: a head "A100" node advertising `verifier_node` and two "RTX 3090" nodes advertising `drafter_node`. The
-deployed config is cluster.yaml itself with the shipped small models (nothing can be downloaded here) and sizes for
-this machine. Every replica must land on the right kind of node, and the application must answer.
+deployed config is cluster.yaml itself with only what a site changes: the model ids name this project's small models
+(published under those ids in a Hugging Face cache the nodes share, offline: nothing can be downloaded here), the
+runtime_env's zip is `cosine package`'s (at a path of this machine), and sizes fit this machine. Every replica must
+land on the right kind of node, and the application must answer.
 """
 
 from __future__ import annotations
@@ -17,40 +19,57 @@ import httpx
 import pytest
 import yaml
 
+from tests.helpers.hub_cache import offline_env, publish
+
 pytestmark = pytest.mark.slow
 CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
+# the shipped model that stands in for each id of cluster.yaml
+STAND_INS = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-32B": "target", "Qwen/Qwen2.5-Coder-0.5B": "drafter-code",
+             "Qwen/Qwen2.5-Math-1.5B": "drafter-techdocs", "Qwen/Qwen2.5-0.5B-Instruct": "drafter-dialogue",
+             "Qwen/Qwen2.5-0.5B": "drafter-generic"}
 
 
-def _config(http_port: int) -> dict:
-    """cluster.yaml with this project's small models and sizes for this machine: the shipped target in vLLM on
-    CPU, the shipped drafters, no GPU or CPU counts (placement by the custom resources), one loopback proxy (every node of this
-    cluster is this machine, so a proxy per node would bind one port three times)."""
+def _config(http_port: int, package: Path) -> dict:
+    """cluster.yaml with sizes for this machine: vLLM on CPU, no GPU or CPU counts (placement by the custom
+    resources), one loopback proxy (every node of this cluster is this machine, so a proxy per node would bind one
+    port three times); the model ids as they are."""
     cfg = yaml.safe_load(CLUSTER_YAML.read_text())
     cfg["proxy_location"] = "HeadOnly"
     cfg["http_options"] = {"host": "127.0.0.1", "port": http_port}
-    args = cfg["applications"][0]["args"]
-    args["tokenizer"] = "tokenizer"
-    args["verifier"].update(model="target", max_batch=4, max_len=256, tensor_parallel_size=1, kv_cache_gib=1,
-                            engine_kwargs={})
+    app = cfg["applications"][0]
+    app["runtime_env"]["working_dir"] = package.as_uri()
+    args = app["args"]
+    args["verifier"].update(max_batch=4, max_len=256, tensor_parallel_size=1, kv_cache_gib=1, engine_kwargs={})
     args["speculation"]["draft_timeout_ms"] = 5000  # this machine's CPU drafts far slower than a 3090
     for spec in [args["ingress"], args["speculation"], args["verifier"], *args["drafters"]]:
         options = spec["deployment"]["ray_actor_options"]
         options.pop("accelerator_type", None)
         options.update(num_gpus=0, num_cpus=0)  # 2 CPUs per node here: placement by the custom resources only
-    for d in args["drafters"]:
-        d.update(model=f"drafter-{d['name']}", max_len=256)
     return cfg
 
 
-def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path):
+def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path, monkeypatch):
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
+    from model_family.paths import models_dir
     from tests.conftest import RAY_TMP, free_port
 
     dash, http_port = free_port(), free_port()
+    cache = tmp_path / "hub"
+    for repo_id, shipped in STAND_INS.items():
+        publish(cache, repo_id, models_dir() / shipped)
+    package = tmp_path / "cosine-serve.zip"
+    subprocess.run([sys.executable, "-m", "serve_app.cli", "package", "--out", str(package)], check=True,
+                   capture_output=True, timeout=120)
+    config = _config(http_port, package)
+    ids = {d["model"] for d in config["applications"][0]["args"]["drafters"]}
+    assert ids | {config["applications"][0]["args"]["verifier"]["model"]} == set(STAND_INS)
+    monkeypatch.setenv("COSINE_MODELS_DIR", str(tmp_path / "no-shipped-models"))  # ids only, from the cache
+    for key, value in offline_env(cache).items():  # every node (started below) inherits them
+        monkeypatch.setenv(key, value)
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"verifier_node": 1}, "include_dashboard": True, "dashboard_port": dash,
@@ -58,7 +77,7 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path):
     drafter_nodes = [cluster.add_node(num_cpus=2, resources={"drafter_node": 1}) for _ in range(2)]
     cluster.wait_for_nodes()
     cfg = tmp_path / "cluster-local.yaml"
-    cfg.write_text(yaml.safe_dump(_config(http_port)))
+    cfg.write_text(yaml.safe_dump(config))
     try:
         serve_cli = str(Path(sys.executable).with_name("serve"))
         deployed = subprocess.run([serve_cli, "deploy", str(cfg), "--address", f"http://127.0.0.1:{dash}"],
@@ -79,8 +98,8 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path):
         for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
             if a.class_name and a.class_name.startswith("ServeReplica:cosine:"):
                 placed.setdefault(a.class_name.split(":")[-1], []).append(a.node_id)
-        drafters = [d["name"] for d in _config(http_port)["applications"][0]["args"]["drafters"]]
-        assert len(drafters) == 7
+        drafters = [d["name"] for d in config["applications"][0]["args"]["drafters"]]
+        assert len(drafters) == 4
         for d in drafters:
             assert placed[f"Drafter-{d}"] and set(placed[f"Drafter-{d}"]) <= drafter_ids, d
         for name in ("Verifier", "Speculation"):  # the ingress replicas go wherever Serve puts them

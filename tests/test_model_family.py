@@ -116,6 +116,25 @@ def test_shipped_acceptance_matrix_meets_criteria(models):
     assert check_acceptance(matrix) == []
 
 
+@pytest.mark.slow
+def test_shipped_weights_reproduce_the_acceptance_matrix(models):
+    """The committed matrix is what the shipped weights measure: cells recomputed from the weights (the same
+    held-out prompts, greedy, deterministic) equal the JSON's, for a domain's own drafter and the generic one
+    (one domain: about 25 s)."""
+    from model_family.acceptance import held_out_sequences, measure
+
+    domain = "code"
+    matrix = json.loads((models / "acceptance_matrix.json").read_text())
+    seqs = held_out_sequences(models, [domain], matrix["prompts_per_domain"], matrix["prompt_len"],
+                              matrix["new_tokens"])[domain]
+    for name in (domain, "generic"):
+        drafter = AutoModelForCausalLM.from_pretrained(models / f"drafter-{name}", dtype=torch.float32).eval()
+        got = measure(drafter, seqs, matrix["prompt_len"], matrix["k"])
+        want = matrix["drafters"][name][domain]
+        assert got.verifications == want["verifications"], name
+        assert got.mean_accepted_length == pytest.approx(want["mean_accepted_length"], abs=1e-9), name
+
+
 def test_training_resumes_from_its_checkpoint_exactly(tmp_path):
     """A run cut off mid-model and started again ends with the weights of a run never cut off."""
     import numpy as np

@@ -112,6 +112,7 @@ def _cli(*args, env: dict) -> subprocess.CompletedProcess:
                           timeout=300, env={**os.environ, **env})
 
 
+@pytest.mark.slow
 def test_cli_generates_with_ids_from_the_cache_and_errors_in_one_line(models, tmp_path):
     """`cosine generate --model ID --drafter ID` on an offline node: speculative output equals plain decoding; a
     missing id is one line on stderr, exit status 2."""
@@ -153,3 +154,19 @@ def test_a_kv_budget_below_one_request_is_a_startup_error(models):
                       drafters=[{"name": "code", "model": "drafter-code", "kv_cache_gib": 3 / 1024}])
     with pytest.raises(IncompatibleModels, match="needs 0.00 GiB|lower max_len or raise kv_cache_gib"):
         check_models(small)
+
+
+def test_the_graph_builder_refuses_before_binding_any_deployment(hub, models, tmp_path):
+    """What `serve deploy` runs first: a bad model fails the application build itself, so no replica of it starts."""
+    from serve_app.graph import build_app
+
+    publish(hub, "acme/target", models / "target")
+    publish(hub, "acme/odd-drafter", _swapped_vocab(models / "drafter-code", tmp_path / "odd"))
+    base = {"verifier": {"engine": "vllm", "model": "acme/target"}}
+    with pytest.raises(IncompatibleModels, match="acme/odd-drafter"):
+        build_app({**base, "drafters": [{"name": "code", "model": "acme/odd-drafter"}]})
+    with pytest.raises(ModelUnavailable, match="acme/absent"):
+        build_app({**base, "drafters": [{"name": "code", "model": "acme/absent"}]})
+    with pytest.raises(IncompatibleModels, match="kv_cache_gib"):
+        build_app({**base, "drafters": [{"name": "code", "model": "drafter-code", "kv_cache_gib": 0.001}]})
+    assert build_app({**base, "drafters": [{"name": "code", "model": "drafter-code"}]}) is not None

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 VOCAB = 8192
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+# head_dim 32: the smallest vLLM's CPU attention runs
+SHAPE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=512, bos_token_id=0, eos_token_id=[0, 2], pad_token_id=0)
 
 
@@ -18,7 +19,7 @@ def tiny_config(model_type: str, **overrides):
     are then not decided by rounding)."""
     from transformers import AutoConfig
 
-    extra = {"gpt_neox": dict(rotary_pct=1.0)}.get(model_type, dict(num_key_value_heads=2, head_dim=16))
+    extra = {"gpt_neox": dict(rotary_pct=1.0)}.get(model_type, dict(num_key_value_heads=2, head_dim=32))
     return AutoConfig.for_model(model_type, **{**SHAPE, "initializer_range": 0.2, **extra, **overrides})
 
 
