@@ -3,7 +3,8 @@ does (the application-level autoscaling policy applies only so), under a load ra
 
 Drafter replicas must rise under load and fall back after it, and no request may fail or change its output while
 replicas come and go (greedy output equals target-only decoding, token for token). The thresholds are set for
-the small test models (drafting costs little next to verification here), not for production.
+the small test models (drafting costs little next to verification here), not for production. Every wait is for a
+condition, with bounds of minutes: on a slow, shared machine the same events come later, not differently.
 """
 
 from __future__ import annotations
@@ -143,10 +144,10 @@ def test_a_load_ramp_scales_drafters_up_and_down_without_changing_any_output(tok
             return any(n > 1 for n in replicas.values())
 
         asyncio.run(_load(base, prompts, 1, stop_at(8), results))  # low
-        asyncio.run(_load(base, prompts, 8, stop_at(90, scaled_up), results))  # high, until scaled up
+        asyncio.run(_load(base, prompts, 8, stop_at(240, scaled_up), results))  # high, until scaled up
         assert any(n > 1 for _, r in trace for n in r.values()), f"no drafter scaled up under load: {trace}"
         asyncio.run(_load(base, prompts, 8, stop_at(time.time() - t0 + 6), results))  # with new replicas
-        deadline = time.time() + 90  # idle: back down
+        deadline = time.time() + 240  # idle: back down
         while time.time() < deadline and any(n > 1 for n in _drafter_replicas().values()):
             time.sleep(1)
         assert _drafter_replicas() == {f"Drafter-{d}": 1 for d in DRAFTERS}, f"did not scale down: {trace}"
@@ -183,7 +184,7 @@ def test_drafters_go_to_zero_without_traffic_and_come_back_for_it_without_changi
     def stats() -> dict:
         return httpx.get(f"{base}/v1/internal/speculation_stats", timeout=30).json()
 
-    def wait_for(what, seconds: float = 90):
+    def wait_for(what, seconds: float = 240):
         deadline = time.time() + seconds
         while time.time() < deadline and not what():
             time.sleep(0.5)
@@ -195,21 +196,21 @@ def test_drafters_go_to_zero_without_traffic_and_come_back_for_it_without_changi
         zero = {f"Drafter-{d}": 0 for d in DRAFTERS}
         assert wait_for(lambda: _drafter_replicas() == zero), f"idle drafters stayed: {_drafter_replicas()}"
         # the speculation node sees it within its poll period (until then a call would wait at the empty handle)
-        assert wait_for(lambda: set(stats()["drafters_parked"]) == set(DRAFTERS), 10)
+        assert wait_for(lambda: set(stats()["drafters_parked"]) == set(DRAFTERS), 60)
         calls_before = stats()["drafter_calls"]  # the first answer's, before they went
         results: list = []
         done = threading.Event()
         load = threading.Thread(target=lambda: asyncio.run(_load(base, prompts, 2, done.is_set, results)))
         load.start()
         try:
-            assert wait_for(lambda: len(results) >= 2, 60)  # answered while the drafters were at zero
+            assert wait_for(lambda: len(results) >= 2, 180)  # answered while the drafters were at zero
             st = stats()  # one read: while every drafter is still parked, none was called
             assert set(st["drafters_parked"]) != set(DRAFTERS) or st["drafter_calls"] == calls_before
             back = {f"Drafter-{d}": 1 for d in DRAFTERS}
             assert wait_for(lambda: _drafter_replicas() == back), f"drafters did not come back: {_drafter_replicas()}"
-            assert wait_for(lambda: not stats()["drafters_parked"], 10)
+            assert wait_for(lambda: not stats()["drafters_parked"], 60)
             answered = len(results)
-            assert wait_for(lambda: len(results) >= answered + 4, 60)  # drafting again
+            assert wait_for(lambda: len(results) >= answered + 4, 180)  # drafting again
         finally:
             done.set()
             load.join()

@@ -70,11 +70,17 @@ def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max
     return out, verifier
 
 
+def _accepted_share(out) -> float:
+    """Accepted draft tokens per generated token: 0 when speculation is silently off or every draft is rejected."""
+    return sum(o.stats["num_accepted_tokens"] for o in out) / sum(len(o.token_ids) for o in out)
+
+
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_chain_equals_target_for_every_draft_length(target, drafter_models, mixed_prompts, reference, k):
     prompts = mixed_prompts[::2]  # nine prompts, all domains, batch of four with joins and leaves
     out, _ = _run(target, [drafter_models["generic"]], prompts, k, batch=4)
     assert [o.token_ids for o in out] == reference[::2]
+    assert _accepted_share(out) > 0.2 * k / (k + 1)  # the generic drafter's acceptance is ~0.6-0.8 per token
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
@@ -85,6 +91,7 @@ def test_greedy_equals_target_for_every_batch_size(target, drafter_models, mixed
     out, verifier = _run(target, drafters, prompts, k=4, batch=batch)
     assert [o.token_ids for o in out] == reference[:len(prompts)]
     assert all(o.finish_reason == "length" for o in out)
+    assert _accepted_share(out) > 0.2
     assert verifier.runner.requests == {}  # every KV cache slot released
 
 
@@ -93,6 +100,8 @@ def test_greedy_tree_equals_target_for_draft_lengths(target, drafter_models, mix
     drafters = [drafter_models["generic"], drafter_models["code"], drafter_models["literature"]]
     out, _ = _run(target, drafters, mixed_prompts[1::3], k=k, batch=4, tree_budget=budget)
     assert [o.token_ids for o in out] == reference[1::3]
+    assert _accepted_share(out) > 0.2 * k / (k + 1)  # fused trees are accepted, not only verified
+    assert any(o.stats["num_draft_tokens"] > k * o.stats["num_drafts"] for o in out)  # and were trees (> k nodes)
 
 
 def test_greedy_best_chain_of_each_tree_equals_target(target, drafter_models, mixed_prompts, reference):
@@ -101,13 +110,14 @@ def test_greedy_best_chain_of_each_tree_equals_target(target, drafter_models, mi
     out, _ = _run(target, drafters, mixed_prompts[1::3], k=4, batch=4, tree_budget=8, trees=False)
     assert [o.token_ids for o in out] == reference[1::3]
     assert all(o.stats["num_draft_tokens"] <= 4 * o.stats["num_drafts"] for o in out)  # chains of at most k
+    assert _accepted_share(out) > 0.2
 
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_majority_vote_equals_target(target, drafter_models, mixed_prompts, reference, batch):
     out, _ = _run(target, list(drafter_models.values()), mixed_prompts, k=4, batch=batch, mode="vote")
     assert [o.token_ids for o in out] == reference
-    assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
+    assert _accepted_share(out) > 0.2
 
 
 def test_speculation_actually_accepts_tokens(target, drafter_models, mixed_prompts):
@@ -115,7 +125,7 @@ def test_speculation_actually_accepts_tokens(target, drafter_models, mixed_promp
     accepted = sum(o.stats["num_accepted_tokens"] for o in out)
     produced = sum(len(o.token_ids) for o in out)
     assert accepted > 0.2 * produced
-    assert all(o.stats["mean_acceptance_length"] >= 1.0 for o in out)
+    assert all(o.stats["mean_acceptance_length"] > 1.3 for o in out)  # 1.0 is a request whose drafts all failed
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["exact shapes", "padded shapes (CUDA graphs)"])

@@ -71,7 +71,7 @@ def test_greedy_through_the_graph_equals_target_only(server, tokenizer, target, 
         cut = next((i for i, t in enumerate(want) if t in eos), len(want))
         assert out.choices[0].text == tokenizer.decode(want[:cut], skip_special_tokens=True), d
         assert out.usage.completion_tokens == cut
-        assert out.usage.model_extra["mean_acceptance_length"] >= 1.0
+        assert out.usage.model_extra["mean_acceptance_length"] > 1.5  # the domain drafters' is ~3-5 here
 
 
 @pytest.mark.parametrize("override", [{"drafters_per_request": 3}, {"lockstep": False}, {"drafters": ["legal"]},
@@ -96,7 +96,9 @@ def test_the_controller_reports_its_modes_and_that_drafters_share_this_cpu(serve
     assert {"2 lockstep", "2 one-shot", "7 vote", "3 vote"} <= set(c["acceptance_by_participation"])  # the overrides
     assert c["participation"] in {"1", "2 lockstep", "2 one-shot"}  # a request's vote is never the controller's pick
     weights = httpx.get(f"{server}/v1/internal/speculation_stats", timeout=30).json()["vote_weights"]
-    assert set(weights) == {*DOMAINS, "generic"} and sum(weights.values()) == pytest.approx(1.0, abs=0.3)
+    assert set(weights) == {*DOMAINS, "generic"}
+    assert all(0.02 <= w <= 0.6 for w in weights.values())  # vote.min_weight, vote.max_weight
+    assert max(weights.values()) > 1.05 * min(weights.values())  # the vote requests moved them off equal
 
 
 def test_chat_non_streamed_and_streamed_agree(server):
@@ -361,9 +363,20 @@ def test_a_real_prometheus_scrapes_the_graph_evaluates_the_alerts_and_answers_th
         assert float(drafted[0]["value"][1]) > 0
         rules = httpx.get(f"{api}/rules", timeout=30).json()["data"]["groups"][0]["rules"]
         assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), rules  # evaluated without error
+        # every panel has data, but those of events this run has none of (failures, fallbacks, alerts) or of parts it
+        # does not deploy (the drafter autoscaler and its retirement of domain drafters)
+        quiet = ("drafter_failures", "draft_fallbacks", "ALERTS", "autoscaler_target_replicas", "drafters_retired")
+        panels = [q for q in dashboard_queries() if not any(w in q for w in quiet)]
+        assert len(panels) >= 14
+        empty, deadline = panels, time.time() + 120
+        while empty and time.time() < deadline:
+            results = {q: query(q) for q in empty}
+            assert all(r["status"] == "success" for r in results.values()), results
+            empty = [q for q, r in results.items() if not r["data"]["result"]]
+            time.sleep(2 if empty else 0)
+        assert not empty, empty
         for q in dashboard_queries():
             assert query(q)["status"] == "success", q
-        assert query("sum(rate(ray_cosine_generated_tokens_total[1m]))")["data"]["result"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
