@@ -1,2 +1,8 @@
-"""Drafter autoscaling (SmartSpec's goodput model applied to replicas): the offline step-latency profiling that
-seeds the goodput model, and (next) the Ray Serve autoscaling policy for the drafter deployments."""
+"""Drafter autoscaling (SmartSpec's goodput model applied to replicas).
+
+- `decisions`: a drafter deployment's replica count from its signals (`ReplicaPlanner`), pure, without Ray: the
+  simulator and the tests run it as the policy does.
+- `policy`: `DrafterAutoscaler`, the application-level Ray Serve autoscaling policy that reads the replicas' and the
+  verifier's signals from Serve's context and applies the decisions.
+- `profiling`: offline step-latency profiling of a verifier engine, which seeds the goodput model.
+"""

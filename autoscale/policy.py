@@ -38,12 +38,11 @@ drafter at zero, so its demand could never show and it would stay out of the dom
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 
 from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingContext
 
+from autoscale.decisions import Decision, DrafterLoad, ReplicaPlanner, VerifierLoad
 from config import AutoscalerSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_SCALABLE,
                                  VERIFIER_DRAFT_WAIT, VERIFIER_RETIRED, VERIFIER_ROUNDS, VERIFIER_SPECULATING)
@@ -52,93 +51,6 @@ logger = logging.getLogger("ray.serve")
 
 DRAFTER_PREFIX = "Drafter-"  # serve_app/graph.py names each drafter deployment so
 VERIFIER = "Verifier"
-
-
-@dataclass
-class DrafterLoad:
-    """One drafter deployment's signals, summed over its replicas."""
-
-    busy: float  # replicas' worth of computing
-    queued: float  # calls waiting, time-averaged
-    scalable: float | None = None  # the part of busy that grows with the requests served (None: not reported)
-    generalist: bool = False  # a generalist drafter: it drafts the rounds the controller puts on it
-
-    @property
-    def demand(self) -> float:
-        """Replicas' worth of drafting that more replicas would share: the calls waiting, and the compute that
-        grows with the requests (a step's fixed cost does not shrink when its requests are split)."""
-        return self.queued + (self.busy if self.scalable is None else self.scalable)
-
-
-@dataclass
-class VerifierLoad:
-    draft_wait: float  # share of the verifier's time spent waiting for drafts
-    speculating: float  # share of request rounds given drafts
-    rounds: float | None = None  # request rounds per second; 0: no traffic (None: not reported)
-    # the domain drafters retired (every round on the generalist) through the whole look-back window, on every
-    # verifier replica
-    retired: bool = False
-
-    @property
-    def idle(self) -> bool:
-        return self.rounds is not None and self.rounds < 1e-9
-
-
-@dataclass
-class Decision:
-    replicas: int
-    kind: str  # demand | draft_wait | speculation_off | retired | idle | speculating | hold | no_signals
-    reason: str
-    demand: float  # smoothed replicas' worth of drafting wanted
-
-
-class ReplicaPlanner:
-    """The decision for one drafter deployment, without Serve: testable on synthetic loads."""
-
-    def __init__(self, spec: AutoscalerSpec):
-        self.spec = spec
-
-    def decide(self, load: DrafterLoad | None, verifier: VerifierLoad | None, current: int, low: int, high: int,
-               previous_demand: float | None, generalist: bool = False) -> Decision:
-        """`generalist`: the deployment is a generalist drafter (its replicas say so; remembered while it has
-        none)."""
-        s = self.spec
-        idle = verifier is not None and verifier.idle
-        # a drafter at zero replicas is not called: while the verifier speculates for traffic, keep one
-        floor = min(max(low, 0 if idle else 1), high)
-
-        def clamp(n: int) -> int:
-            return min(max(n, floor), high)
-
-        if verifier is not None and not idle and verifier.speculating < s.speculation_off_below:
-            return Decision(low, "speculation_off", f"speculation is off: the verifier drafts "
-                            f"{verifier.speculating:.0%} of its request rounds", previous_demand or 0.0)
-        if idle:
-            return Decision(low, "idle", "the verifier has no requests", previous_demand or 0.0)
-        if verifier is not None and verifier.retired and not generalist:
-            return Decision(low, "retired", "the verifier drafts every round on the generalist",
-                            previous_demand or 0.0)
-        if load is None:
-            if current == 0 and verifier is not None:
-                return Decision(clamp(1), "speculating", f"the verifier speculates in {verifier.speculating:.0%} "
-                                "of its request rounds", previous_demand or 0.0)
-            return Decision(clamp(current), "no_signals", "no signals from its replicas yet", previous_demand or 0.0)
-        raw = load.demand
-        demand = raw if previous_demand is None else s.smoothing * raw + (1 - s.smoothing) * previous_demand
-        u = s.target_utilization
-        need = math.ceil(demand / u - 1e-9)
-        if need > current:
-            return Decision(clamp(need), "demand", f"drafting {demand:.2f} replicas' worth, at most {u:.0%} each",
-                            demand)
-        if verifier is not None and verifier.draft_wait > s.draft_wait_above and demand >= u * current:
-            return Decision(clamp(current + 1), "draft_wait", f"the verifier waits for drafts "
-                            f"{verifier.draft_wait:.0%} of its time and this drafter computes {demand / current:.0%}"
-                            " of each replica's", demand)
-        fits = math.ceil(demand / (u * (1 - s.hysteresis)) - 1e-9)
-        if fits < current:
-            return Decision(clamp(fits), "demand", f"drafting {demand:.2f} replicas' worth fits in {clamp(fits)} "
-                            f"below {u * (1 - s.hysteresis):.0%} each", demand)
-        return Decision(clamp(current), "hold", f"drafting {demand:.2f} replicas' worth", demand)
 
 
 def _summed(ctx: AutoscalingContext, name: str) -> float | None:

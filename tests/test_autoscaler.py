@@ -11,7 +11,8 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from ray.serve.request_router import ReplicaID
 
-from autoscale.policy import DrafterAutoscaler, DrafterLoad, ReplicaPlanner, VerifierLoad, verifier_load
+from autoscale.decisions import DrafterLoad, ReplicaPlanner, VerifierLoad
+from autoscale.policy import DrafterAutoscaler, verifier_load
 from config import AutoscalerSpec, DrafterSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_REQUESTS,
                                  DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT, VERIFIER_RETIRED, VERIFIER_ROUNDS,
