@@ -137,6 +137,9 @@ class StepOutput:
     finish_reason: str | None
     text: str | None = None  # text so far, when stop strings are in use
     draft_depth: int = 0  # longest root-to-leaf path of the verified draft (its length as a chain)
+    # per emitted token, where the request asked for logprobs (the vLLM engine only): {token id: the target's
+    # log-probability}, the emitted token first, then the top ones (vLLM's order)
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass

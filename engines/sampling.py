@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# parameters only vLLM's sampler applies, at the value that turns each off
+SAMPLER_ONLY = {"min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                "logprobs": None}
+
 
 @dataclass
 class SamplingParams:
@@ -19,6 +23,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # applied by vLLM's sampler only (SAMPLER_ONLY)
+    min_tokens: int = 0  # EOS and stop ids are held back until this many tokens (vLLM's min_tokens)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # the target's log-probability of each token, and of this many top tokens
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -29,6 +39,18 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError("repetition_penalty must be > 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
+
+    def sampler_only(self) -> list[str]:
+        """The parameters set that only vLLM's sampler applies (the torch verifier refuses them)."""
+        return [name for name, off in SAMPLER_ONLY.items() if getattr(self, name) != off]
 
     @property
     def greedy(self) -> bool:

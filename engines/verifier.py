@@ -98,6 +98,9 @@ class TorchVerifierEngine:
         if rid in self.waiting or rid in self.running:
             raise KeyError(f"request {rid!r} already exists")
         check_prompt(prompt_ids, self.max_len)
+        if unsupported := params.sampler_only():
+            raise ValueError(f"the torch verifier does not apply {', '.join(unsupported)} (vLLM's sampler does: "
+                             f"verifier.engine: vllm)")
         stop = StopChecker(params, self.eos_token_ids, self.tokenizer)
         self.waiting[rid] = _Request(rid=rid, prompt=list(prompt_ids), params=params, stop=stop,
                                      gen=params.generator(), last_token=prompt_ids[-1])

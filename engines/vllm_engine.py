@@ -4,7 +4,8 @@ Same interface as the torch engine (engines/verifier.py), so the verify loop dri
 requests' KV cache across steps (paged, no prefix recomputation), batches them continuously and verifies each
 step's drafts with its own forward pass and rejection sampler; engines/vllm_hooks.py writes the drafts in. vLLM
 verifies chains: a fused tree is sent as its most confident chain. Stops (EOS, stop ids, stop strings) stay ours,
-so both engines end requests the same way; a request we stop is aborted in vLLM, which frees its KV blocks.
+so both engines end requests the same way; a request we stop is aborted in vLLM, which frees its KV blocks. The
+penalties, min_tokens and logprobs are vLLM's sampler's, which only this engine has.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class VllmVerifierEngine:
         check_prompt(prompt_ids, self.max_len)
         stop = StopChecker(params, self.eos_token_ids, self.tokenizer)
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)),
-                                vllm_hooks.sampling_params(params, request_id))
+                                vllm_hooks.sampling_params(params, request_id, self.eos_token_ids))
         self.requests[request_id] = _Request(prompt=list(prompt_ids), stop=stop)
         return request_id
 
@@ -104,8 +105,12 @@ class VllmVerifierEngine:
     def _step(self, drafts: dict[str, Draft | None]) -> list[StepOutput]:
         chains = {rid: self.chain_of(d) for rid, d in drafts.items()
                   if d is not None and len(d) and rid in self.requests}
-        self.scheduler.external_drafts = {rid: vllm_hooks.ExternalDraft(len(self.context(rid)), c.tokens)
-                                          for rid, c in chains.items()}
+        # every request's draft is ours, an empty one where it has none this step: once a request of the batch nears
+        # the context end (where vLLM's own proposer would not fit), vLLM drafts k zeros for every request, and these
+        # were verified for the requests without a draft of ours (drafted, with no chain: the step failed)
+        self.scheduler.external_drafts = {
+            rid: vllm_hooks.ExternalDraft(len(r.prompt) + len(r.generated), chains[rid].tokens if rid in chains else [])
+            for rid, r in self.requests.items()}
         t = time.perf_counter()
         outs = self.engine.step()
         self.last_verify_seconds = time.perf_counter() - t
@@ -126,8 +131,11 @@ class VllmVerifierEngine:
             req.verified(drafted, accepted, by)
             finished = req.stop.finished or o.finished
             reason = req.stop.finish_reason or completion.finish_reason
+            # vLLM's logprobs of the target's raw distribution (its default logprobs_mode), the emitted ones
+            logprobs = None if completion.logprobs is None else [
+                {t: lp.logprob for t, lp in d.items()} for d in completion.logprobs[:len(emitted)]]
             results.append(StepOutput(o.request_id, emitted, drafted, accepted, by, finished, reason,
-                                      req.stop.text if req.stop.params.stop else None, drafted))
+                                      req.stop.text if req.stop.params.stop else None, drafted, logprobs))
             if finished:
                 self.requests.pop(o.request_id)
                 if not o.finished:  # stopped by us (EOS, a stop id or string): vLLM would go on

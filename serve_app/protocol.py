@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -21,17 +21,58 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class _Strict(BaseModel):
-    # strict: `true` is not an integer, `"1"` not a number; unknown fields are an error, not silently ignored
-    model_config = ConfigDict(extra="forbid", strict=True)
+def _same(value, allowed) -> bool:
+    """Equal, and both bools or both not (False == 0 and True == 1 in Python)."""
+    return value == allowed and isinstance(value, bool) == isinstance(allowed, bool)
 
 
-class TextPart(_Strict):
+class _Fields(BaseModel):
+    """A request object. Types are strict (`true` is not an integer, `"1"` not a number). A field this server does not
+    know is ignored with a warning, as vLLM does (`ignored_fields`); a known one it does not implement
+    (`UNSUPPORTED`: name -> (the values that change nothing, why not)) is a 400 saying why at any other value."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if not cls.UNSUPPORTED or not isinstance(data, dict):
+            return data
+        for name in sorted(cls.UNSUPPORTED.keys() & data.keys()):
+            no_ops, why = cls.UNSUPPORTED[name]
+            if not any(_same(data[name], v) for v in no_ops):
+                shown = json.dumps(data[name])
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                raise APIError(400, f"{name}={shown} is not supported: {why}", param=name)
+        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
+
+
+def ignored_fields(obj: BaseModel, prefix: str = "") -> list[str]:
+    """The dotted paths of the fields a parsed request carried that this server does not know."""
+    out = [prefix + k for k in obj.model_extra or {}]
+    for name in type(obj).model_fields:
+        value = getattr(obj, name)
+        items = [(name, value)] if isinstance(value, BaseModel) else \
+            [(f"{name}.{i}", v) for i, v in enumerate(value)] if isinstance(value, list) else []
+        out += [f for path, v in items if isinstance(v, BaseModel) for f in ignored_fields(v, f"{prefix}{path}.")]
+    return out
+
+
+TOOLS = "tool calling is not served yet"
+STRUCTURED = "structured output is not served yet"
+NOT_WITH_SPECULATION = "vLLM does not apply it with speculative decoding (vLLM refuses it with speculation on)"
+CHAT_TEMPLATE = "the model's own chat template is always used"
+
+
+class TextPart(_Fields):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Fields):
+    UNSUPPORTED = {"tool_calls": (([], None), TOOLS), "function_call": ((None,), TOOLS)}
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart]
     name: str | None = None
@@ -42,11 +83,11 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Fields):
     include_usage: bool = False
 
 
-class SpeculationOverride(_Strict):
+class SpeculationOverride(_Fields):
     """Per-request control of speculation (an extension field `speculation` of both endpoints)."""
 
     enabled: bool = True
@@ -62,15 +103,35 @@ class SpeculationOverride(_Strict):
                                                    "fusion; default: the server's speculation.mode. Both are "
                                                    "lossless, so a request may pick either")
 
-
-# OpenAI fields this server accepts only at the value that changes nothing (anything else is a 400, never ignored)
-NO_OP_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False,),
-                "logit_bias": ({},), "tools": ([],), "response_format": ({"type": "text"},), "echo": (False,),
-                "best_of": (1,), "parallel_tool_calls": (True, False), "store": (False,),
-                "repetition_penalty": (1, 1.0), "min_p": (0, 0.0)}  # the last two: vLLM's extensions
+    def fields(self) -> dict:
+        return self.model_dump(include=set(type(self).model_fields))
 
 
-class _Common(_Strict):
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+# known OpenAI and vLLM fields of both endpoints this server does not implement (docs/api.md)
+COMMON_UNSUPPORTED = {
+    "logit_bias": (({}, None), NOT_WITH_SPECULATION),
+    "min_p": ((0, 0.0, None), NOT_WITH_SPECULATION),
+    "response_format": (({"type": "text"}, None), STRUCTURED),
+    "structured_outputs": ((None,), STRUCTURED),
+    "use_beam_search": ((False, None), "beam search is not served (speculation verifies one sequence)"),
+    "length_penalty": ((1, 1.0, None), "beam search is not served"),
+    "prompt_logprobs": ((None,), "prompt log-probabilities are not returned"),
+    "logprob_token_ids": ((None, []), "log-probabilities of chosen ids are not returned: use the top ones"),
+    "allowed_token_ids": ((None,), "not passed to the verifier"),
+    "bad_words": (([], None), "vLLM needs its tokenizer for them, and the verifier runs it on token ids"),
+    "include_stop_str_in_output": ((False, None), "stop strings are always cut from the output"),
+    "skip_special_tokens": ((True, None), "special tokens are always left out of the text"),
+    "spaces_between_special_tokens": ((True, None), "special tokens are always left out of the text"),
+    "truncate_prompt_tokens": ((None,), "prompts are not truncated: a prompt past the context is a 400"),
+    "truncation_side": ((None,), "prompts are not truncated"),
+    "return_token_ids": ((False, None), "token ids are not returned: use return_tokens_as_token_ids with logprobs"),
+    "repetition_detection": ((None,), "not passed to the verifier"),
+}
+
+
+class _Common(_Fields):
     model: str
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (wins over "
@@ -78,34 +139,23 @@ class _Common(_Strict):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="0 or -1 (vLLM's spelling): off")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="with n > 1, choice i is seeded seed + i")
     stop: str | list[str] | None = Field(None, description="up to 4 non-empty strings")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=128, description="choices, each sampled on its own (temperature > 0; at most "
+                                                "ingress.max_queued_requests)")
     speculation: SpeculationOverride | None = None
-    ignore_eos: bool = False  # as in vLLM: keep generating past EOS (benchmarks with fixed lengths)
-    frequency_penalty: float | None = Field(None, description="only 0 (no penalty) is supported")
-    presence_penalty: float | None = Field(None, description="only 0 (no penalty) is supported")
-    logprobs: bool | int | None = Field(None, description="not supported: only false")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: only {}")
-    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"}")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: only []")
-    parallel_tool_calls: bool | None = None
-    store: bool | None = Field(None, description="not supported: only false")
-    repetition_penalty: float | None = Field(None, description="vLLM's extension; only 1 (no penalty)")
-    min_p: float | None = Field(None, description="vLLM's extension; only 0 (off)")
-
-    @model_validator(mode="after")
-    def _no_ops_only(self):
-        for name, allowed in NO_OP_VALUES.items():
-            value = getattr(self, name, None)
-            # equal and both bools or both not (False == 0 and True == 1 in Python)
-            if value is not None and not any(value == a and isinstance(value, bool) == isinstance(a, bool)
-                                             for a in allowed):
-                raise APIError(400, f"{name}={json.dumps(value)} is not supported by this server", param=name)
-        return self
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="applied by vLLM's sampler")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="applied by vLLM's sampler")
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                             description="vLLM's extension, applied by its sampler; 1: off")
+    # vLLM's extensions
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids are held back until this many tokens")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    return_tokens_as_token_ids: bool | None = Field(None, description="logprobs name tokens `token_id:<id>`")
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -120,13 +170,105 @@ class _Common(_Strict):
 
 
 class ChatCompletionRequest(_Common):
+    UNSUPPORTED = COMMON_UNSUPPORTED | {
+        "tools": (([], None), TOOLS), "tool_choice": (("none", "auto", None), TOOLS),
+        "functions": (([], None), TOOLS), "function_call": (("none", "auto", None), TOOLS),
+        "audio": ((None,), "audio output is not served"), "modalities": ((["text"], None), "text only"),
+        "prediction": ((None,), "predicted outputs are not served"),
+        "web_search_options": ((None,), "web search is not served"),
+        "chat_template": ((None,), CHAT_TEMPLATE), "chat_template_kwargs": ((None, {}), CHAT_TEMPLATE),
+        "documents": ((None,), CHAT_TEMPLATE),
+        "echo": ((False, None), "the reply is never prefixed with the last message"),
+    }
+
     messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool | None = Field(None, description="the target's log-probability of each token (vLLM's logprobs)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="and of this many top tokens")
+    parallel_tool_calls: bool | None = Field(None, description="no effect without tools")
+    add_generation_prompt: bool = Field(True, description="vLLM's extension, passed to the chat template")
+    continue_final_message: bool = Field(False, description="vLLM's extension: the reply continues the last message")
+    add_special_tokens: bool = Field(False, description="vLLM's extension: the tokenizer's own special tokens too")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                           param="continue_final_message")
+        return self
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
-    echo: bool | None = Field(None, description="not supported: only false")
-    best_of: int | None = Field(None, description="not supported: only 1")
+    UNSUPPORTED = COMMON_UNSUPPORTED | {
+        "echo": ((False, None), "the prompt is never echoed"),
+        "best_of": ((1, None), "one sequence per choice: use n"),
+        "suffix": ((None, ""), "fill-in-the-middle is not served"),
+        "prompt_embeds": ((None,), "prompt embeddings are not accepted"),
+    }
+
+    prompt: str | list[Annotated[int, Field(ge=0)]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the target's log-probability of each "
+                                 "token, and of this many top tokens")
+    add_special_tokens: bool = Field(False, description="vLLM's extension (its default there: true): the tokenizer's "
+                                     "special tokens around a text prompt")
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeCompletionRequest(_Fields):
+    """vLLM's /tokenize of a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Fields):
+    """vLLM's /tokenize of chat messages: the ids /v1/chat/completions feeds the model."""
+
+    UNSUPPORTED = {"chat_template": ((None,), CHAT_TEMPLATE), "chat_template_kwargs": ((None, {}), CHAT_TEMPLATE),
+                   "tools": (([], None), TOOLS)}
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                           param="continue_final_message")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Fields):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str = Field(description="this server's (cosine-serve)")
+    vllm_version: str | None = Field(None, description="the vLLM installed beside the ingress")
 
 
 class ErrorDetail(BaseModel):
@@ -147,14 +289,17 @@ ERRORS = {400: "invalid request (the message names the field)", 401: "missing or
           500: "generation failed", 503: "the verifier is not answering"}
 
 
-def openapi_body(model_cls) -> dict:
+def openapi_body(*model_classes) -> dict:
     """`openapi_extra` of a route that parses its body itself (size limit, strict errors): the body's schema."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in model_classes]
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model_cls.__name__}"}}}}}
+        "schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}}}
 
 
-def openapi_responses(*statuses: int, stream: bool = False) -> dict:
+def openapi_responses(*statuses: int, stream: bool = False, model=None) -> dict:
     ok: dict = {"description": "the completion"}
+    if model is not None:
+        ok = {"model": model, "description": "the result"}
     if stream:
         ok["content"] = {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}
     return {200: ok, **{s: {"model": ErrorResponse, "description": ERRORS[s]} for s in statuses}}
@@ -168,8 +313,6 @@ def parse(model_cls, body: Any):
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
-        if err["type"] == "extra_forbidden":
-            raise APIError(400, f"unsupported field {loc!r}", param=loc) from None
         raise APIError(400, f"{loc}: {err['msg']}", param=loc) from None
 
 
@@ -185,30 +328,65 @@ def usage(prompt_tokens: int, completion_tokens: int, spec: dict | None) -> dict
     return u
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None, index: int = 0,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None, index: int = 0,
+                     logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def _lp(x: float) -> float:
+    return max(x, -9999.0)  # -inf as OpenAI (and vLLM) write it
+
+
+def _bytes(s: str) -> list[int]:
+    return list(s.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: int, name) -> dict:
+    """OpenAI's chat `logprobs` of these tokens, as vLLM's server writes them: `top_logprobs` are the first `top` of
+    vLLM's entries (the token's own, then the most likely ones); `name` gives a token's string."""
+    return {"content": [
+        {"token": name(t), "logprob": _lp(d[t]), "bytes": _bytes(name(t)),
+         "top_logprobs": [{"token": name(u), "logprob": _lp(x), "bytes": _bytes(name(u))}
+                          for u, x in list(d.items())[:top]]}
+        for t, d in zip(token_ids, logprobs)]}
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: int, name,
+                        offset: int = 0) -> dict:
+    """OpenAI's completions `logprobs` of these tokens, as vLLM's server writes them (`top_logprobs`: up to top + 1
+    entries, the token's own among them); `offset`: the text offset of the first one."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, d in zip(token_ids, logprobs):
+        out["tokens"].append(name(t))
+        out["token_logprobs"].append(_lp(d[t]))
+        out["top_logprobs"].append({name(u): _lp(x) for u, x in list(d.items())[:top + 1]})
+        out["text_offset"].append(offset)
+        offset += len(name(t))
+    return out
 
 
 def now() -> int:
     return int(time.time())
 
 
-def spec_usage(stats: dict | None) -> dict:
-    """The request's speculation statistics under vLLM's names (from the verifier's last chunk)."""
-    s = stats or {}
-    return {"mean_acceptance_length": round(s.get("mean_acceptance_length", 1.0), 4),
-            "draft_acceptance_rate": round(s.get("draft_acceptance_rate", 0.0), 4),
-            "num_draft_tokens": s.get("num_draft_tokens", 0),
-            "num_accepted_tokens": s.get("num_accepted_tokens", 0),
-            "num_drafts": s.get("num_drafts", 0),
-            "verify_steps": s.get("verify_steps", 0),
-            "drafters_used": s.get("drafters_used", [])}
+def spec_usage(stats: list[dict | None]) -> dict:
+    """The request's speculation statistics under vLLM's names, over its choices (from the verifier's last chunk
+    of each)."""
+    ss = [s or {} for s in stats]
+    total = {k: sum(s.get(k, 0) for s in ss) for k in ("num_draft_tokens", "num_accepted_tokens", "num_drafts",
+                                                         "verify_steps")}
+    drafts, drafted, accepted = total["num_drafts"], total["num_draft_tokens"], total["num_accepted_tokens"]
+    # vLLM's definitions: 1 + accepted / drafts, accepted / drafted
+    return {"mean_acceptance_length": round(1 + accepted / drafts if drafts else 1.0, 4),
+            "draft_acceptance_rate": round(accepted / drafted if drafted else 0.0, 4),
+            **total, "drafters_used": sorted({d for s in ss for d in s.get("drafters_used", [])})}
 
 
 def sse(obj: dict) -> str:

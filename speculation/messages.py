@@ -107,10 +107,14 @@ class TokenChunk:
     num_accepted_tokens: int = 0
     accepted_drafters: list[str] = field(default_factory=list)
     usage: dict | None = None  # with the last chunk: the request's speculation statistics
+    # when asked for (vLLM verifier): per token, {token id: the target's log-probability}, the token's own first
+    logprobs: list[dict[int, float]] | None = None
 
     def extend(self, later: TokenChunk) -> None:
         """Append a later chunk of the same request (a whole request's chunks become one reply)."""
         self.token_ids += later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
         self.finished, self.finish_reason, self.usage = later.finished, later.finish_reason, later.usage
         self.num_draft_tokens += later.num_draft_tokens
         self.num_accepted_tokens += later.num_accepted_tokens

@@ -86,3 +86,30 @@ def test_what_the_hooks_need_on_cuda_is_where_it_was_and_forced():
         import os
 
         assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def test_sampling_params_give_vllm_what_min_tokens_holds_back():
+    """`sampling_params` fills vLLM's private `_all_stop_token_ids`, what min_tokens holds back (vLLM fills it from
+    its own stop ids and tokenizer, and the verifier's engine runs with neither: stops are ours). vLLM's rejection
+    sampler applies min_tokens and the penalties to drafts, and refuses logit_bias and min_p with speculation."""
+    from vllm.sampling_params import SamplingParams as VllmParams
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    from engines.sampling import SamplingParams
+
+    sp = vllm_hooks.sampling_params(SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[9], logprobs=2,
+                                                   presence_penalty=0.5, frequency_penalty=0.2,
+                                                   repetition_penalty=1.1), "ours", (0, 2))
+    assert sp.all_stop_token_ids == {9, 0, 2} and not sp.stop_token_ids and sp.ignore_eos
+    assert (sp.min_tokens, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.logprobs) == (
+        3, 0.5, 0.2, 1.1, 2)
+    assert "return self._all_stop_token_ids" in inspect.getsource(VllmParams.all_stop_token_ids.fget)
+    assert "params.all_stop_token_ids" in inspect.getsource(MinTokensLogitsProcessor.add_request)
+    # the engine adds to it (generation_config's EOS), and only trace replay, which we never ask for, empties it
+    assert "self._all_stop_token_ids.add" in inspect.getsource(VllmParams.update_from_generation_config)
+    assert "_all_stop_token_ids = set()" in inspect.getsource(InputProcessor._normalize_trace_replay_params)
+    src = inspect.getsource(RejectionSampler.apply_logits_processors)
+    assert "apply_with_spec_decode" in src and "apply_penalties" in src
+    assert "logit_bias" in inspect.getsource(VllmParams._validate_spec_decode)

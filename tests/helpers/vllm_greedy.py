@@ -1,6 +1,9 @@
 """Greedy generation with vLLM (CPU build), run in its own process: vLLM pins the process's torch threads.
 
-Reads {"model": dir, "prompts": [[ids]], "max_tokens": n} as JSON on stdin, prints {"outputs": [[ids]]}.
+Reads {"model": dir, "prompts": [[ids]], "max_tokens": n} as JSON on stdin, prints {"outputs": [[ids]]}. Optional
+"params": more vLLM SamplingParams over the defaults (greedy, ignore_eos), one dict for every prompt or a list of one
+per prompt; where they ask for `logprobs`, the result has "logprobs" too: per prompt, per token, [[id, logprob], ...]
+in vLLM's order (the token's own first, then the top ones).
 """
 
 import json
@@ -16,6 +19,13 @@ if __name__ == "__main__":
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=req["model"], dtype="float32", max_model_len=512, seed=0, enforce_eager=True)
-    params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, detokenize=False, ignore_eos=True)
+    extra = req.get("params", {})
+    per_prompt = extra if isinstance(extra, list) else [extra] * len(req["prompts"])
+    defaults = {"max_tokens": req["max_tokens"], "temperature": 0.0, "detokenize": False, "ignore_eos": True}
+    params = [SamplingParams(**{**defaults, **p}) for p in per_prompt]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
-    print("VLLM_RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+    result = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
+    if any(p.get("logprobs") is not None for p in per_prompt):
+        result["logprobs"] = [None if o.outputs[0].logprobs is None else
+                              [[[t, lp.logprob] for t, lp in d.items()] for d in o.outputs[0].logprobs] for o in outs]
+    print("VLLM_RESULT " + json.dumps(result), flush=True)

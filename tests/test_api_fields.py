@@ -1,0 +1,300 @@
+"""The OpenAI / vLLM request fields beyond the basics, through the served graph with speculation on (two drafters,
+the shipped target verified in vLLM), each against vLLM target-only with the same request (tests/helpers/
+vllm_greedy.py, one run for every case): logprobs, penalties, min_tokens, stop_token_ids, ignore_eos; and n,
+unknown fields, refused fields, /tokenize, /detokenize, /version. docs/api.md has the field table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from model_family.distill import greedy_continue
+
+pytestmark = pytest.mark.slow
+
+MODEL = "cosine-target"
+EOS = {0, 2}  # the shipped target's generation_config
+TOL = 2e-3  # logprobs: vLLM verifying drafts against vLLM decoding one token at a time, both fp32
+
+
+@pytest.fixture(scope="module")
+def server():
+    from tests.conftest import local_serve
+
+    with local_serve({
+        "ingress": {"model_name": MODEL, "max_queued_requests": 8},
+        "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 512, "kv_cache_gib": 1},
+        "speculation": {"mode": "cosine", "k": 4, "tree_budget": 8, "draft_timeout_ms": 2000},
+        "drafters": [{"name": "legal", "model": "drafter-legal"}, {"name": "dialogue", "model": "drafter-dialogue"}],
+    }) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=180)
+
+
+def _chat_ids(tokenizer, content: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def cases(tokenizer, heldout, target) -> dict:
+    """name -> (prompt ids, max_tokens, vLLM SamplingParams beyond greedy with ignore_eos)."""
+    legal = tokenizer(heldout["legal"][11][:300], add_special_tokens=False).input_ids
+    legal2 = tokenizer(heldout["legal"][12], add_special_tokens=False).input_ids[:48]
+    hello, hi = _chat_ids(tokenizer, "Hello"), _chat_ids(tokenizer, "Hi!")
+    out = greedy_continue(target, torch.tensor([hello]), 12)[0, len(hello):].tolist()
+    stop_id = next(t for i, t in enumerate(out) if i >= 3 and t not in out[:i] and t not in EOS)
+    return {
+        "logprobs": (legal, 24, {"logprobs": 5}),
+        "chat_logprobs": (_chat_ids(tokenizer, "Tell me about the law."), 16, {"logprobs": 3}),
+        "plain": (legal2, 32, {}),
+        "presence_frequency": (legal2, 32, {"presence_penalty": 1.0, "frequency_penalty": 0.5}),
+        "repetition": (legal2, 32, {"repetition_penalty": 1.3}),
+        "eos": (hi, 24, {"ignore_eos": False}),
+        "eos_ignored": (hi, 24, {}),
+        "min_tokens": (hi, 24, {"ignore_eos": False, "min_tokens": 12}),
+        "stop_token_ids": (hello, 24, {"ignore_eos": False, "stop_token_ids": [stop_id]}),
+        "stop_token_ids_min_tokens": (hello, 24, {"ignore_eos": False, "stop_token_ids": [stop_id], "min_tokens": 8}),
+        "context_end": (hi, 512 - len(hi), {}),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(models, cases) -> dict:
+    """vLLM target-only's tokens (and logprobs) of every case, cut before the token that stopped it: this server
+    does not emit the stop token (EOS or a stop id)."""
+    names = list(cases)
+    req = {"model": str(models / "target"), "prompts": [cases[n][0] for n in names], "max_tokens": 32,
+           "params": [{"max_tokens": cases[n][1], **cases[n][2]} for n in names]}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "helpers" / "vllm_greedy.py")],
+                          input=json.dumps(req), capture_output=True, text=True, timeout=600, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    result = json.loads(line.removeprefix("VLLM_RESULT "))
+    out = {}
+    for i, n in enumerate(names):
+        ids, params = result["outputs"][i], cases[n][2]
+        stops = set(params.get("stop_token_ids", [])) | (set() if params.get("ignore_eos", True) else EOS)
+        cut = next((j for j, t in enumerate(ids) if t in stops and j >= params.get("min_tokens", 0)), len(ids))
+        logprobs = result.get("logprobs", [None] * len(names))[i]
+        out[n] = (ids[:cut], logprobs[:cut] if logprobs else None, "stop" if cut < len(ids) else "length")
+    return out
+
+
+def _served(client, cases, name: str, **extra):
+    """The case as a completion of its prompt ids through the served graph, the case's vLLM parameters sent as the
+    OpenAI fields (the SDK's own where it has them)."""
+    ids, max_tokens, params = cases[name]
+    params = dict(params)
+    sdk = {k: params.pop(k) for k in ("presence_penalty", "frequency_penalty", "logprobs") if k in params}
+    body = {"ignore_eos": params.pop("ignore_eos", True), **params, **extra.pop("extra_body", {})}
+    return client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0, **sdk, **extra,
+                                     extra_body=body)
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_logprobs_are_vllm_target_only_ones_with_speculation(client, cases, reference):
+    """Tokens, each token's logprob and the top 5 (and the token's own) of each position: vLLM's own, with most of
+    them committed from accepted drafts."""
+    r = _served(client, cases, "logprobs", extra_body={"return_tokens_as_token_ids": True,
+                                                       "speculation": {"drafters": ["legal"]}})
+    want_ids, want_lps, _ = reference["logprobs"]
+    lp = r.choices[0].logprobs
+    assert _ids(lp.tokens) == want_ids
+    assert r.usage.model_extra["num_accepted_tokens"] > 0  # drafts were accepted: several tokens a step
+    for t, got, top, want in zip(want_ids, lp.token_logprobs, lp.top_logprobs, want_lps):
+        want = dict(want)
+        assert got == pytest.approx(want[t], abs=TOL)
+        assert len(top) == len(want) and {int(k.removeprefix("token_id:")) for k in top} == set(want)
+        assert all(v == pytest.approx(want[int(k.removeprefix("token_id:"))], abs=TOL) for k, v in top.items())
+    assert lp.text_offset == [sum(len(x) for x in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_chat_logprobs_and_top_logprobs_with_the_sdk(client, tokenizer, cases, reference):
+    want_ids, want_lps, _ = reference["chat_logprobs"]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me about the law."}],
+                                       max_tokens=16, temperature=0, logprobs=True, top_logprobs=3,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in want_ids]
+    assert r.choices[0].message.content == tokenizer.decode(want_ids, skip_special_tokens=True)
+    for c, t, want in zip(content, want_ids, want_lps):
+        assert c.logprob == pytest.approx(dict(want)[t], abs=TOL)
+        assert c.bytes == list(c.token.encode())
+        # vLLM's first three entries: the token's own, then the most likely ones
+        assert [x.token for x in c.top_logprobs] == [tokenizer.decode([u]) for u, _ in want[:3]]
+        assert [x.logprob for x in c.top_logprobs] == pytest.approx([x for _, x in want[:3]], abs=TOL)
+
+
+def test_streamed_logprobs_are_the_whole_ones(server, cases, reference):
+    ids, max_tokens, _ = cases["logprobs"]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "return_tokens_as_token_ids": True, "stream": True}
+    tokens, token_lps, offsets, text = [], [], [], ""
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=180) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                if choice["logprobs"]:
+                    tokens += choice["logprobs"]["tokens"]
+                    token_lps += choice["logprobs"]["token_logprobs"]
+                    offsets += choice["logprobs"]["text_offset"]
+                    assert all(len(top) <= 3 for top in choice["logprobs"]["top_logprobs"])
+    want_ids, want_lps, _ = reference["logprobs"]
+    assert _ids(tokens) == want_ids
+    assert token_lps == pytest.approx([dict(w)[t] for t, w in zip(want_ids, want_lps)], abs=TOL)
+    assert offsets == [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize("name", ["presence_frequency", "repetition"])
+def test_penalties_equal_vllm_target_only(client, tokenizer, cases, reference, name):
+    want, _, _ = reference[name]
+    assert want != reference["plain"][0]  # the penalty changes the output
+    r = _served(client, cases, name)
+    assert r.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    assert r.usage.completion_tokens == len(want) and r.usage.model_extra["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("name", ["eos", "eos_ignored", "min_tokens", "stop_token_ids", "stop_token_ids_min_tokens"])
+def test_min_tokens_stop_token_ids_and_ignore_eos_equal_vllm_target_only(client, tokenizer, cases, reference, name):
+    want, _, reason = reference[name]
+    r = _served(client, cases, name)
+    assert r.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (len(want), reason)
+
+
+def test_what_the_stop_cases_show(reference):
+    """The cases above test what they mean to: EOS ends 'Hi!' early, min_tokens holds it back, the stop id ends
+    'Hello' early and min_tokens holds it back too."""
+    assert len(reference["eos"][0]) < 12 and reference["eos"][2] == "stop"
+    assert len(reference["eos_ignored"][0]) == 24
+    assert len(reference["min_tokens"][0]) >= 12 and reference["min_tokens"][0] != reference["eos_ignored"][0]
+    assert len(reference["stop_token_ids"][0]) < 8
+    assert len(reference["stop_token_ids_min_tokens"][0]) >= 8
+
+
+def test_chat_min_tokens_with_the_sdk(client, tokenizer, reference):
+    want, _, _ = reference["min_tokens"]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=24,
+                                       temperature=0, extra_body={"min_tokens": 12})
+    assert r.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_a_request_runs_to_the_context_end(client, tokenizer, cases, reference):
+    """No max_tokens: up to the context. Near its end vLLM gives every request k zeros as a draft (its own proposer
+    would not fit); the verifier replaces them with ours, or none (they failed these requests before)."""
+    want, _, _ = reference["context_end"]
+    r = client.completions.create(model=MODEL, prompt=cases["context_end"][0], temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (len(want), "length")
+
+
+def test_n_choices_each_seeded_as_vllm_seeds_them(client):
+    """n sampled choices; choice i is the request seeded seed + i (vLLM's rule), checked with speculation off,
+    where one seed fixes a request's sampling."""
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12,
+          "temperature": 1.0}
+    off = {"speculation": {"enabled": False}}
+    r = client.chat.completions.create(n=3, seed=11, extra_body=off, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(seed=11 + i, extra_body=off, **kw).choices[0].message.content
+               for i in range(3)]
+    assert [c.message.content for c in r.choices] == singles
+    assert len(set(singles)) > 1
+
+
+def test_n_with_speculation_streamed_and_whole(client, server):
+    body = {"model": MODEL, "prompt": "The court held that the contract", "max_tokens": 16, "temperature": 0.7,
+            "n": 2, "seed": 3, "ignore_eos": True, "speculation": {"drafters": ["legal"]}}
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=180).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    assert whole["usage"]["completion_tokens"] == 32 and whole["usage"]["num_drafts"] > 0
+    texts, reasons, usage = {0: "", 1: ""}, {}, None
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server}/v1/completions", json=stream, timeout=180) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for c in chunk["choices"]:
+                    texts[c["index"]] += c["text"]
+                    reasons[c["index"]] = c["finish_reason"] or reasons.get(c["index"])
+    assert reasons == {0: "length", 1: "length"} and all(texts.values())
+    assert usage["completion_tokens"] == 32
+
+
+@pytest.mark.parametrize("body,needle", [({"n": 2, "temperature": 0}, "temperature > 0"),
+                                         ({"n": 9, "temperature": 1}, "queues")])
+def test_n_refused_where_it_cannot_be_served(server, body, needle):
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"] and r.json()["error"]["param"] == "n"
+
+
+def test_unknown_fields_are_ignored_with_a_header(client, server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "cache_control": {"type": "x"}}],
+            "max_tokens": 4, "temperature": 0, "verbosity": "low", "stream_options": None,
+            "speculation": {"enabled": True, "future_knob": 1}}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200
+    assert r.headers["x-cosine-ignored-fields"] == "verbosity,speculation.future_knob,messages.0.cache_control"
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        assert s.status_code == 200 and "verbosity" in s.headers["x-cosine-ignored-fields"]
+        assert s.read().decode().rstrip().endswith("data: [DONE]")
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body={"newer_field": True})
+    assert raw.headers["x-cosine-ignored-fields"] == "newer_field"
+    plain = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert "x-cosine-ignored-fields" not in plain.headers
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("logit_bias", {"5": 10}, "speculative decoding"), ("min_p", 0.1, "speculative decoding"),
+    ("response_format", {"type": "json_object"}, "structured output"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "tool calling"),
+    ("tool_choice", "required", "tool calling"), ("use_beam_search", True, "beam search"),
+    ("include_stop_str_in_output", True, "stop strings")])
+def test_known_fields_not_served_are_400_saying_why(client, field, value, needle):
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       extra_body={field: value})
+    err = e.value.body
+    assert err["param"] == field and needle in err["message"] and field in err["message"]
+
+
+def test_tokenize_detokenize_and_version(server, client, tokenizer):
+    r = httpx.post(f"{server}/tokenize", json={"prompt": "The court held", "return_token_strs": True}, timeout=60)
+    ids = tokenizer("The court held").input_ids
+    assert r.json() == {"count": len(ids), "max_model_len": 512, "tokens": ids,
+                        "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    assert httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": ids}, timeout=60).json() == {
+        "prompt": "The court held"}
+    messages = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, how"}]
+    for extra in ({}, {"add_generation_prompt": False, "continue_final_message": True}):
+        t = httpx.post(f"{server}/tokenize", json={"model": MODEL, "messages": messages, **extra}, timeout=60).json()
+        c = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+        assert t["count"] == c.usage.prompt_tokens == len(t["tokens"])  # the ids the chat endpoint generates from
+    assert httpx.post(f"{server}/tokenize", json={"model": "gpt-4", "prompt": "x"}, timeout=60).status_code == 404
+    assert httpx.post(f"{server}/detokenize", json={"tokens": [10**6]}, timeout=60).status_code == 400
+    v = httpx.get(f"{server}/version", timeout=60).json()
+    assert v["version"] == "0.1.0" and v["vllm_version"].startswith("0.32.0")

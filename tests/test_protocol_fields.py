@@ -1,0 +1,213 @@
+"""The request fields of the OpenAI API as this server parses and checks them (fast: no Serve, no vLLM engine):
+unknown fields ignored and reported, known ones it does not serve refused saying why, the new sampling fields
+validated and turned into SamplingParams, logprobs written as vLLM's server writes them, min_tokens in the stop
+checks, and the torch verifier refusing what only vLLM's sampler applies. docs/api.md has the field table; the
+served behaviour is tests/test_api_fields.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from config import AppConfig
+from engines.sampling import SamplingParams
+from engines.stopping import StopChecker
+from serve_app import protocol as P
+from serve_app.ingress import IngressDeployment, _Detokenizer, _TokenNames
+from speculation.messages import SpeculationOverrides, TokenChunk
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _chat(**fields):
+    return P.parse(P.ChatCompletionRequest, {"model": "m", "messages": MSG, **fields})
+
+
+def _completion(**fields):
+    return P.parse(P.CompletionRequest, {"model": "m", "prompt": "hi", **fields})
+
+
+def _refusal(parse, **fields) -> P.APIError:
+    with pytest.raises(P.APIError) as e:
+        parse(**fields)
+    assert e.value.status == 400
+    return e.value
+
+
+def test_unknown_fields_at_any_depth_are_ignored_and_named():
+    req = _chat(verbosity="low", messages=[{"role": "user", "content": "hi", "cache_control": {}}],
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+                speculation={"enabled": False, "future_knob": 1})
+    assert P.ignored_fields(req) == ["verbosity", "stream_options.continuous_usage_stats", "speculation.future_knob",
+                                     "messages.0.cache_control"]
+    assert SpeculationOverrides(**req.speculation.fields()).enabled is False
+    assert P.ignored_fields(_chat(max_tokens=3)) == []
+    assert "additionalProperties" not in P.ChatCompletionRequest.model_json_schema() or \
+        P.ChatCompletionRequest.model_json_schema()["additionalProperties"] is True
+
+
+@pytest.mark.parametrize("fields,param", [({"max_tokens": True}, "max_tokens"), ({"temperature": "0"}, "temperature"),
+                                          ({"n": 0}, "n"), ({"seed": 2**70}, "seed")])
+def test_known_fields_keep_strict_types(fields, param):
+    assert _refusal(_chat, **fields).param == param
+
+
+@pytest.mark.parametrize("parse,field,value,needle", [
+    (_chat, "logit_bias", {"5": 1.0}, "speculative decoding"), (_chat, "min_p", 0.05, "speculative decoding"),
+    (_chat, "response_format", {"type": "json_schema"}, "structured output"),
+    (_chat, "structured_outputs", {"json": {}}, "structured output"),
+    (_chat, "tools", [{"type": "function"}], "tool calling"), (_chat, "tool_choice", "required", "tool calling"),
+    (_chat, "functions", [{"name": "f"}], "tool calling"), (_chat, "use_beam_search", True, "beam search"),
+    (_chat, "prompt_logprobs", 1, "prompt log-probabilities"), (_chat, "bad_words", ["x"], "tokenizer"),
+    (_chat, "chat_template", "{{x}}", "chat template"), (_chat, "echo", True, "prefixed"),
+    (_completion, "echo", True, "echoed"), (_completion, "best_of", 2, "use n"), (_completion, "suffix", "}", "middle"),
+    (_completion, "include_stop_str_in_output", True, "stop strings"),
+    (_completion, "skip_special_tokens", False, "special tokens")])
+def test_known_fields_not_served_are_refused_saying_why(parse, field, value, needle):
+    e = _refusal(parse, **{field: value})
+    assert e.param == field and field in e.message and needle in e.message
+
+
+def test_their_no_op_values_pass_and_are_not_reported():
+    req = _chat(logit_bias={}, min_p=0, response_format={"type": "text"}, tools=[], tool_choice="none",
+                use_beam_search=False, skip_special_tokens=True, echo=False, parallel_tool_calls=True)
+    assert P.ignored_fields(req) == []
+    assert P.ignored_fields(_completion(echo=False, best_of=1, suffix=None)) == []
+    e = _refusal(_chat, messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}])
+    assert e.param == "tool_calls" and "tool calling" in e.message
+    assert _refusal(_chat, logit_bias={"5": 0}).param == "logit_bias"  # any bias, even 0: vLLM refuses it
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"min_tokens": -1}, "min_tokens"), ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": 1}, "logprobs"), ({"add_generation_prompt": True, "continue_final_message": True},
+                                    "continue_final_message")])
+def test_new_chat_fields_are_validated(fields, param):
+    assert _refusal(_chat, **fields).param == param
+
+
+def test_logprobs_asked_as_vllm_reads_them():
+    assert _chat(logprobs=True, top_logprobs=3).logprobs_asked() == 3
+    assert _chat(logprobs=True).logprobs_asked() == 0  # the token's own only
+    assert _chat(logprobs=False, top_logprobs=0).logprobs_asked() is None
+    assert _completion(logprobs=5).logprobs_asked() == 5 and _completion().logprobs_asked() is None
+    assert _refusal(_completion, logprobs=True).param == "logprobs"  # an integer there
+
+
+class _NoVerifier:
+    """A Serve handle's place for an ingress that only prepares requests."""
+
+    def options(self, **_):
+        return self
+
+
+def _ingress(engine: str):
+    cfg = AppConfig(verifier={"engine": engine, "model": "target", "max_len": 64}, speculation={"mode": "off"},
+                    ingress={"max_queued_requests": 4})
+    ingress_cls = IngressDeployment.func_or_class.__mro__[1]  # the class under Serve's ASGI wrapper
+    ingress = object.__new__(ingress_cls)
+    ingress_cls.__init__(ingress, cfg, _NoVerifier())
+    return ingress
+
+
+def test_the_ingress_turns_the_fields_into_sampling_params():
+    ingress = _ingress("vllm")
+    req = _chat(model="cosine-target", max_tokens=8, presence_penalty=0.5, frequency_penalty=-0.5,
+                repetition_penalty=1.2, min_tokens=3, stop_token_ids=[7], ignore_eos=True, logprobs=True,
+                top_logprobs=2, seed=5)
+    p = ingress._prepare(req, [1, 2, 3])
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens, p.stop_token_ids,
+            p.ignore_eos, p.logprobs, p.seed) == (0.5, -0.5, 1.2, 3, [7], True, 2, 5)
+    assert p.sampler_only() == ["min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                "logprobs"]
+    p = ingress._prepare(_chat(model="cosine-target"), [1, 2, 3])
+    assert (p.presence_penalty, p.repetition_penalty, p.logprobs, p.sampler_only()) == (0.0, 1.0, None, [])
+
+
+@pytest.mark.parametrize("fields,param,needle", [
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", "exceeds max_tokens"),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids", "vocabulary"),
+    ({"n": 2, "temperature": 0}, "n", "temperature > 0"), ({"n": 5}, "n", "queues")])
+def test_the_ingress_refuses_what_cannot_be_served(fields, param, needle):
+    with pytest.raises(P.APIError) as e:
+        _ingress("vllm")._prepare(_chat(model="cosine-target", **fields), [1, 2, 3])
+    assert (e.value.status, e.value.param) == (400, param) and needle in e.value.message
+
+
+@pytest.mark.parametrize("fields,param", [({"presence_penalty": 0.1}, "presence_penalty"), ({"min_tokens": 1},
+                                          "min_tokens"), ({"logprobs": True}, "logprobs")])
+def test_behind_the_torch_verifier_what_only_vllm_applies_is_refused(fields, param):
+    with pytest.raises(P.APIError) as e:
+        _ingress("torch")._prepare(_chat(model="cosine-target", **fields), [1, 2, 3])
+    assert e.value.param == param and "verifier.engine: torch" in e.value.message
+    _ingress("torch")._prepare(_chat(model="cosine-target", stop_token_ids=[5], ignore_eos=True), [1, 2, 3])
+
+
+def test_the_torch_verifier_refuses_them_itself(target, tokenizer):
+    from engines.verifier import TorchVerifierEngine
+
+    engine = TorchVerifierEngine(target, max_batch=1, max_len=64, tokenizer=tokenizer, eos_token_ids=(0, 2))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        engine.add_request([1, 2], SamplingParams(repetition_penalty=1.1))
+    engine.add_request([1, 2], SamplingParams(stop_token_ids=[5], ignore_eos=True))
+
+
+def test_sampling_params_check_the_new_fields():
+    for bad in ({"min_tokens": 5, "max_tokens": 4}, {"presence_penalty": 2.1}, {"repetition_penalty": 0.0},
+                {"logprobs": -1}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(tokenizer):
+    params = SamplingParams(max_tokens=10, min_tokens=3, stop_token_ids=[9])
+    stop = StopChecker(params, eos_token_ids=(0,))
+    assert stop.feed([5, 0, 9, 6, 9, 7]) == [5, 0, 9, 6] and stop.finish_reason == "stop"
+    ids = tokenizer("ab ab ab ab", add_special_tokens=False).input_ids
+    first = len(tokenizer(" ab", add_special_tokens=False).input_ids)
+    assert len(ids) == 1 + 3 * first  # "ab" then three " ab"
+    # " ab" as a stop string: its first two matches end within the first min_tokens tokens' text
+    params = SamplingParams(max_tokens=20, min_tokens=1 + 2 * first, stop=[" ab"])
+    stop = StopChecker(params, tokenizer=tokenizer)
+    assert stop.feed(ids) == ids and stop.text == "ab ab ab"
+    detok = _Detokenizer(tokenizer, [" ab"], params.min_tokens)
+    assert detok.push(ids[:2], False) + detok.push(ids[2:], True) == "ab ab ab"
+    assert _Detokenizer(tokenizer, [" ab"]).push(ids, True) == "ab"  # without min_tokens
+
+
+def test_token_names_are_vllms(tokenizer):
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    ids = list(range(0, len(tokenizer), 37))
+    names = _TokenNames(tokenizer)
+    assert [names(t) for t in ids] == convert_ids_list_to_tokens(tokenizer, ids)
+
+
+def test_logprobs_written_as_vllms_server_writes_them():
+    lps = [{7: -0.1, 3: -2.0, 4: -3.0}, {5: -float("inf"), 6: -0.01, 7: -5.0}]  # vLLM's order: the token's own first
+    name = {3: "c", 4: "d", 5: "e", 6: "f", 7: "g"}.get
+    chat = P.chat_logprobs([7, 5], lps, 2, name)["content"]
+    assert chat[0] == {"token": "g", "logprob": -0.1, "bytes": [103], "top_logprobs": [
+        {"token": "g", "logprob": -0.1, "bytes": [103]}, {"token": "c", "logprob": -2.0, "bytes": [99]}]}
+    assert chat[1]["logprob"] == -9999.0 and [x["token"] for x in chat[1]["top_logprobs"]] == ["e", "f"]
+    comp = P.completion_logprobs([7, 5], lps, 1, name, offset=4)
+    assert comp == {"tokens": ["g", "e"], "token_logprobs": [-0.1, -9999.0], "text_offset": [4, 5],
+                    "top_logprobs": [{"g": -0.1, "c": -2.0}, {"e": -9999.0, "f": -0.01}]}
+    whole = TokenChunk([7], False, logprobs=lps[:1])
+    whole.extend(TokenChunk([5], True, logprobs=lps[1:]))
+    assert whole.token_ids == [7, 5] and whole.logprobs == lps
+
+
+def test_speculation_usage_over_choices():
+    one = {"num_drafts": 2, "num_draft_tokens": 8, "num_accepted_tokens": 6, "verify_steps": 5,
+           "drafters_used": ["legal"]}
+    two = {"num_drafts": 2, "num_draft_tokens": 8, "num_accepted_tokens": 2, "verify_steps": 7,
+           "drafters_used": ["code", "legal"]}
+    assert P.spec_usage([one]) == {"mean_acceptance_length": 4.0, "draft_acceptance_rate": 0.75, **one}
+    assert P.spec_usage([one, two, None]) == {"mean_acceptance_length": 3.0, "draft_acceptance_rate": 0.5,
+                                              "num_draft_tokens": 16, "num_accepted_tokens": 8, "num_drafts": 4,
+                                              "verify_steps": 12, "drafters_used": ["code", "legal"]}
