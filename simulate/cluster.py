@@ -275,16 +275,18 @@ class Simulation:
         return self.aio.run_until_complete(self.coordinator.draft(batch, self.replayer.step_fn)), batch, modes
 
     def _round(self, contexts: dict[str, list[int]], overlap: float, ahead: bool = False):
-        """A drafting round in simulated time: its drafts, or none if they come later than draft_timeout_ms."""
+        """A drafting round in simulated time: its drafts, or none if they come later than draft_timeout_ms (the
+        loop stops waiting then and decodes without them; the drafters finish their calls regardless)."""
         scored = sum(len(c) for r, c in contexts.items() if r not in self.drafted)
         drafts, batch, modes = self._plan(contexts, overlap, ahead)
         if not batch:
             return {}
-        calls = list(self.replayer.calls)
-        seconds = yield from self._drafting(batch, scored, calls)
-        if seconds > self.cfg.speculation.draft_timeout_ms / 1000:
-            return {}  # the loop stops waiting at the timeout and decodes without them
-        self.planner.observe_round(batch, modes, seconds)
+        t0 = self.env.now
+        drafting = self.env.process(self._drafting(batch, scored, list(self.replayer.calls)))
+        yield drafting | self.env.timeout(self.cfg.speculation.draft_timeout_ms / 1000)
+        if not drafting.triggered:
+            return {}
+        self.planner.observe_round(batch, modes, self.env.now - t0)
         return drafts
 
     def _group(self, g: int):
@@ -299,6 +301,11 @@ class Simulation:
                     self.wakeup = self.env.event()
                 yield self.wakeup
                 continue
+            joining = sum(1 for r in members if r in self.prefill)
+            if joining and self.hw.admit_ms:  # the loop admits (and the torch engine prefills) before drafting
+                with self.verifier.request() as turn:
+                    yield turn
+                    yield self.env.timeout(self.hw.admit_ms * joining / 1000)
             t0 = self.env.now
             drafts = {}
             if ahead is not None:  # the drafts made ahead that still extend their context
@@ -320,13 +327,13 @@ class Simulation:
                 drafts = {r: d.best_chain().truncated(self.cfg.speculation.k) for r, d in drafts.items()}
             prompt = sum(self.prompt_tokens or len(members[r].req.prompt) for r in members if r in self.prefill)
             tokens = prompt + sum(1 + len(drafts[r]) if r in drafts else 1 for r in members)
-            if self.draft_ahead and drafts:  # drafted from the context full acceptance would give
+            if self.draft_ahead and drafts:  # drafted from the context full acceptance would give, beside the step
                 bases = {r: members[r].context + d.tokens for r, d in drafts.items()}
-                ahead = bases, self.env.process(self._round(bases, 0.0, ahead=True))
+                ahead = bases, self.env.process(self._round(bases, self.last_verify[g], ahead=True))
             with self.verifier.request() as turn:
                 yield turn
-                seconds = self.hw.verify(tokens) + self.hw.loop_overhead_ms / 1000
-                yield self.env.timeout(seconds)
+                seconds = self.hw.verify(tokens)
+                yield self.env.timeout(seconds + self.hw.loop_overhead_ms / 1000)
             self.last_verify[g] = seconds
             self.steps += 1
             self.step_tokens += tokens
@@ -345,11 +352,10 @@ class Simulation:
                     self.env.process(self._finish(rid))
 
     def _drafting(self, batch, scored: int, calls: list[tuple[str, str, int, int]]):
-        """Simulated time of a drafting round replayed: its calls, wave by wave (the coordinator's depths)."""
-        t0 = self.env.now
+        """A drafting round replayed in simulated time: its calls, wave by wave (the coordinator's depths)."""
         if self.hw.draft_round is not None:  # fitted as a whole: drafters share the verifier's hardware
             yield self.env.timeout(self.hw.draft_round(max(d.k for d in batch), len(batch), scored))
-            return self.env.now - t0
+            return
         waves: dict[int, dict[str, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
         for name, rid, depth, steps in calls:
             waves[depth][name].append((rid, steps))
@@ -365,7 +371,6 @@ class Simulation:
                 for i, steps in by_replica.items():
                     calls.append(self.env.process(self._call(self.replicas[name][i], steps)))
             yield self.env.all_of(calls)
-        return self.env.now - t0
 
     def _colocated(self, items):
         with self.verifier.request() as turn:

@@ -19,7 +19,8 @@ import torch
 
 from config import AppConfig
 from engines.draft import Draft
-from engines.drafter import LOGLIK_FLOOR, Proposal
+from engines.drafter import LOGLIK_FLOOR
+from engines.interface import Proposal
 from engines.rules import verify_greedy
 from speculation.messages import DrafterCall
 
@@ -53,12 +54,12 @@ def annotate(records: list[dict], cfg: AppConfig) -> list[ReplayRequest]:
     """Teacher-force every configured drafter over each recorded request (`records`: a trace's request records,
     with a `domain` where the recording knew it)."""
     from engines.verifier import load_causal_lm
-    from model_family.paths import model_path
+    from model_family.sources import resolve_model
 
     reqs = [ReplayRequest(r["id"], list(r["prompt"]), list(r["output"]), {}, r.get("domain"))
             for r in records if r["output"]]
     for spec in cfg.drafters:
-        model = load_causal_lm(str(model_path(spec.model)))
+        model = load_causal_lm(str(resolve_model(spec.model)))
         for req in reqs:
             ids = torch.tensor([req.full[:spec.max_len]])
             logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
@@ -68,6 +69,24 @@ def annotate(records: list[dict], cfg: AppConfig) -> list[ReplayRequest]:
             lp = logp[:n_prompt - 1].gather(-1, ids[0, 1:n_prompt, None]).clamp(min=LOGLIK_FLOOR)
             req.preds[spec.name] = Predictions(top_i.numpy(), top_p.numpy(), float(lp.mean()) if n_prompt > 1 else 0.0)
     return reqs
+
+
+def sharpened(requests: list[ReplayRequest], drafters: set[str], share: float, seed: int = 0) -> list[ReplayRequest]:
+    """The requests with `drafters` made better: at a `share` of the output positions where one's top token is not
+    the target's, the target's token takes its place (with the top token's probability). A what-if for the margin
+    specialists hold over a generic drafter; the others' proposals are as replayed."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for req in requests:
+        preds = dict(req.preds)
+        for name in drafters & preds.keys():
+            p = preds[name]
+            tokens = p.tokens.copy()
+            fix = (tokens[:, 0] != np.array(req.output)) & (rng.random(len(req.output)) < share)
+            tokens[fix, 0] = np.array(req.output)[fix]
+            preds[name] = Predictions(tokens, p.probs, p.prompt_loglik)
+        out.append(ReplayRequest(req.rid, req.prompt, req.output, preds, req.domain))
+    return out
 
 
 @dataclass

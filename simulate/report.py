@@ -10,6 +10,10 @@ from model_family.paths import REPO_ROOT
 DEFAULT_TRACE = REPO_ROOT / "simulate" / "traces" / "local.jsonl"
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def _floats(text: str | None) -> dict[str, float] | None:
     return {k: float(v) for k, v in (x.split("=") for x in text.split(","))} if text else None
 
@@ -28,6 +32,19 @@ def validation_table(result: dict) -> str:
         lines.append(f"| {r['concurrency']} | {r['fitted_on']} | {t['measured']:.1f} ({t['measured_min']:.1f}-"
                      f"{t['measured_max']:.1f}) | {t['simulated']:.1f} | {t['error']:+.1%} | {m['measured']:.1f} "
                      f"({m['measured_min']:.1f}-{m['measured_max']:.1f}) | {m['simulated']:.1f} | {m['error']:+.1%} |")
+    return "\n".join(lines)
+
+
+def out_of_sample_table(result: dict) -> str:
+    lines = ["| run predicted | latency model fitted on | throughput tok/s: measured | simulated | error | ms/token: "
+             "measured | simulated | error | verify step ms: measured | simulated | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        cells = [f"{r[k]['measured']:.{d}f} | {r[k]['simulated']:.{d}f} | {r[k]['error']:+.1%}"
+                 for k, d in (("throughput_tok_s", 1), ("latency_ms_per_token", 2), ("verify_ms", 2))]
+        fitted = ", ".join(f"c{c}-r{rep}" for c, rep in r["fitted_on"]) + (" (even steps)" if r["half"] == 0 else "")
+        run = f"c{r['concurrency']}-r{','.join(map(str, r['repeats']))}"
+        lines.append(f"| {run} | {fitted} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -134,27 +151,102 @@ def plot_sizing(result: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def remote_pays_table(result: dict) -> str:
+    out = [f"{result['profile']}, {result['prompts']} prompts offline: throughput cosine (drafters on GPUs of their "
+           f"own) / vanilla (the generic drafter on the verifier's GPUs)", "",
+           "| batch | drafter step fixed ms | " + " | ".join(f"hop {h:g} ms" for h in sorted(
+               {g["hop_ms"] for g in result["grid"]})) + " |"]
+    out.append("|---" * (2 + len({g["hop_ms"] for g in result["grid"]})) + "|")
+    for b, a in sorted({(g["batch"], g["draft_ms"]) for g in result["grid"]}):
+        cells = [g for g in result["grid"] if (g["batch"], g["draft_ms"]) == (b, a)]
+        ratios = [f"{g['ratio']:.2f}" for g in sorted(cells, key=lambda g: g["hop_ms"])]
+        out.append(f"| {b} | {a:g} | " + " | ".join(ratios) + " |")
+    out += ["", "| batch | domain drafters sharpened | accepted length cosine / vanilla | margin | throughput ratio |",
+            "|---|---|---|---|---|"]
+    for m in result["margin"]:
+        out.append(f"| {m['batch']} | {m['share']:.0%} | {m['accepted']:.2f} / {m['vanilla_accepted']:.2f} | "
+                   f"{m['margin']:.2f}x | {m['ratio']:.2f} |")
+    return "\n".join(out)
+
+
+def plot_remote_pays(result: dict, path: Path) -> None:
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({g["batch"] for g in result["grid"]})
+    steps = sorted({g["draft_ms"] for g in result["grid"]})
+    hops = sorted({g["hop_ms"] for g in result["grid"]})
+    fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5.2 * (len(batches) + 1), 4.4))
+    for ax, b in zip(axes, batches):
+        grid = np.array([[next(g["ratio"] for g in result["grid"] if (g["batch"], g["draft_ms"], g["hop_ms"])
+                               == (b, a, h)) for a in steps] for h in hops])
+        im = ax.imshow(grid, origin="lower", cmap="RdBu", vmin=0.5, vmax=1.5, aspect="auto")
+        for i in range(len(hops)):
+            for j in range(len(steps)):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(steps)), [f"{a:.3g}" for a in steps], fontsize=8)
+        ax.set_yticks(range(len(hops)), [f"{h:g}" for h in hops])
+        ax.set_xlabel("drafter step, fixed cost (ms)")
+        ax.set_ylabel("hop, central node to drafter and back (ms)")
+        ax.set_title(f"batch {b}: throughput cosine / vanilla", fontsize=10)
+        ref = (steps.index(result["draft"]["a"]), hops.index(result["hop_ms"]))
+        ax.add_patch(plt.Rectangle((ref[0] - 0.5, ref[1] - 0.5), 1, 1, fill=False, lw=2, color="black"))
+    fig.colorbar(im, ax=axes[:len(batches)], shrink=0.8)
+    ax = axes[-1]
+    for b in batches:
+        ms = [m for m in result["margin"] if m["batch"] == b]
+        ax.plot([m["margin"] for m in ms], [m["ratio"] for m in ms], "o-", label=f"batch {b}")
+    ax.axhline(1.0, color="grey", ls="--")
+    ax.set_xlabel("accepted length, cosine / vanilla (domain drafters sharpened)")
+    ax.set_ylabel("throughput cosine / vanilla")
+    ax.set_title(f"at the calibrated step ({result['draft']['a']:.2f} ms) and hop ({result['hop_ms']:g} ms)",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.suptitle(f"{result['profile']}: where drafters on GPUs of their own pay (boxed: the calibrated profile)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    print(f"wrote {path}")
+
+
 def main(args) -> int:
     """Runs the study, prints its table, writes its JSON, then its plot (if asked)."""
     from simulate import studies
 
     plot = None
-    if args.study == "validate":
+    if args.study == "record":
+        adaptive = {"as-configured": None, "on": True, "off": False}[args.adaptive]
+        for path in studies.record(args.config, Path(args.trace), Path(args.out), _ints(args.concurrencies),
+                                   args.repeats, adaptive, log=_log):
+            print(f"wrote {path}")
+        return 0
+    if args.study == "validate" and args.recorded:
+        run_args, runs = studies.recorded(Path(args.recorded))
+        requests = studies.recorded_replay(run_args, runs)
+        result = {"recorded": args.recorded, "rows": studies.out_of_sample(run_args, runs, requests),
+                  "runs": [{k: v for k, v in r.items() if k != "trace"} for r in runs]}
+        table = out_of_sample_table(result)
+    elif args.study == "validate":
         result = studies.validate(args.config, args.per_domain, args.new_tokens,
-                                  tuple(int(c) for c in args.concurrencies.split(",")), args.repeats, args.port,
+                                  _ints(args.concurrencies), args.repeats, args.port,
                                   Path(args.save_trace) if args.save_trace else None, log=_log)
         table = validation_table(result)
     else:
         run_args = studies.app_args(args.config)
         _log(f"replaying {args.trace} with the drafters of {args.config} ...")
         requests = studies.load_replay([args.trace], run_args)
-        if args.study == "reproduce":
+        if args.study == "remote":
+            result = studies.remote_pays(run_args, requests, args.profile, prompts=args.prompts, log=_log)
+            table, plot = remote_pays_table(result), plot_remote_pays
+        elif args.study == "reproduce":
             result = studies.reproduce(run_args, requests, args.profiles.split(","), args.prompts,
                                        online_s=args.online_s, log=_log)
             table, plot = reproduction_tables(result), plot_reproduction
         else:
             result = studies.size(run_args, requests, args.profile, args.rate, _floats(args.mix),
-                                  tuple(int(c) for c in args.counts.split(",")), args.duration,
+                                  _ints(args.counts), args.duration,
                                   _floats(args.prices), args.slo_ms_per_token, log=_log)
             table, plot = sizing_table(result), plot_sizing
     print(table)
@@ -181,9 +273,22 @@ def add_parser(sub, default_config: str) -> None:
     v.add_argument("--repeats", type=int, default=3)
     v.add_argument("--port", type=int, default=8041, help="loopback HTTP port (+1: dashboard)")
     v.add_argument("--save-trace", help="keep the recorded requests (with their domains) for replays")
+    v.add_argument("--recorded", help="instead of serving: the runs `cosine simulate record` wrote (e.g. "
+                   "simulate/traces/inprocess), each predicted from half its own steps and from the runs beside it")
     v.add_argument("--json", default="bench_results/simulate-validate.json")
+    rec = ssub.add_parser("record", help="closed-loop runs of the config's verify loop in this process (torch engine, "
+                          "no Ray), a trace per run, for `validate --recorded`")
+    rec.add_argument("--config", default=default_config)
+    rec.add_argument("--trace", default=str(DEFAULT_TRACE), help="the recorded requests whose prompts are sent")
+    rec.add_argument("--out", default="simulate/traces/inprocess")
+    rec.add_argument("--concurrencies", default="1,2,4")
+    rec.add_argument("--repeats", type=int, default=3)
+    rec.add_argument("--adaptive", choices=["as-configured", "on", "off"], default="as-configured",
+                     help="speculation.adaptive for the runs (off: always k, no decision depends on timings)")
     for name, helptext in (("reproduce", "the paper's offline and online settings on its two model pairs"),
-                           ("size", "goodput per dollar by drafter GPU kind and count per verifier")):
+                           ("size", "goodput per dollar by drafter GPU kind and count per verifier"),
+                           ("remote", "where drafters on GPUs of their own pay: throughput against vanilla "
+                                      "speculation over drafter step cost, hop and acceptance margin")):
         r = ssub.add_parser(name, help=helptext)
         r.add_argument("--config", default=default_config, help="the application whose drafters are replayed")
         r.add_argument("--trace", default=str(DEFAULT_TRACE), help="recorded requests (speculation.record_trace)")
@@ -193,6 +298,9 @@ def add_parser(sub, default_config: str) -> None:
             r.add_argument("--profiles", default="paper-llama,paper-qwen")
             r.add_argument("--prompts", type=int, default=512, help="offline requests per point (the paper: 8192)")
             r.add_argument("--online-s", type=float, default=600.0, help="simulated seconds per online run")
+        elif name == "remote":
+            r.add_argument("--profile", default="paper-qwen", choices=["paper-qwen", "paper-llama"])
+            r.add_argument("--prompts", type=int, default=64, help="offline requests per point")
         else:
             r.add_argument("--profile", default="paper-qwen")
             r.add_argument("--rate", type=float, help="requests/s (default: 90%% of target-only capacity)")

@@ -1,4 +1,5 @@
-"""What `cosine simulate` answers: validation against a real run, the paper's settings, and drafter sizing.
+"""What `cosine simulate` answers: validation against a real run or recorded ones, the paper's settings, drafter
+sizing, and where drafters on GPUs of their own pay.
 
 Systems, as variants of one application config:
 - `no-spec`: target-only decoding (speculation off);
@@ -20,8 +21,8 @@ import yaml
 
 from config import AppConfig
 from simulate.cluster import Autoscaling, Simulation, Workload
-from simulate.hardware import DRAFTER_SHAPES, PROFILES, Hardware, drafter_step, fit
-from simulate.replay import ReplayRequest, annotate
+from simulate.hardware import PROFILES, Hardware, fit, paper_profile
+from simulate.replay import ReplayRequest, annotate, sharpened
 from speculation.trace import Trace
 
 SYSTEMS = ("no-spec", "vanilla", "cosine", "cosine+autoscaler")
@@ -76,7 +77,7 @@ def validate(config: str, per_domain: int = 3, new_tokens: int = 128, concurrenc
 
     from benchmarks.anchors import _Served
     from benchmarks.engine import _prompts
-    from model_family.paths import model_path
+    from model_family.sources import resolve_model
 
     args = app_args(config)
     work = Path(tempfile.mkdtemp(prefix="cosine-validate-"))
@@ -85,7 +86,7 @@ def validate(config: str, per_domain: int = 3, new_tokens: int = 128, concurrenc
     serve_cfg["applications"][0]["args"]["speculation"] = dict(args.get("speculation", {}),
                                                                record_trace=str(trace_path))
     (work / "serve.yaml").write_text(yaml.safe_dump(serve_cfg))
-    tok = AutoTokenizer.from_pretrained(model_path(args.get("tokenizer", "tokenizer")))
+    tok = AutoTokenizer.from_pretrained(resolve_model(args.get("tokenizer") or args["verifier"]["model"]))
     prompts = _prompts(tok, per_domain, 64)
     ids = [p for _, p in prompts]
 
@@ -167,12 +168,156 @@ def _requests_of(all_lines: list[str], run: dict) -> list[dict]:
     return [r for r in (json.loads(x) for x in all_lines[run["lines"][0]:run["lines"][1]]) if r["kind"] == "request"]
 
 
+# ---------------------------------------------------------------------------------------------- recorded runs
+RECORDED = Path(__file__).parent / "traces" / "inprocess"  # committed: `cosine simulate record`
+
+
+def record(config: str, requests_from: Path, out: Path = RECORDED, concurrencies=(1, 2, 4), repeats: int = 3,
+           adaptive: bool | None = None, log=print) -> list[Path]:
+    """Closed-loop runs of the config's verify loop in this process (speculation/inprocess.py: the torch engine
+    as verifier, the drafters on threads of their own; no Ray, no HTTP), the runs interleaved. Writes the
+    application args used (`args.json`) and a gzipped trace per run (`c{C}-r{R}.jsonl.gz`: concurrency C, repeat
+    R). Each run gets a loop of its own, warmed up, so that it starts from the state a simulated run starts from (a
+    fresh controller). The prompts (and their domains) are `requests_from`'s; `adaptive` overrides
+    speculation.adaptive (false: always k, so every decision is the replay's, not the timings')."""
+    import asyncio
+    import gzip
+
+    import torch
+
+    from engines.sampling import SamplingParams
+    from speculation.inprocess import build_loop
+
+    prompts = Trace.load(requests_from).requests
+    domain = {tuple(r["prompt"]): r.get("domain") for r in prompts}
+    params = SamplingParams(max_tokens=max(len(r["output"]) for r in prompts), ignore_eos=True)
+    work = Path(tempfile.mkdtemp(prefix="cosine-record-"))
+    # one torch thread everywhere (the verifier's steps, and the prompt prefills the torch engine runs on this,
+    # the event loop's, thread): on a shared machine ops fanned out over every core stalled whenever another
+    # process held one of them (measured here: 0.3-0.4 s per prefill, repeats of a run 1.8x apart)
+    torch.set_num_threads(1)
+    args = app_args(config)
+    speculation = dict(args.get("speculation", {}), record_trace=None)
+    if adaptive is not None:
+        speculation["adaptive"] = adaptive
+    args = dict(args, verifier=dict(args["verifier"], engine="torch", threads=1), speculation=speculation)
+
+    async def run(loop, ids: list[list[int]], concurrency: int, p: SamplingParams) -> None:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(prompt):
+            async with gate:
+                async for _ in loop.generate(prompt, p):
+                    pass
+
+        await asyncio.gather(*(one(x) for x in ids))
+
+    async def one_run(path: Path, concurrency: int) -> list[dict]:
+        loop = build_loop(AppConfig.model_validate(dict(args, speculation=dict(speculation, record_trace=str(path)))))
+        await run(loop, [r["prompt"] for r in prompts[:4]], 2, SamplingParams(max_tokens=16, ignore_eos=True))
+        start = len(path.read_text().splitlines())
+        await run(loop, [r["prompt"] for r in prompts], concurrency, params)
+        await loop.stop()
+        loop.trace.close()
+        for server in loop.drafting.servers.values():
+            server.executor.shutdown(wait=True)
+        lines = [json.loads(x) for x in path.read_text().splitlines()[start:]]
+        for x in lines:
+            x.update({k: round(v, 6) for k, v in x.items() if isinstance(v, float)})  # microseconds
+            if x["kind"] == "request":
+                x["domain"] = domain[tuple(x["prompt"])]
+        return lines
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "args.json").write_text(json.dumps(args, indent=1) + "\n")
+    written = []
+    for rep in range(repeats):
+        for c in concurrencies:
+            lines = asyncio.run(one_run(work / f"c{c}-r{rep}.jsonl", c))
+            written.append(out / f"c{c}-r{rep}.jsonl.gz")
+            text = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines)
+            written[-1].write_bytes(gzip.compress(text.encode(), mtime=0))
+            log(f"  concurrency {c}, repeat {rep + 1}/{repeats}: {measured(_load_gz(written[-1]))}")
+    return written
+
+
+def _load_gz(path: Path) -> Trace:
+    import gzip
+
+    t = Trace()
+    for line in gzip.decompress(path.read_bytes()).decode().splitlines():
+        rec = json.loads(line)
+        {"request": t.requests, "step": t.steps, "draft": t.drafts}[rec.pop("kind")].append(rec)
+    return t
+
+
+def measured(trace: Trace) -> dict:
+    """A recorded run's throughput (tokens over the run's wall time), mean latency per token of its requests and
+    mean verify step time, from its trace."""
+    reqs = trace.requests
+    tokens = sum(len(r["output"]) for r in reqs)
+    return {"throughput_tok_s": tokens / (max(r["t1"] for r in reqs) - min(r["t0"] for r in reqs)),
+            "latency_ms_per_token": 1000 * statistics.fmean((r["t1"] - r["t0"]) / len(r["output"]) for r in reqs),
+            "verify_ms": 1000 * statistics.fmean(s["verify_s"] for s in trace.steps)}
+
+
+def recorded(directory: Path = RECORDED) -> tuple[dict, list[dict]]:
+    """The application args the runs were recorded with, and the runs: concurrency, repeat, trace, measurements."""
+    runs = []
+    for f in sorted(Path(directory).glob("c*-r*.jsonl.gz")):
+        c, r = f.name.removesuffix(".jsonl.gz")[1:].split("-r")
+        t = _load_gz(f)
+        runs.append({"concurrency": int(c), "repeat": int(r), "trace": t, **measured(t)})
+    return json.loads((Path(directory) / "args.json").read_text()), runs
+
+
+def recorded_replay(args: dict, runs: list[dict]) -> list[ReplayRequest]:
+    """The recorded runs' requests (every run sends the same prompts and greedy decoding gives the same outputs), in
+    the order they were sent, replayed."""
+    first = min(runs, key=lambda r: (r["concurrency"], r["repeat"]))["trace"]
+    return annotate(sorted(first.requests, key=lambda r: r["t0"]), AppConfig.model_validate(args))
+
+
+def predict(args: dict, fitted: list[dict], predicted: list[dict], requests: list[ReplayRequest],
+            hw: Hardware | None = None, half: int | None = None) -> list[dict]:
+    """Fit this machine's latency model on the `fitted` runs (on every other step and drafting round of theirs with
+    `half`; or take `hw`), simulate a closed-loop run at each concurrency of the `predicted` runs with the runs'
+    application `args`, and compare with their measured median: throughput, latency per token, mean verify step."""
+    hw = hw or fit(Trace(*(sum((getattr(r["trace"], k) for r in fitted), []) for k in ("requests", "steps", "drafts"))),
+                   half=half)
+    cfg = AppConfig.model_validate(args)
+    rows = []
+    for c in sorted({r["concurrency"] for r in predicted}):
+        res = Simulation(cfg, hw, requests).run(Workload("closed", count=len(requests), concurrency=c))
+        decoded = res.step_tokens - sum(len(r.prompt) for r in requests)  # the trace's steps exclude prefills
+        sim = dict(res.summary(), verify_ms=hw.verify.a + hw.verify.b * decoded / res.steps)
+        row = {"concurrency": c, "repeats": sorted(r["repeat"] for r in predicted if r["concurrency"] == c),
+               "fitted_on": sorted((r["concurrency"], r["repeat"]) for r in fitted), "half": half,
+               "hardware": hw.model_dump()}
+        for key in ("throughput_tok_s", "latency_ms_per_token", "verify_ms"):
+            m = statistics.median(r[key] for r in predicted if r["concurrency"] == c)
+            row[key] = {"measured": m, "simulated": sim[key], "error": sim[key] / m - 1}
+        rows.append(row)
+    return rows
+
+
+def out_of_sample(args: dict, runs: list[dict], requests: list[ReplayRequest]) -> list[dict]:
+    """Each recorded run predicted twice: from the even steps and drafting rounds of its own trace (the odd ones
+    unseen), and from the other concurrencies of its repeat (recorded beside it): the middle concurrency
+    interpolated, the outer ones extrapolated."""
+    return [row for r in runs for row in (
+        predict(args, [r], [r], requests, half=0)
+        + predict(args, [x for x in runs if x["repeat"] == r["repeat"] and x["concurrency"] != r["concurrency"]], [r],
+                  requests))]
+
+
 # ---------------------------------------------------------------------------------------------- the paper
 def reproduce(args: dict, requests: list[ReplayRequest], profiles=("paper-llama", "paper-qwen"), prompts: int = 512,
               batches=PAPER["batches"], online_s: float = 600.0, log=print) -> dict:
     """Offline (fixed batch sizes, `prompts` requests of 256 prompt tokens at time 0) and online (Poisson at a
     low and a high rate, and a rate that alternates between them every 2 minutes), per hardware profile."""
-    out: dict = {"paper": PAPER, "prompts": prompts, "offline": [], "online": []}
+    out: dict = {"paper": PAPER, "prompts": prompts, "offline": [], "online": [],
+                 "hardware": {name: PROFILES[name].model_dump() for name in profiles}}
     for name in profiles:
         hw = PROFILES[name]
         for b in batches:
@@ -202,7 +347,7 @@ def reproduce(args: dict, requests: list[ReplayRequest], profiles=("paper-llama"
 
 
 # ---------------------------------------------------------------------------------------------- sizing
-DRAFTER_KINDS = {"RTX2080Ti": 616, "RTX3090": 936, "A100-80GB": 2039}  # memory bandwidth, GB/s (datasheets)
+DRAFTER_KINDS = ("RTX2080Ti", "RTX3090", "A100-80GB")  # hardware.GPUS
 
 
 def size(args: dict, requests: list[ReplayRequest], profile: str = "paper-qwen", rate: float | None = None,
@@ -230,13 +375,14 @@ def size(args: dict, requests: list[ReplayRequest], profile: str = "paper-qwen",
                        max_batch=16)["throughput_tok_s"]
         rate = 0.9 * cap / PAPER["output_tokens"]
     workload = Workload("poisson", rate=rate, duration=duration, prompt_tokens=256, seed=2)
-    rows = []
+    rows, steps = [], {}
     for system in ("no-spec", "vanilla"):
         r = simulate(args, system, base, pool, workload, max_batch=16, slo_ms_per_token=slo_ms_per_token)
         rows.append({"system": system, "kind": None, "gpus": 0, **r})
-    params, layers = DRAFTER_SHAPES[profile]
-    for kind, bw in DRAFTER_KINDS.items():
-        hw = base.model_copy(update={"drafter_gpu": kind, "draft": drafter_step(params, layers, bw)})
+    for kind in DRAFTER_KINDS:
+        hw = base.model_copy(update={"drafter_gpu": kind, "draft": paper_profile(
+            profile.removesuffix("-eager"), not profile.endswith("-eager"), kind).draft})
+        steps[kind] = hw.draft.model_dump()
         for n in counts:
             r = simulate(args, "cosine", hw, pool, workload, max_batch=16, slo_ms_per_token=slo_ms_per_token,
                          replicas=n, drafter_gpus=n)
@@ -254,5 +400,42 @@ def size(args: dict, requests: list[ReplayRequest], profile: str = "paper-qwen",
     best = max(rows, key=lambda r: r["good_tokens_per_usd"])
     remote = max((r for r in rows if r["system"] == "cosine"), key=lambda r: r["good_tokens_per_usd"])
     return {"profile": profile, "rate": rate, "mix": mix, "prices": base.prices, "slo_ms_per_token": slo_ms_per_token,
-            "rows": rows, "best": layout(best), "best_remote": layout(remote)}
+            "hardware": base.model_dump(), "drafter_steps": steps, "rows": rows, "best": layout(best),
+            "best_remote": layout(remote)}
 
+
+# ---------------------------------------------------------------------------------------------- remote drafters
+def remote_pays(args: dict, requests: list[ReplayRequest], profile: str = "paper-qwen", batches=(1, 16),
+                draft_ms=(0.25, 0.5, 1.0, 2.0, 6.0, 10.0), hops=(0.0, 0.5, 1.5, 3.0, 6.0),
+                shares=(0.0, 0.25, 0.5, 0.75, 1.0), prompts: int = 64, log=print) -> dict:
+    """CoSine with its drafters on GPUs of their own against vanilla speculation on the verifier's GPUs (offline,
+    `prompts` requests of 256 prompt tokens at each batch size), as throughput cosine / vanilla: over the drafter
+    step's fixed cost (`draft_ms` and the profile's own, graphed and eager) and the hop, and over the domain
+    drafters' margin on the generic drafter (`sharpened` by each share, at the profile's step and hop)."""
+    base = PROFILES[profile]
+    draft_ms = sorted({*draft_ms, base.draft.a, PROFILES[f"{profile}-eager"].draft.a})
+    domain = {d["name"] for d in args["drafters"] if not d.get("generalist")}
+    work = Workload("offline", count=prompts, prompt_tokens=256)
+    out: dict = {"profile": profile, "draft": base.draft.model_dump(), "hop_ms": base.hop_ms, "prompts": prompts,
+                 "vanilla": {}, "grid": [], "margin": []}
+    for b in batches:
+        van = simulate(args, "vanilla", base, requests, work, max_batch=b)
+        out["vanilla"][str(b)] = van
+        for a in draft_ms:
+            for h in hops:
+                hw = base.model_copy(update={"draft": base.draft.model_copy(update={"a": a}), "hop_ms": h})
+                r = simulate(args, "cosine", hw, requests, work, max_batch=b)
+                out["grid"].append({"batch": b, "draft_ms": a, "hop_ms": h, "ratio": r["throughput_tok_s"]
+                                    / van["throughput_tok_s"], "accepted": r["mean_accepted_length"]})
+            log(f"  batch {b}, drafter step {a} ms: " + ", ".join(
+                f"hop {x['hop_ms']}: {x['ratio']:.2f}" for x in out["grid"][-len(hops):]))
+        for share in shares:
+            better = sharpened(requests, domain, share)
+            r = simulate(args, "cosine", base, better, work, max_batch=b)  # vanilla's generic drafter is unchanged
+            out["margin"].append({"batch": b, "share": share, "ratio": r["throughput_tok_s"] / van["throughput_tok_s"],
+                                  "accepted": r["mean_accepted_length"],
+                                  "vanilla_accepted": van["mean_accepted_length"],
+                                  "margin": r["mean_accepted_length"] / van["mean_accepted_length"]})
+            log(f"  batch {b}, domain drafters sharpened {share:.0%}: accepted {r['mean_accepted_length']:.2f} vs "
+                f"{van['mean_accepted_length']:.2f}, throughput ratio {out['margin'][-1]['ratio']:.2f}")
+    return out

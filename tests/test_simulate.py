@@ -173,3 +173,26 @@ def test_goodput_counts_only_the_requests_within_the_slo():
     within = result.summary(slo_ms_per_token=50)
     assert within["goodput_tok_s"] == 10 and within["usd_per_million_good_tokens"] == 1e6 * 0.01 / 10
     assert result.summary(slo_ms_per_token=10)["usd_per_million_good_tokens"] is None
+
+
+def test_where_remote_drafters_pay_follows_the_drafter_step_and_the_margin():
+    """`cosine simulate remote` on a few replayed requests: a remote drafter step dearer than the one vanilla runs on
+    the verifier's GPUs loses to it, and sharpened domain drafters (every top token the target's) raise both the
+    accepted length and the ratio; the generic drafter, vanilla's, is left as replayed."""
+    from simulate.replay import sharpened
+    from simulate.report import DEFAULT_TRACE
+    from simulate.studies import remote_pays
+
+    args = _args()
+    args["verifier"] = dict(args["verifier"], engine="vllm")
+    replay = annotate(Trace.load(DEFAULT_TRACE).requests[:6], AppConfig.model_validate(args))
+    sharp = sharpened(replay, {"code", "legal"}, 1.0)
+    assert all((sharp[i].preds[d].tokens[:, 0] == r.output).all() for i, r in enumerate(replay)
+               for d in ("code", "legal"))
+    assert all((sharp[i].preds["generic"].tokens == r.preds["generic"].tokens).all() for i, r in enumerate(replay))
+    out = remote_pays(args, replay, batches=(1,), draft_ms=(0.5,), hops=(1.5,), shares=(0.0, 1.0), prompts=6,
+                      log=lambda _: None)
+    ratio = {g["draft_ms"]: g["ratio"] for g in out["grid"]}
+    assert ratio[0.5] > 1 > ratio[max(ratio)]  # the eager 0.5B step on a 3090 (17 ms) against 2.5 ms on an A100
+    low, high = out["margin"]
+    assert high["accepted"] > low["accepted"] and high["ratio"] > low["ratio"]
