@@ -22,14 +22,12 @@ def check_models(cfg: AppConfig, preloaded: set[str] = frozenset()) -> int:
     token ids drafters may propose (those the target's tokenizer and embedding both have). `preloaded`: drafters
     given as model objects (tests, benchmarks), whose `model` field names no model to check."""
     target_tok = load_tokenizer(cfg)
+    drafters = [d for d in cfg.drafters if d.name not in preloaded] if cfg.speculation.mode != "off" else []
     others = [("collaboration partner", cfg.verifier.collaboration.partner)] if cfg.verifier.collaboration else []
-    if cfg.speculation.mode != "off":
-        for d in cfg.drafters:
-            if d.name in preloaded:
-                continue
-            others.append((f"drafter {d.name}", d.model))
-            if d.assistant:
-                others.append((f"assistant of drafter {d.name}", d.assistant))
+    for d in drafters:
+        others.append((f"drafter {d.name}", d.model))
+        if d.assistant:
+            others.append((f"assistant of drafter {d.name}", d.assistant))
     target = resolve_model(cfg.verifier.model, tokenizer_only=True)
     seen: dict[str, object] = {}
     for role, ref in others:
@@ -37,10 +35,8 @@ def check_models(cfg: AppConfig, preloaded: set[str] = frozenset()) -> int:
             seen[ref] = compat.load_tokenizer(resolve_model(ref, tokenizer_only=True))
         for warning in compat.check_vocabulary(role, ref, seen[ref], target_tok, cfg.tokenizer):
             log.warning(warning)
-    if cfg.speculation.mode != "off":
-        for d in cfg.drafters:
-            if d.name not in preloaded:
-                check_drafter_memory(d)
+    for d in drafters:
+        check_drafter_memory(d)
     return compat.shared_vocab_size(target_tok, target)
 
 
