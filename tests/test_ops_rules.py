@@ -1,6 +1,6 @@
 """The operator's files in ops/: Prometheus alert rules (checked and unit-tested with promtool, Debian's
 prometheus package, which `make setup` installs) and the Grafana dashboard (its queries run against a real
-Prometheus scraping a served graph in tests/test_serve_graph.py)."""
+Prometheus scraping a served graph in tests/served/test_serve_graph.py)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""End to end over HTTP against the real Ray Serve application (local Ray, the shipped models).
-
-The graph runs with the small target (the bench target would only make the suite slower) verified in vLLM, as
-examples/local.yaml does; greedy output through the whole graph must equal target-only greedy decoding token for
-token (which tests/test_vllm_verifier.py checks is also vLLM's own target-only output).
-"""
+"""End to end over HTTP against the real Ray Serve application (tests/served/conftest.py's graph): greedy output
+through the whole graph must equal target-only greedy decoding token for token (which tests/test_vllm_verifier.py
+checks is also vLLM's own target-only output)."""
 
 from __future__ import annotations
 
@@ -15,34 +12,9 @@ import torch
 
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
+from tests.served.conftest import METRICS, MODEL
 
 pytestmark = pytest.mark.slow
-
-MODEL = "cosine-target"
-
-
-
-def app_config() -> dict:
-    return {
-        "ingress": {"model_name": MODEL, "max_queued_requests": 6},
-        "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 512, "kv_cache_gib": 1},
-        "speculation": {"mode": "cosine", "k": 4, "tree_budget": 8, "draft_timeout_ms": 2000},
-        "drafters": [{"name": d, "model": f"drafter-{d}"} for d in DOMAINS]
-        + [{"name": "generic", "model": "drafter-generic", "generalist": True}],
-    }
-
-
-METRICS: dict[str, int] = {}  # the port of Ray's metrics agent (Prometheus text format)
-
-
-@pytest.fixture(scope="module")
-def server():
-    from tests.conftest import free_port, local_serve
-
-    METRICS["port"] = free_port()
-    # the Serve actors run as under `cosine serve` (make run)
-    with local_serve(app_config(), _metrics_export_port=METRICS["port"]) as url:
-        yield url
 
 
 def _chat(server, content, **kw):
@@ -308,8 +280,8 @@ def test_schemathesis_finds_no_server_error_and_every_response_matches_the_schem
     st = str(Path(sys.executable).with_name("st"))
     run = subprocess.run(
         [st, "run", f"{server}/openapi.json", "--checks", "not_a_server_error,status_code_conformance,"
-         "content_type_conformance,response_schema_conformance,negative_data_rejection", "--max-examples", "12",
-         "--max-time", "120", "--workers", "1", "--request-timeout", "60", "--seed", "0",
+         "content_type_conformance,response_schema_conformance,negative_data_rejection", "--max-examples", "8",
+         "--max-time", "60", "--workers", "1", "--request-timeout", "60", "--seed", "0",
          "--report", "junit", "--report-dir", str(tmp_path), "--generation-database", "none"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-4000:]

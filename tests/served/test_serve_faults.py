@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model_family.distill import greedy_continue
-from tests.test_serve_graph import MODEL, server  # noqa: F401 - the shared application fixture
+from tests.served.conftest import MODEL
 
 pytestmark = pytest.mark.slow
 
