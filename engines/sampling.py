@@ -8,7 +8,7 @@ import torch
 
 # parameters only vLLM's sampler applies, at the value that turns each off
 SAMPLER_ONLY = {"min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                "logprobs": None}
+                "logprobs": None, "structured_outputs": None}
 
 
 @dataclass
@@ -29,6 +29,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # the target's log-probability of each token, and of this many top tokens
+    # vLLM's StructuredOutputsParams as keyword arguments (json, json_object, regex, choice, grammar, ...): the
+    # grammar masks the target's distribution at every position, drafts' included
+    structured_outputs: dict | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -5,7 +5,7 @@ requests' KV cache across steps (paged, no prefix recomputation), batches them c
 step's drafts with its own forward pass and rejection sampler; engines/vllm_hooks.py writes the drafts in. vLLM
 verifies chains: a fused tree is sent as its most confident chain. Stops (EOS, stop ids, stop strings) stay ours,
 so both engines end requests the same way; a request we stop is aborted in vLLM, which frees its KV blocks. The
-penalties, min_tokens and logprobs are vLLM's sampler's, which only this engine has.
+penalties, min_tokens, logprobs and structured outputs are vLLM's sampler's, which only this engine has.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from engines import vllm_hooks
-from engines.draft import Draft
+from engines.draft_tree import Draft
 from engines.sampling import SamplingParams
 from engines.stopping import StopChecker
 from engines.interface import RequestCounts, StepOutput, check_prompt
@@ -37,6 +37,8 @@ class VllmVerifierEngine:
         # kernels check that the thread running them has as many (a step on another thread fails): the engine is
         # built, stepped and shut down on one thread of its own.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
+        if tokenizer is not None:  # the target's tokenizer (config `tokenizer`), for vLLM's structured outputs
+            engine_kwargs.setdefault("tokenizer", tokenizer.name_or_path)
         self.engine, self.scheduler, self.vllm_counters = self._thread.submit(
             vllm_hooks.build_engine, model, max_batch=max_batch, max_len=max_len, k=k, **engine_kwargs).result()
         self.device = vllm_hooks.platform_device()
@@ -57,14 +59,18 @@ class VllmVerifierEngine:
         return self.requests
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> str:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         if request_id in self.requests:
             raise KeyError(f"request {request_id!r} already exists")
         check_prompt(prompt_ids, self.max_len)
         stop = StopChecker(params, self.eos_token_ids, self.tokenizer)
-        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)),
-                                vllm_hooks.sampling_params(params, request_id, self.eos_token_ids))
+        try:
+            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                                    vllm_hooks.sampling_params(params, request_id, self.eos_token_ids))
+        except VLLMClientError as e:  # vLLM's validation of the request (a grammar it cannot compile): the client's
+            raise ValueError(str(e)) from None
         self.requests[request_id] = _Request(prompt=list(prompt_ids), stop=stop)
         return request_id
 

@@ -86,7 +86,11 @@ class ExternalDraftScheduler(Scheduler):
                 continue
             # More than k tokens crash vLLM's spec-decode metrics; none may run past max_tokens or the context.
             room = min(k, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
-            req.spec_token_ids = list(draft.tokens[:max(0, room)])
+            tokens = list(draft.tokens[:max(0, room)])
+            # A structured-output request's draft is cut where it breaks the grammar, as vLLM cuts its own proposer's
+            # (update_draft_token_ids); the grammar's bitmask then masks the target at every draft position.
+            req.spec_token_ids = self.structured_output_manager.validate_tokens(req, tokens) \
+                if req.use_structured_output else tokens
         out = super().schedule(*args, **kwargs)
         self.last_scheduled_tokens = out.total_num_scheduled_tokens
         return out
@@ -214,11 +218,17 @@ def build_engine(model: str, *, max_batch: int, max_len: int, k: int, seed: int 
     from vllm.v1.engine.llm_engine import LLMEngine
 
     args = engine_args(model, max_batch, max_len, seed, dtype)
-    args.update(tensor_parallel_size=tensor_parallel_size, scheduler_cls=ExternalDraftScheduler)
+    # structured outputs compile their grammars over the tokenizer's vocabulary (vLLM refuses them without one)
+    args.update(tensor_parallel_size=tensor_parallel_size, scheduler_cls=ExternalDraftScheduler,
+                skip_tokenizer_init=False)
     if k:
         args["speculative_config"] = {"method": "custom_class", "model": f"{__name__}.NoProposer",
                                       "num_speculative_tokens": k}
     args.update(engine_kwargs)
+    if isinstance(args.get("structured_outputs_config"), dict):  # from YAML (vLLM's EngineArgs takes its object)
+        from vllm.config import StructuredOutputsConfig
+
+        args["structured_outputs_config"] = StructuredOutputsConfig(**args["structured_outputs_config"])
     if k:
         args["async_scheduling"] = False
     counters = SpecCounters()
@@ -249,15 +259,20 @@ def platform_device() -> str:
 
 def sampling_params(params, request_id: str, eos_token_ids=()):
     """Our sampling parameters as vLLM's: stops stay ours (engines/stopping.py), token ids in and out. vLLM's sampler
-    applies the penalties, min_tokens and logprobs, with drafts as with its own."""
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    applies the penalties, min_tokens, logprobs and structured outputs, with drafts as with its own."""
+    from vllm.sampling_params import (
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
     sp = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                         top_k=params.top_k or 0, seed=params.seed, ignore_eos=True, detokenize=False,
                         min_tokens=params.min_tokens, presence_penalty=params.presence_penalty,
                         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
                         logprobs=params.logprobs, output_kind=RequestOutputKind.DELTA,
-                        extra_args={DRAFT_KEY: request_id})
+                        structured_outputs=StructuredOutputsParams(**params.structured_outputs)
+                        if params.structured_outputs else None, extra_args={DRAFT_KEY: request_id})
     # min_tokens holds back vLLM's `all_stop_token_ids`, its stop ids and EOS (whatever ignore_eos says), which it
     # fills from its own stop_token_ids and tokenizer; it has neither here (stops are ours), so they are given
     sp._all_stop_token_ids.update(params.stop_token_ids, eos_token_ids)

@@ -131,6 +131,19 @@ def _token_id_name(t: int) -> str:
     return f"token_id:{t}"  # vLLM's return_tokens_as_token_ids
 
 
+def _vllm_api(tokenizer, ingress):
+    """vLLM's protocol models and parsers (serve_app/vllm_api.py), where vLLM is installed beside the ingress; a
+    parser configured without it is refused at startup."""
+    try:
+        from serve_app.vllm_api import VllmAPI
+    except ImportError:
+        if ingress.tool_call_parser or ingress.reasoning_parser:
+            raise ValueError("ingress.tool_call_parser and ingress.reasoning_parser are vLLM's parsers: install vLLM "
+                             "beside the ingress (pip install -e '.[cpu]' or '.[cuda]')") from None
+        return None
+    return VllmAPI(tokenizer, ingress.tool_call_parser, ingress.reasoning_parser)
+
+
 def _installed(*dists: str) -> str | None:
     for d in dists:
         try:
@@ -148,6 +161,84 @@ def _ignored(req, what: str) -> dict:
     logger.warning("%s: ignored fields this server does not know: %s", what, fields[:32])
     names = [quote(f, safe="._-") for f in fields[:32]] + (["..."] if len(fields) > 32 else [])
     return {IGNORED_HEADER: ",".join(names)}
+
+
+def _failure(e: BaseException, rid: str, req) -> P.APIError:
+    """A failed request's error: a 400 where the verifier refused it (vLLM's validation of its constraint: a
+    ValueError), a 500 otherwise (details in the log)."""
+    cause = getattr(e, "cause", e)  # Ray's RayTaskError carries the verifier's exception
+    if isinstance(cause, ValueError):
+        return P.APIError(400, str(cause), param=next((f for f in ("tool_choice", "structured_outputs",
+                                                                   "response_format") if getattr(req, f, None)), None))
+    logger.error("request %s failed (%s)", rid, type(e).__name__, exc_info=e)
+    return P.APIError(500, f"generation failed (request {rid})", type_="server_error")
+
+
+class _Primed:
+    """A choice's stream with its first chunk already taken."""
+
+    def __init__(self, gen, first):
+        self.gen, self.first = gen, first
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.first is not None:
+            first, self.first = self.first, None
+            return first
+        return await anext(self.gen)
+
+    def cancel(self) -> None:
+        self.gen.cancel()
+
+
+class _ChatReply:
+    """One choice's assistant message from its text: the content, or what vLLM's parsers make of it (reasoning
+    content, tool calls), whole or as stream deltas. Tool calls parse from the whole reply, so a reply that may
+    carry them streams its message at the end; reasoning streams as it comes."""
+
+    def __init__(self, api, vreq):
+        self.api, self.vreq = api, vreq
+        self.mode = api.tool_mode(vreq) if vreq is not None else None
+        self.reasoner = api.reasoning_parser() if vreq is not None and self.mode is None else None
+        self.text, self.ids, self.called = "", [], False
+
+    def whole(self, text: str) -> dict:
+        if self.vreq is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content, calls = self.api.split(text, self.vreq)
+        self.called = bool(calls)
+        msg = {"role": "assistant", "content": content}
+        if reasoning is not None:  # vLLM 0.32 names it `reasoning`; clients read `reasoning_content` (vLLM's before)
+            msg.update(reasoning_content=reasoning, reasoning=reasoning)
+        if calls:
+            msg["tool_calls"] = calls
+        return msg
+
+    def delta(self, text: str, ids: list[int], final: bool) -> dict:
+        if self.mode is not None:
+            self.text += text
+            if not final:
+                return {}
+            msg = self.whole(self.text)
+            msg["tool_calls"] = [{"index": j, **c} for j, c in enumerate(msg.get("tool_calls", []))]
+            return {k: v for k, v in msg.items() if k != "role" and v}
+        if self.reasoner is None or not text:
+            return {"content": text} if text else {}
+        before, before_ids = self.text, self.ids
+        self.text, self.ids = before + text, before_ids + list(ids)
+        d = self.reasoner.extract_reasoning_streaming(before, self.text, text, before_ids, self.ids, list(ids))
+        out = {} if d is None or d.content is None else {"content": d.content}
+        if d is not None and d.reasoning is not None:
+            out.update(reasoning_content=d.reasoning, reasoning=d.reasoning)
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """vLLM's: tool_calls where the parser found calls (auto), or a required call ended as it should."""
+        if self.called and (self.mode == "auto" and reason is not None or self.mode == "required" and reason == "stop"):
+            return "tool_calls"
+        return reason
 
 
 async def _merged(gens):
@@ -198,6 +289,7 @@ class IngressDeployment:
         self.drafter_names = {d.name for d in self.cfg.drafters}
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.token_names = _TokenNames(self.tokenizer)
+        self.vllm_api = _vllm_api(self.tokenizer, self.cfg.ingress)
 
     # ------------------------------------------------------------------ helpers
     async def _body(self, request: Request):
@@ -230,7 +322,20 @@ class IngressDeployment:
             raise P.APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
 
-    def _prepare(self, req, prompt_ids: list[int]) -> SamplingParams:
+    def _constraints(self, req, chat: bool):
+        """vLLM's request model of the constraint fields (None where the request has none and nothing is parsed)."""
+        fields = req.constraint_fields()
+        wanted = any(v is not None for v in fields.values()) or (chat and self.vllm_api is not None and (
+            self.vllm_api.reasoning_parser_cls is not None))
+        if not wanted:
+            return None
+        if self.vllm_api is None:
+            param = next(k for k, v in fields.items() if v is not None)
+            raise P.APIError(400, f"{param} is served through vLLM's protocol models, and vLLM is not installed beside "
+                             "the ingress", param=param)
+        return self.vllm_api.request(fields, chat)
+
+    def _prepare(self, req, prompt_ids: list[int], vreq=None) -> SamplingParams:
         self._check_model(req.model)
         if not prompt_ids:
             raise P.APIError(400, "the prompt is empty", param="prompt")
@@ -265,16 +370,19 @@ class IngressDeployment:
             min_tokens=req.min_tokens, presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logprobs=req.logprobs_asked())
+            logprobs=req.logprobs_asked(),
+            structured_outputs=self.vllm_api.structured_outputs(vreq) if vreq is not None else None)
         if self.cfg.verifier.engine != "vllm" and (only := params.sampler_only()):
-            raise P.APIError(400, f"{only[0]} is applied by vLLM's sampler, and this server's verifier is the torch "
-                             f"engine (verifier.engine: torch), which does not", param=only[0])
+            param = only[0] if only[0] != "structured_outputs" else next(
+                k for k in ("response_format", "tool_choice", "structured_outputs") if getattr(req, k, None))
+            raise P.APIError(400, f"{param} is applied by vLLM's sampler, and this server's verifier is the torch "
+                             f"engine (verifier.engine: torch), which does not", param=param)
         return params
 
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-                  add_special_tokens: bool = False) -> list[int]:
+                  add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message)
+                                                  continue_final_message=continue_final_message, tools=tools)
         return self._text_ids(text, add_special_tokens)
 
     def _text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -282,7 +390,7 @@ class IngressDeployment:
 
     @staticmethod
     def _messages(req) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in req.messages]
+        return [m.template_dict() for m in req.messages]
 
     def _admit(self, n: int) -> None:
         if self.in_flight + n > self.cfg.ingress.max_queued_requests:
@@ -331,7 +439,7 @@ class IngressDeployment:
             self._check_model(req.model)
             if chat:
                 ids = await self._tokenize(self._chat_ids, self._messages(req), req.add_generation_prompt,
-                                           req.continue_final_message, req.add_special_tokens)
+                                           req.continue_final_message, req.add_special_tokens, req.tools)
             else:
                 ids = await self._tokenize(self._text_ids, req.prompt, req.add_special_tokens)
         except P.APIError as e:
@@ -358,13 +466,14 @@ class IngressDeployment:
     async def chat(self, request: Request):
         try:
             req = P.parse(P.ChatCompletionRequest, await self._body(request))
+            vreq = self._constraints(req, chat=True)
             prompt_ids = await self._tokenize(self._chat_ids, self._messages(req), req.add_generation_prompt,
-                                              req.continue_final_message, req.add_special_tokens)
-            params = self._prepare(req, prompt_ids)
+                                              req.continue_final_message, req.add_special_tokens, req.tools)
+            params = self._prepare(req, prompt_ids, vreq)
             self._admit(req.n)
         except P.APIError as e:
             return _error(e)
-        return await self._respond(req, prompt_ids, params, chat=True)
+        return await self._respond(req, prompt_ids, params, chat=True, vreq=vreq)
 
     @app.post("/v1/completions", openapi_extra=P.openapi_body(P.CompletionRequest),
               responses=P.openapi_responses(400, 401, 404, 413, 429, 500, stream=True))
@@ -375,14 +484,14 @@ class IngressDeployment:
                 await self._tokenize(self._text_ids, req.prompt, req.add_special_tokens)
             if isinstance(req.prompt, list) and any(t >= len(self.tokenizer) for t in prompt_ids):
                 raise P.APIError(400, "prompt token ids out of the vocabulary", param="prompt")
-            params = self._prepare(req, prompt_ids)
+            params = self._prepare(req, prompt_ids, self._constraints(req, chat=False))
             self._admit(req.n)
         except P.APIError as e:
             return _error(e)
         return await self._respond(req, prompt_ids, params, chat=False)
 
     # ------------------------------------------------------------------ generation
-    async def _respond(self, req, prompt_ids: list[int], params: SamplingParams, chat: bool):
+    async def _respond(self, req, prompt_ids: list[int], params: SamplingParams, chat: bool, vreq=None):
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         created = P.now()
         headers = _ignored(req, rid)
@@ -396,6 +505,7 @@ class IngressDeployment:
         top = params.logprobs  # None: no logprobs
         name = _token_id_name if req.return_tokens_as_token_ids else self.token_names
         offsets = [0] * n  # completions' text_offset of each choice's next token
+        replies = [_ChatReply(self.vllm_api, vreq) for _ in range(n)] if chat else None
 
         def logprobs(i: int, chunk) -> dict | None:
             if top is None or not chunk.token_ids:
@@ -408,28 +518,37 @@ class IngressDeployment:
 
         if req.stream:
             gens = [self.verifier.generate.remote(prompt_ids, p, cid, overrides) for p, cid in zip(choices, ids)]
+            if params.structured_outputs is not None:  # a constraint vLLM refuses is a 400, before the stream starts
+                try:
+                    gens = [_Primed(g, first) for g, first in zip(gens, await asyncio.gather(*map(anext, gens)))]
+                except Exception as e:  # noqa: BLE001 - what vLLM refused, or a failure
+                    self.in_flight -= n
+                    for g in gens:
+                        g.cancel()
+                    return _error(_failure(e, rid, req))
             return StreamingResponse(self._events(rid, created, chat, gens, detoks, logprobs, len(prompt_ids),
-                                                  bool(req.stream_options and req.stream_options.include_usage)),
+                                                  bool(req.stream_options and req.stream_options.include_usage),
+                                                  replies),
                                      media_type="text/event-stream", headers=headers)
         try:  # one reply per choice (a client hanging up cancels the calls, and the requests with them)
             wholes = await _all([self.verifier_calls.complete.remote(prompt_ids, p, cid, overrides)
                                  for p, cid in zip(choices, ids)])
-        except Exception:  # noqa: BLE001 - details stay in the log, not in the response
-            logger.exception("request %s failed", rid)
-            return _error(P.APIError(500, f"generation failed (request {rid})", type_="server_error"))
+        except Exception as e:  # noqa: BLE001 - details stay in the log, not in the response
+            return _error(_failure(e, rid, req))
         finally:
             self.in_flight -= n
         out = []
         for i, whole in enumerate(wholes):
             text = detoks[i].push(whole.token_ids, True)
-            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            out.append({"index": i, **body, "logprobs": logprobs(i, whole), "finish_reason": whole.finish_reason})
+            body = {"message": replies[i].whole(text)} if chat else {"text": text}
+            reason = replies[i].finish_reason(whole.finish_reason) if chat else whole.finish_reason
+            out.append({"index": i, **body, "logprobs": logprobs(i, whole), "finish_reason": reason})
         u = P.usage(len(prompt_ids), sum(len(w.token_ids) for w in wholes), P.spec_usage([w.usage for w in wholes]))
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                              "model": self.model_name, "choices": out, "usage": u}, headers=headers)
 
     async def _events(self, rid: str, created: int, chat: bool, gens: list, detoks: list, logprobs, prompt_tokens: int,
-                      include_usage: bool):
+                      include_usage: bool, replies: list | None):
         """The Server-Sent Events of a streamed request: a chunk per choice and verify step that committed tokens."""
         n = len(gens)
         counts, stats = [0] * n, [None] * n
@@ -443,10 +562,13 @@ class IngressDeployment:
                 text = detoks[i].push(chunk.token_ids, chunk.finished)
                 reason = chunk.finish_reason if chunk.finished else None
                 lp = logprobs(i, chunk)
-                if text or reason or lp:
-                    yield P.sse(P.chat_chunk(rid, self.model_name, created, {"content": text} if text or lp else {},
-                                             reason, i, lp)
-                                if chat else P.completion_chunk(rid, self.model_name, created, text, reason, i, lp))
+                if chat:
+                    delta = replies[i].delta(text, chunk.token_ids, chunk.finished)
+                    if delta or reason or lp:
+                        yield P.sse(P.chat_chunk(rid, self.model_name, created, delta, replies[i].finish_reason(reason),
+                                                 i, lp))
+                elif text or reason or lp:
+                    yield P.sse(P.completion_chunk(rid, self.model_name, created, text, reason, i, lp))
                 if chunk.finished:
                     stats[i] = chunk.usage
             if include_usage:

@@ -59,8 +59,7 @@ def ignored_fields(obj: BaseModel, prefix: str = "") -> list[str]:
     return out
 
 
-TOOLS = "tool calling is not served yet"
-STRUCTURED = "structured output is not served yet"
+FUNCTIONS = "OpenAI's deprecated function calling: use tools and tool_choice"
 NOT_WITH_SPECULATION = "vLLM does not apply it with speculative decoding (vLLM refuses it with speculation on)"
 CHAT_TEMPLATE = "the model's own chat template is always used"
 
@@ -71,16 +70,30 @@ class TextPart(_Fields):
 
 
 class ChatMessage(_Fields):
-    UNSUPPORTED = {"tool_calls": (([], None), TOOLS), "function_call": ((None,), TOOLS)}
+    UNSUPPORTED = {"function_call": ((None,), FUNCTIONS)}
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = Field(None, description="an assistant's tool calls, passed to the chat template")
+    tool_call_id: str | None = Field(None, description="a tool message's call")
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not self.tool_calls:
+            raise APIError(400, "a message needs content (or, from the assistant, tool_calls)", param="messages")
+        return self
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict:
+        """The message as chat templates take it."""
+        out = {"role": self.role, "content": self.text()}
+        out.update({k: getattr(self, k) for k in ("name", "tool_calls", "tool_call_id") if getattr(self, k)})
+        return out
 
 
 class StreamOptions(_Fields):
@@ -113,8 +126,6 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 COMMON_UNSUPPORTED = {
     "logit_bias": (({}, None), NOT_WITH_SPECULATION),
     "min_p": ((0, 0.0, None), NOT_WITH_SPECULATION),
-    "response_format": (({"type": "text"}, None), STRUCTURED),
-    "structured_outputs": ((None,), STRUCTURED),
     "use_beam_search": ((False, None), "beam search is not served (speculation verifies one sequence)"),
     "length_penalty": ((1, 1.0, None), "beam search is not served"),
     "prompt_logprobs": ((None,), "prompt log-probabilities are not returned"),
@@ -156,6 +167,16 @@ class _Common(_Fields):
     min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids are held back until this many tokens")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     return_tokens_as_token_ids: bool | None = Field(None, description="logprobs name tokens `token_id:<id>`")
+    # structured output, validated and converted by vLLM's protocol models (serve_app/vllm_api.py)
+    response_format: dict | None = Field(None, description="OpenAI's: text, json_object, json_schema (vLLM's "
+                                         "structural_tag too); applied by vLLM's structured-output backend")
+    structured_outputs: dict | None = Field(None, description="vLLM's: one of json, regex, choice, grammar, "
+                                            "json_object, structural_tag")
+
+    def constraint_fields(self) -> dict:
+        """The fields vLLM's protocol models read (serve_app/vllm_api.py), as sent."""
+        return {k: getattr(self, k, None) for k in ("response_format", "structured_outputs", "tools", "tool_choice",
+                                                    "parallel_tool_calls")}
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -171,8 +192,7 @@ class _Common(_Fields):
 
 class ChatCompletionRequest(_Common):
     UNSUPPORTED = COMMON_UNSUPPORTED | {
-        "tools": (([], None), TOOLS), "tool_choice": (("none", "auto", None), TOOLS),
-        "functions": (([], None), TOOLS), "function_call": (("none", "auto", None), TOOLS),
+        "functions": (([], None), FUNCTIONS), "function_call": (("none", "auto", None), FUNCTIONS),
         "audio": ((None,), "audio output is not served"), "modalities": ((["text"], None), "text only"),
         "prediction": ((None,), "predicted outputs are not served"),
         "web_search_options": ((None,), "web search is not served"),
@@ -184,7 +204,11 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool | None = Field(None, description="the target's log-probability of each token (vLLM's logprobs)")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="and of this many top tokens")
-    parallel_tool_calls: bool | None = Field(None, description="no effect without tools")
+    tools: list[dict] | None = Field(None, description="function tools, passed to the chat template")
+    tool_choice: str | dict | None = Field(None, description="none, auto (the server's tool-call parser), required, "
+                                           "or a named function: required and named are constrained decoding of the "
+                                           "tools' JSON schema, as vLLM does")
+    parallel_tool_calls: bool | None = Field(None, description="false: one tool call at most (required)")
     add_generation_prompt: bool = Field(True, description="vLLM's extension, passed to the chat template")
     continue_final_message: bool = Field(False, description="vLLM's extension: the reply continues the last message")
     add_special_tokens: bool = Field(False, description="vLLM's extension: the tokenizer's own special tokens too")
@@ -232,11 +256,11 @@ class TokenizeCompletionRequest(_Fields):
 class TokenizeChatRequest(_Fields):
     """vLLM's /tokenize of chat messages: the ids /v1/chat/completions feeds the model."""
 
-    UNSUPPORTED = {"chat_template": ((None,), CHAT_TEMPLATE), "chat_template_kwargs": ((None, {}), CHAT_TEMPLATE),
-                   "tools": (([], None), TOOLS)}
+    UNSUPPORTED = {"chat_template": ((None,), CHAT_TEMPLATE), "chat_template_kwargs": ((None, {}), CHAT_TEMPLATE)}
 
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
+    tools: list[dict] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

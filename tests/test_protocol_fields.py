@@ -2,7 +2,7 @@
 unknown fields ignored and reported, known ones it does not serve refused saying why, the new sampling fields
 validated and turned into SamplingParams, logprobs written as vLLM's server writes them, min_tokens in the stop
 checks, and the torch verifier refusing what only vLLM's sampler applies. docs/api.md has the field table; the
-served behaviour is tests/test_api_fields.py."""
+served behaviour is tests/served/test_api_fields.py."""
 
 from __future__ import annotations
 
@@ -55,10 +55,7 @@ def test_known_fields_keep_strict_types(fields, param):
 
 @pytest.mark.parametrize("parse,field,value,needle", [
     (_chat, "logit_bias", {"5": 1.0}, "speculative decoding"), (_chat, "min_p", 0.05, "speculative decoding"),
-    (_chat, "response_format", {"type": "json_schema"}, "structured output"),
-    (_chat, "structured_outputs", {"json": {}}, "structured output"),
-    (_chat, "tools", [{"type": "function"}], "tool calling"), (_chat, "tool_choice", "required", "tool calling"),
-    (_chat, "functions", [{"name": "f"}], "tool calling"), (_chat, "use_beam_search", True, "beam search"),
+    (_chat, "functions", [{"name": "f"}], "use tools"), (_chat, "use_beam_search", True, "beam search"),
     (_chat, "prompt_logprobs", 1, "prompt log-probabilities"), (_chat, "bad_words", ["x"], "tokenizer"),
     (_chat, "chat_template", "{{x}}", "chat template"), (_chat, "echo", True, "prefixed"),
     (_completion, "echo", True, "echoed"), (_completion, "best_of", 2, "use n"), (_completion, "suffix", "}", "middle"),
@@ -70,12 +67,10 @@ def test_known_fields_not_served_are_refused_saying_why(parse, field, value, nee
 
 
 def test_their_no_op_values_pass_and_are_not_reported():
-    req = _chat(logit_bias={}, min_p=0, response_format={"type": "text"}, tools=[], tool_choice="none",
-                use_beam_search=False, skip_special_tokens=True, echo=False, parallel_tool_calls=True)
+    req = _chat(logit_bias={}, min_p=0, functions=[], function_call="none", use_beam_search=False,
+                skip_special_tokens=True, echo=False)
     assert P.ignored_fields(req) == []
     assert P.ignored_fields(_completion(echo=False, best_of=1, suffix=None)) == []
-    e = _refusal(_chat, messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}])
-    assert e.param == "tool_calls" and "tool calling" in e.message
     assert _refusal(_chat, logit_bias={"5": 0}).param == "logit_bias"  # any bias, even 0: vLLM refuses it
 
 
@@ -105,9 +100,9 @@ class _NoVerifier:
         return self
 
 
-def _ingress(engine: str):
+def _ingress(engine: str, **ingress_fields):
     cfg = AppConfig(verifier={"engine": engine, "model": "target", "max_len": 64}, speculation={"mode": "off"},
-                    ingress={"max_queued_requests": 4})
+                    ingress={"max_queued_requests": 4, **ingress_fields})
     ingress_cls = IngressDeployment.func_or_class.__mro__[1]  # the class under Serve's ASGI wrapper
     ingress = object.__new__(ingress_cls)
     ingress_cls.__init__(ingress, cfg, _NoVerifier())
@@ -211,3 +206,128 @@ def test_speculation_usage_over_choices():
     assert P.spec_usage([one, two, None]) == {"mean_acceptance_length": 3.0, "draft_acceptance_rate": 0.5,
                                               "num_draft_tokens": 16, "num_accepted_tokens": 8, "num_drafts": 4,
                                               "verify_steps": 12, "drafters_used": ["code", "legal"]}
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tool_messages_reach_the_chat_template():
+    req = _chat(messages=[{"role": "user", "content": "weather?"}, {"role": "assistant", "tool_calls": [CALL]},
+                          {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], tools=[TOOL])
+    assert [m.template_dict() for m in req.messages][1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    assert P.ignored_fields(req) == []
+    assert _refusal(_chat, messages=[{"role": "assistant"}]).param == "messages"
+
+
+@pytest.fixture(scope="module")
+def vllm_ingress():
+    # granite's reasoning markers are text: the shipped tokenizer has no <think> tokens, which qwen3's and
+    # deepseek_r1's parsers look for (qwen3's takes a reply without them as reasoning, as Qwen3 thinks by default)
+    return _ingress("vllm", tool_call_parser="hermes", reasoning_parser="granite")
+
+
+def _constraint(ingress, parse=_chat, **fields):
+    req = parse(model="cosine-target", **fields)
+    return ingress._prepare(req, [1, 2, 3], ingress._constraints(req, chat=parse is _chat)).structured_outputs
+
+
+def test_structured_outputs_as_vllm_reads_them(vllm_ingress):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    so = _constraint(vllm_ingress, response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                                           "schema": schema}})
+    assert so["json"] == schema and so["regex"] is None
+    assert _constraint(vllm_ingress, _completion, response_format={"type": "json_object"})["json_object"] is True
+    assert _constraint(vllm_ingress, structured_outputs={"choice": ["yes", "no"]})["choice"] == ["yes", "no"]
+    assert _constraint(vllm_ingress, response_format={"type": "text"}) is None
+    assert _constraint(vllm_ingress) is None
+
+
+def test_a_named_or_required_tool_choice_forces_the_tools_schema(vllm_ingress):
+    so = _constraint(vllm_ingress, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert so["json"] == TOOL["function"]["parameters"]
+    so = _constraint(vllm_ingress, tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    assert so["json"]["type"] == "array" and so["json"]["maxItems"] == 1
+    assert _constraint(vllm_ingress, tools=[TOOL], tool_choice="auto") is None  # the parser's, unconstrained
+    assert _constraint(vllm_ingress, tools=[TOOL], tool_choice="none") is None
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice")])
+def test_constraints_vllm_refuses_are_400(vllm_ingress, fields, param):
+    with pytest.raises(P.APIError) as e:
+        _constraint(vllm_ingress, **fields)
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_auto_tool_choice_needs_a_parser():
+    with pytest.raises(P.APIError) as e:
+        _constraint(_ingress("vllm"), tools=[TOOL], tool_choice="auto")
+    assert e.value.param == "tool_choice" and "ingress.tool_call_parser" in e.value.message
+
+
+def test_behind_the_torch_verifier_structured_output_is_refused():
+    with pytest.raises(P.APIError) as e:
+        _constraint(_ingress("torch"), response_format={"type": "json_object"})
+    assert e.value.param == "response_format" and "verifier.engine: torch" in e.value.message
+
+
+@pytest.mark.parametrize("field", ["tool_call_parser", "reasoning_parser"])
+def test_unknown_parsers_are_refused_at_startup(field):
+    with pytest.raises(ValueError, match=f"ingress.{field}"):
+        _ingress("vllm", **{field: "no-such-parser"})
+
+
+def test_replies_split_by_vllms_parsers(vllm_ingress):
+    from serve_app.ingress import _ChatReply
+
+    api = vllm_ingress.vllm_api
+    auto = api.request({"tools": [TOOL], "tool_choice": "auto"}, chat=True)
+    text = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    reply = _ChatReply(api, auto)
+    msg = reply.whole(text)
+    assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert (msg["content"] or "").strip() in ("", "Let me look.") and reply.finish_reason("stop") == "tool_calls"
+    plain = _ChatReply(api, auto)
+    assert plain.whole("no call here")["content"] == "no call here" and plain.finish_reason("stop") == "stop"
+    streamed = _ChatReply(api, auto)
+    deltas = [streamed.delta(text[:20], [], False), streamed.delta(text[20:], [], True)]
+    assert deltas[0] == {} and deltas[1]["tool_calls"][0]["index"] == 0
+    assert deltas[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+    named = api.request({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                        chat=True)
+    reply = _ChatReply(api, named)
+    msg = reply.whole('{"city": "Rome"}')
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert reply.finish_reason("stop") == "stop"  # OpenAI's (and vLLM's) for a named tool
+    required = api.request({"tools": [TOOL], "tool_choice": "required"}, chat=True)
+    reply = _ChatReply(api, required)
+    msg = reply.whole('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert reply.finish_reason("stop") == "tool_calls"
+
+
+def test_reasoning_split_whole_and_streamed(vllm_ingress, tokenizer):
+    from serve_app.ingress import _ChatReply
+
+    api = vllm_ingress.vllm_api
+    vreq = api.request({}, chat=True)
+    text = "Here is my thought process: the user greets. Here is my response: Hello there"
+    msg = _ChatReply(api, vreq).whole(text)
+    assert (msg["reasoning_content"].strip(), msg["content"].strip()) == ("the user greets.", "Hello there")
+    assert msg["reasoning"] == msg["reasoning_content"]
+    reply, reasoning, content = _ChatReply(api, vreq), "", ""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    for i, t in enumerate(ids):
+        d = reply.delta(tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):], [t], i == len(ids) - 1)
+        reasoning, content = reasoning + d.get("reasoning_content", ""), content + d.get("content", "")
+    assert (reasoning.strip(), content.strip()) == ("the user greets.", "Hello there")
+    assert _ChatReply(api, vreq).whole("just text")["content"] == "just text"

@@ -3,7 +3,8 @@
 Reads {"model": dir, "prompts": [[ids]], "max_tokens": n} as JSON on stdin, prints {"outputs": [[ids]]}. Optional
 "params": more vLLM SamplingParams over the defaults (greedy, ignore_eos), one dict for every prompt or a list of one
 per prompt; where they ask for `logprobs`, the result has "logprobs" too: per prompt, per token, [[id, logprob], ...]
-in vLLM's order (the token's own first, then the top ones).
+in vLLM's order (the token's own first, then the top ones). A param's "structured_outputs" are vLLM's
+StructuredOutputsParams as keyword arguments; "structured_outputs_config" (optional) the engine's.
 """
 
 import json
@@ -16,13 +17,17 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 if __name__ == "__main__":
     req = json.load(sys.stdin)
     from vllm import LLM, SamplingParams
+    from vllm.config import StructuredOutputsConfig
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
-    llm = LLM(model=req["model"], dtype="float32", max_model_len=512, seed=0, enforce_eager=True)
+    llm = LLM(model=req["model"], dtype="float32", max_model_len=512, seed=0, enforce_eager=True,
+              structured_outputs_config=StructuredOutputsConfig(**req.get("structured_outputs_config", {})))
     extra = req.get("params", {})
     per_prompt = extra if isinstance(extra, list) else [extra] * len(req["prompts"])
     defaults = {"max_tokens": req["max_tokens"], "temperature": 0.0, "detokenize": False, "ignore_eos": True}
-    params = [SamplingParams(**{**defaults, **p}) for p in per_prompt]
+    params = [SamplingParams(**{**defaults, **p, **({"structured_outputs": StructuredOutputsParams(
+        **p["structured_outputs"])} if "structured_outputs" in p else {})}) for p in per_prompt]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
     if any(p.get("logprobs") is not None for p in per_prompt):

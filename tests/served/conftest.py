@@ -1,7 +1,7 @@
 """One served graph for every module of this package: the application on a local Ray cluster, started once (a
 package-scoped fixture, torn down after the package's last test) because each start costs about a minute of the
 suite. The modules only send requests, except tests/served/test_serve_faults.py, which kills and stops replicas and
-checks that serving resumes: it runs last.
+checks that serving resumes: it runs last (ORDER).
 
 The graph runs with the small target (the bench target would only make the suite slower) verified in vLLM, as
 examples/local.yaml does, every domain drafter and the generalist deployed.
@@ -17,25 +17,36 @@ from model_family import DOMAINS
 
 MODEL = "cosine-target"
 METRICS: dict[str, int] = {}  # the port of Ray's metrics agent (Prometheus text format)
-LAST = "test_serve_faults.py"
+# the graph's tests read state the server learns (routing, vote weights) from their own requests: first; the fault
+# tests kill and stop replicas: last
+ORDER = ["test_serve_graph.py", "test_api_fields.py", "test_serve_faults.py"]
+# vLLM's structured-output engine option, the server's and tests/served/test_api_fields.py's reference run's: JSON
+# without free whitespace (a tiny model given the choice writes whitespace until max_tokens)
+STRUCTURED_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 def app_config() -> dict:
     return {
-        "ingress": {"model_name": MODEL, "max_queued_requests": 6},
-        "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 512, "kv_cache_gib": 1},
-        "speculation": {"mode": "cosine", "k": 4, "tree_budget": 8, "draft_timeout_ms": 2000},
+        # vLLM's hermes tool-call parser and granite reasoning parser: their markers are plain text, which a
+        # regex constraint makes the tiny target write (tests/served/test_api_fields.py)
+        "ingress": {"model_name": MODEL, "max_queued_requests": 6, "tool_call_parser": "hermes",
+                    "reasoning_parser": "granite"},
+        "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 512, "kv_cache_gib": 1,
+                     "engine_kwargs": {"structured_outputs_config": STRUCTURED_CONFIG}},
+        # drafts wait up to 8 s (0.8 x draft_timeout_ms) for their drafters: on a slow, shared machine a round
+        # that ends earlier sends its drafters to sit out, and tests that expect drafting would see none
+        "speculation": {"mode": "cosine", "k": 4, "tree_budget": 8, "draft_timeout_ms": 10000},
         "drafters": [{"name": d, "model": f"drafter-{d}"} for d in DOMAINS]
         + [{"name": "generic", "model": "drafter-generic", "generalist": True}],
     }
 
 
 def pytest_collection_modifyitems(items):
-    """The fault tests after every other test of this package, in the package's own places in the run (so the
-    package's tests stay together and share one server); nothing else moves."""
+    """The package's modules in ORDER, in the package's own places in the run (so the package's tests stay
+    together and share one server); nothing else moves."""
     here = Path(__file__).parent
     places = [i for i, item in enumerate(items) if item.path.parent == here]
-    ours = sorted((items[i] for i in places), key=lambda item: item.path.name == LAST)
+    ours = sorted((items[i] for i in places), key=lambda item: ORDER.index(item.path.name))
     for i, item in zip(places, ours):
         items[i] = item
 

@@ -1,7 +1,10 @@
-"""The OpenAI / vLLM request fields beyond the basics, through the served graph with speculation on (two drafters,
-the shipped target verified in vLLM), each against vLLM target-only with the same request (tests/helpers/
-vllm_greedy.py, one run for every case): logprobs, penalties, min_tokens, stop_token_ids, ignore_eos; and n,
-unknown fields, refused fields, /tokenize, /detokenize, /version. docs/api.md has the field table."""
+"""The OpenAI / vLLM request fields beyond the basics, through the served graph with speculation on (tests/served/
+conftest.py's graph: the shipped target verified in vLLM, every domain drafter), each against vLLM target-only with the same request (tests/helpers/
+vllm_greedy.py, one run for every case): logprobs, penalties, min_tokens, stop_token_ids, ignore_eos, structured
+output (response_format, structured_outputs) and tool_choice named / required, whose output is vLLM's constrained
+decoding; tool calls parsed by vLLM's hermes parser and reasoning by its granite parser (their markers forced by a
+regex constraint, so a tiny model writes them); and n, unknown fields, refused fields, /tokenize, /detokenize,
+/version. docs/api.md has the field table."""
 
 from __future__ import annotations
 
@@ -11,29 +14,30 @@ import sys
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import torch
 
 from model_family.distill import greedy_continue
+from tests.served.conftest import MODEL, STRUCTURED_CONFIG
 
 pytestmark = pytest.mark.slow
 
-MODEL = "cosine-target"
 EOS = {0, 2}  # the shipped target's generation_config
 TOL = 2e-3  # logprobs: vLLM verifying drafts against vLLM decoding one token at a time, both fp32
-
-
-@pytest.fixture(scope="module")
-def server():
-    from tests.conftest import local_serve
-
-    with local_serve({
-        "ingress": {"model_name": MODEL, "max_queued_requests": 8},
-        "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 512, "kv_cache_gib": 1},
-        "speculation": {"mode": "cosine", "k": 4, "tree_budget": 8, "draft_timeout_ms": 2000},
-        "drafters": [{"name": "legal", "model": "drafter-legal"}, {"name": "dialogue", "model": "drafter-dialogue"}],
-    }) as url:
-        yield url
+CASE_SCHEMA = {"type": "object", "properties": {
+    "party": {"type": "string", "maxLength": 10}, "binding": {"type": "boolean"},
+    "kind": {"enum": ["contract", "tort", "crime"]}}, "required": ["party", "binding", "kind"],
+    "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+                                                "additionalProperties": False}}}
+CASE_PROMPT = "Describe the case as JSON."
+WEATHER_PROMPT = "What is the weather in Paris?"
+# a hermes tool call (vLLM's hermes parser), and granite's reasoning markers: forced, so that a tiny model writes them
+HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}</tool_call>'
+GRANITE = "Here is my thought process:[a-z ]{4,24}[.] Here is my response:[a-z ]{4,24}[.]"
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,16 @@ def cases(tokenizer, heldout, target) -> dict:
         "stop_token_ids": (hello, 24, {"ignore_eos": False, "stop_token_ids": [stop_id]}),
         "stop_token_ids_min_tokens": (hello, 24, {"ignore_eos": False, "stop_token_ids": [stop_id], "min_tokens": 8}),
         "context_end": (hi, 512 - len(hi), {}),
+        "json_schema": (_chat_ids(tokenizer, CASE_PROMPT), 64, {"ignore_eos": False,
+                                                                "structured_outputs": {"json": CASE_SCHEMA}}),
+        "json_object": (legal2, 48, {"ignore_eos": False, "structured_outputs": {"json_object": True}}),
+        "regex": (legal2, 32, {"structured_outputs": {"regex": "[^0-9]{1,400}"}}),
+        "named_tool": (_chat_ids(tokenizer, WEATHER_PROMPT), 48, {
+            "ignore_eos": False, "structured_outputs": {"json": WEATHER["function"]["parameters"]}}),
+        # the grammar lets the model spell the markers in any tokens: room for one character a token
+        "hermes": (_chat_ids(tokenizer, WEATHER_PROMPT), 160, {"ignore_eos": False,
+                                                               "structured_outputs": {"regex": HERMES_CALL}}),
+        "granite": (_chat_ids(tokenizer, "Hi!"), 160, {"ignore_eos": False, "structured_outputs": {"regex": GRANITE}}),
     }
 
 
@@ -78,8 +92,9 @@ def reference(models, cases) -> dict:
     does not emit the stop token (EOS or a stop id)."""
     names = list(cases)
     req = {"model": str(models / "target"), "prompts": [cases[n][0] for n in names], "max_tokens": 32,
-           "params": [{"max_tokens": cases[n][1], **cases[n][2]} for n in names]}
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "helpers" / "vllm_greedy.py")],
+           "params": [{"max_tokens": cases[n][1], **cases[n][2]} for n in names],
+           "structured_outputs_config": STRUCTURED_CONFIG}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "helpers" / "vllm_greedy.py")],
                           input=json.dumps(req), capture_output=True, text=True, timeout=600, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
     assert line is not None, proc.stderr[-3000:]
@@ -268,9 +283,7 @@ def test_unknown_fields_are_ignored_with_a_header(client, server):
 
 @pytest.mark.parametrize("field,value,needle", [
     ("logit_bias", {"5": 10}, "speculative decoding"), ("min_p", 0.1, "speculative decoding"),
-    ("response_format", {"type": "json_object"}, "structured output"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], "tool calling"),
-    ("tool_choice", "required", "tool calling"), ("use_beam_search", True, "beam search"),
+    ("use_beam_search", True, "beam search"),
     ("include_stop_str_in_output", True, "stop strings")])
 def test_known_fields_not_served_are_400_saying_why(client, field, value, needle):
     from openai import BadRequestError
@@ -298,3 +311,130 @@ def test_tokenize_detokenize_and_version(server, client, tokenizer):
     assert httpx.post(f"{server}/detokenize", json={"tokens": [10**6]}, timeout=60).status_code == 400
     v = httpx.get(f"{server}/version", timeout=60).json()
     assert v["version"] == "0.1.0" and v["vllm_version"].startswith("0.32.0")
+
+
+def _want(reference, tokenizer, name: str) -> str:
+    return tokenizer.decode(reference[name][0], skip_special_tokens=True)
+
+
+def _stream(server, path: str, body: dict) -> list[dict]:
+    """The chunks' first choices of a streamed request."""
+    out = []
+    with httpx.stream("POST", f"{server}{path}", json={**body, "model": MODEL, "stream": True}, timeout=180) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out += json.loads(line[6:])["choices"][:1]
+    return out
+
+
+def test_json_schema_with_the_sdk_is_vllm_constrained_decoding(client, tokenizer, reference):
+    """The output parses, validates against the schema, and is vLLM target-only's constrained decoding."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CASE_PROMPT}], max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "case", "schema": CASE_SCHEMA}})
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), CASE_SCHEMA)
+    assert text == _want(reference, tokenizer, "json_schema") and r.choices[0].finish_reason == "stop"
+
+
+def test_json_object_whole_and_streamed_and_a_regex_with_accepted_drafts(server, client, tokenizer, cases,
+                                                                           reference):
+    want, _, reason = reference["json_object"]
+    want = tokenizer.decode(want, skip_special_tokens=True)
+    assert want.startswith("{") and (reason == "length" or isinstance(json.loads(want), dict))
+    assert _served(client, cases, "json_object").choices[0].text == want
+    ids, max_tokens, _ = cases["json_object"]
+    chunks = _stream(server, "/v1/completions", {"prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                                                 "response_format": {"type": "json_object"}})
+    assert "".join(c["text"] for c in chunks) == want and chunks[-1]["finish_reason"] == reason
+    # the legal drafter's drafts, verified under the grammar: most of them fit it and are accepted
+    r = _served(client, cases, "regex", extra_body={"speculation": {"drafters": ["legal"]}})
+    assert r.choices[0].text == _want(reference, tokenizer, "regex")
+    assert r.usage.model_extra["num_accepted_tokens"] > 0
+
+
+def test_named_tool_choice_is_constrained_decoding_of_its_schema(client, tokenizer, reference):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": WEATHER_PROMPT}], max_tokens=48, temperature=0,
+        tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert call.function.arguments == _want(reference, tokenizer, "named_tool")
+
+
+def test_required_tool_choice_streams_a_parsed_call(server):
+    chunks = _stream(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": WEATHER_PROMPT}], "max_tokens": 64, "temperature": 0,
+        "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    calls = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_auto_tool_choice_through_the_servers_parser(client, tokenizer, reference):
+    """The hermes parser (ingress.tool_call_parser) parses the call the model wrote (forced here by a regex, whole and
+    streamed); without the constraint the reply is consistent: content, or parsed calls."""
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": WEATHER_PROMPT}], "max_tokens": 160,
+          "temperature": 0, "tools": [WEATHER], "tool_choice": "auto",
+          "extra_body": {"structured_outputs": {"regex": HERMES_CALL}}}
+    r = client.chat.completions.create(**kw)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, r.choices[0].finish_reason) == ("get_weather", "tool_calls")
+    assert _want(reference, tokenizer, "hermes") == \
+        f'<tool_call>{{"name": "get_weather", "arguments": {call.function.arguments}}}</tool_call>'
+    streamed = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    deltas = [tc for c in streamed for tc in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", call.function.arguments)]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    free = client.chat.completions.create(**{**kw, "extra_body": {}, "max_tokens": 16})
+    m = free.choices[0]
+    assert (m.message.tool_calls and m.finish_reason == "tool_calls") or \
+        (m.message.content and not m.message.tool_calls and m.finish_reason in ("length", "stop"))
+
+
+def test_reasoning_content_whole_and_streamed(server, client, tokenizer, reference):
+    """vLLM's granite reasoning parser (ingress.reasoning_parser) splits the reply, its markers forced by a regex."""
+    messages = [{"role": "user", "content": "Hi!"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=160, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": GRANITE}})
+    m = r.choices[0].message
+    reasoning = m.model_extra["reasoning_content"]
+    assert reasoning and m.content and m.model_extra["reasoning"] == reasoning
+    assert _want(reference, tokenizer, "granite") == \
+        f"Here is my thought process:{reasoning}Here is my response:{m.content}"
+    chunks = _stream(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 160, "temperature": 0,
+                                                      "structured_outputs": {"regex": GRANITE}})
+    # vLLM's granite parser streams from the deltas it is given (here a verify step's tokens, several at once): it
+    # may leave a marker's first word in the reasoning
+    assert "".join(c["delta"].get("reasoning_content", "") for c in chunks).startswith(reasoning)
+    assert "".join(c["delta"].get("content", "") for c in chunks).strip() == m.content.strip()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_vllm_refuses_is_a_400(server, stream):
+    r = httpx.post(f"{server}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 4, "stream": stream,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_langchain_chat_openai_invoke_stream_tools_and_structured_output(server, tokenizer, reference):
+    """LangChain's ChatOpenAI against the server: each call is one of the requests above, so its answer is vLLM
+    target-only's."""
+    from langchain_openai import ChatOpenAI
+
+    def chat(max_tokens: int) -> ChatOpenAI:
+        return ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model=MODEL, temperature=0,
+                          max_tokens=max_tokens, timeout=180, max_retries=0)
+
+    want = _want(reference, tokenizer, "eos")  # "Hi!", EOS honoured, 24 tokens at most
+    assert chat(24).invoke("Hi!").content == want
+    assert "".join(c.content for c in chat(24).stream("Hi!")) == want
+    ai = chat(48).bind_tools([WEATHER], tool_choice="get_weather").invoke(WEATHER_PROMPT)
+    assert [c["name"] for c in ai.tool_calls] == ["get_weather"]
+    assert ai.tool_calls[0]["args"] == json.loads(_want(reference, tokenizer, "named_tool"))
+    case = chat(64).with_structured_output({"title": "case", **CASE_SCHEMA}, method="json_schema").invoke(CASE_PROMPT)
+    assert case == json.loads(_want(reference, tokenizer, "json_schema"))
