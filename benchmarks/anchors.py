@@ -15,6 +15,15 @@ Every system lives in its own process (one vLLM engine per process), is warmed u
 interleaved over the repeats; each row is the median run with min and max. Reported: tokens/s, time per output
 token, mean accepted length (vLLM's definition: 1 + accepted / drafts), target passes per token where the engine
 counts them, speed-up over vLLM target-only, and whether the output equals vLLM target-only's.
+
+Drafting cost, as figures of its own (in process only: the served row's drafting happens in the replica): ms per
+drafted token (vLLM's count: draft tokens sent to verification) and ms per round (one round drafts for the whole
+batch, before one verify step). Ours: the drafting tier's time, `SpeculationCoordinator.draft` from call to drafts
+(routing, the drafters' steps, fusion). vLLM: measured in its worker, the wall time of the model runner's
+`propose_draft_token_ids` (the draft model's forwards for the batch with their input preparation and sampling, as
+vLLM runs them after each target step; the `ngram` row times its n-gram lookup the same way). vLLM has no timing of
+its own for this, and the draft model's decode step times the tokens per round would leave out the preparation its
+round pays; on a GPU the wrapper synchronises the device around the call.
 """
 
 from __future__ import annotations
@@ -55,6 +64,30 @@ def _systems(served: bool) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------------------------------- worker side
+def _time_vllm_drafting() -> dict:
+    """Wrap vLLM's model runner's `propose_draft_token_ids` (its whole drafting per engine step) with a wall-clock
+    timer: the returned totals ("seconds", "rounds") grow as the engine built after this call drafts. For
+    in-process engines (the worker runs in this process)."""
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    totals = {"seconds": 0.0, "rounds": 0}
+    inner = GPUModelRunner.propose_draft_token_ids
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(self, *args, **kwargs):
+        sync()
+        t = time.perf_counter()
+        out = inner(self, *args, **kwargs)
+        sync()
+        totals["seconds"] += time.perf_counter() - t
+        totals["rounds"] += 1
+        return out
+
+    GPUModelRunner.propose_draft_token_ids = timed
+    return totals
+
+
 def _vllm_worker(spec: dict, max_batch: int):
     """Plain vLLM, as its users run it (none of our hooks), with our engine's arguments."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -73,10 +106,11 @@ def _vllm_worker(spec: dict, max_batch: int):
     elif spec.get("ngram"):
         args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec["k"]}
     counters = SpecCounters()
+    drafting = _time_vllm_drafting()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory])
 
     def run(prompts, concurrency, max_tokens, domains):
-        before = dict(counters.totals)
+        before, drafting_before = dict(counters.totals), dict(drafting)
         todo, live, done, starts, ids = list(enumerate(prompts)), {}, {}, {}, 0
         t0 = time.perf_counter()
         steps = 0
@@ -95,10 +129,14 @@ def _vllm_worker(spec: dict, max_batch: int):
                 if o.finished:
                     i = int(o.request_id.split("-")[1])
                     done[i] = (live.pop(o.request_id), time.perf_counter() - starts[o.request_id])
+        wall = time.perf_counter() - t0
         spec_stats = {k: counters.totals[k] - before[k] for k in counters.totals}
         return {"outputs": [done[i][0] for i in range(len(prompts))], "seconds": [done[i][1] for i in range(len(prompts))],
-                "wall": time.perf_counter() - t0, "drafts": spec_stats["num_drafts"],
-                "accepted": spec_stats["num_accepted_tokens"], "steps": None}
+                "wall": wall, "drafts": spec_stats["num_drafts"],
+                "accepted": spec_stats["num_accepted_tokens"], "steps": None,
+                "draft_tokens": spec_stats["num_draft_tokens"],
+                "draft_s": drafting["seconds"] - drafting_before["seconds"],
+                "draft_rounds": drafting["rounds"] - drafting_before["rounds"]}
 
     return run
 
@@ -132,12 +170,18 @@ def _ours_worker(spec: dict, max_batch: int):
         res = await asyncio.gather(*(one(p) for p in prompts))
         return res, time.perf_counter() - t0
 
+    coordinator = loop.drafting.coordinator
+
     def run(prompts, concurrency, max_tokens, domains):
+        rounds, draft_s = coordinator.stats["rounds"], coordinator.stats["step_seconds"]
         res, wall = aio.run_until_complete(go(prompts, concurrency, max_tokens))
         return {"outputs": [r[0] for r in res], "seconds": [r[1] for r in res], "wall": wall,
                 "drafts": sum(r[2].get("num_drafts", 0) for r in res),
                 "accepted": sum(r[2].get("num_accepted_tokens", 0) for r in res),
-                "steps": sum(r[2].get("verify_steps", 0) for r in res)}
+                "steps": sum(r[2].get("verify_steps", 0) for r in res),
+                "draft_tokens": sum(r[2].get("num_draft_tokens", 0) for r in res),
+                "draft_s": coordinator.stats["step_seconds"] - draft_s,
+                "draft_rounds": coordinator.stats["rounds"] - rounds}
 
     return run
 
@@ -362,6 +406,8 @@ def _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch, k: int
                "wall": sum(r["wall"] for r in by_domain.values()),
                "drafts": sum(r["drafts"] for r in by_domain.values()),
                "accepted": sum(r["accepted"] for r in by_domain.values()), "steps": None}
+        for key in ("draft_tokens", "draft_s", "draft_rounds"):
+            res[key] = sum(r[key] for r in by_domain.values())
         res["tokens"] = sum(len(o) for o in res["outputs"])
         runs.setdefault((ORACLE, c), []).append(res)
     return runs
@@ -376,6 +422,11 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             "tpot_ms": round(1000 * tpot, 1),
             "mean_accepted_length": round(1 + mid["accepted"] / mid["drafts"], 3) if mid["drafts"] else None,
             "target_passes_per_token": round(mid["steps"] / mid["tokens"], 3) if mid["steps"] else None,
+            # the median run's drafting cost (None where the system does not report it: HF, served, target-only)
+            "draft_ms_per_drafted_token": round(1000 * mid["draft_s"] / mid["draft_tokens"], 3)
+            if mid.get("draft_tokens") else None,
+            "draft_ms_per_round": round(1000 * mid["draft_s"] / mid["draft_rounds"], 3)
+            if mid.get("draft_rounds") else None,
             "identical_to_vllm_target_only": all(_same(r, reference, tok) for r in runs)}
 
 
@@ -404,14 +455,17 @@ def _goals(rows: list[dict], concurrencies) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = ["| system | concurrency | tok/s median (min-max) | time per output token ms | mean accepted length "
-             "| target passes/token | speed-up vs vLLM target-only | output = vLLM target-only |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [("| system | concurrency | tok/s median (min-max) | time per output token ms | mean accepted length "
+              "| target passes/token | drafting ms per drafted token | drafting ms per round "
+              "| speed-up vs vLLM target-only | output = vLLM target-only |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
         tpt = "-" if r["target_passes_per_token"] is None else f"{r['target_passes_per_token']:.3f}"
+        per_token, per_round = (f"{r[k]:.2f}" if r.get(k) is not None else "-"
+                                for k in ("draft_ms_per_drafted_token", "draft_ms_per_round"))
         lines.append(f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}-"
-                     f"{r['tokens_per_s_max']:.1f}) | {r['tpot_ms']:.1f} | {mal} | {tpt} "
+                     f"{r['tokens_per_s_max']:.1f}) | {r['tpot_ms']:.1f} | {mal} | {tpt} | {per_token} | {per_round} "
                      f"| {r['speedup_vs_vllm_target_only']:.2f}x | {'yes' if r['identical_to_vllm_target_only'] else 'NO'} |")
     lines.append("")
     lines += [f"- {k}: {v:.2f}x" for k, v in result["goals"].items()]

@@ -27,7 +27,8 @@ from engines.runner import step_seconds
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
 from model_family.samples import heldout_texts
-from speculation.goodput import SpeculationController, fit_draft_latency, fit_verify_latency
+from speculation.goodput import SpeculationController
+from speculation.profiling import fit_draft_latency, fit_verify_latency
 from speculation.inprocess import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
 from benchmarks.metrics import save_json
@@ -47,6 +48,8 @@ class Row:
     draft_ms_per_round: float | None = None  # per verify step, the time the loop waited for drafts
     verify_ms_per_round: float | None = None
     overhead_ms_per_round: float | None = None
+    drafting_ms_per_round: float | None = None  # the drafting tier's own time per round (routing, drafters, fusion)
+    drafting_ms_per_drafted_token: float | None = None  # the same per draft token verified
     speedup_vs_target: float | None = None
     identical_to_target: bool | None = None
     limit_speedup: float | None = None
@@ -117,10 +120,12 @@ def _methods(k: int) -> list[Method]:
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
         prompt_len: int = 64, include_hf: bool = True, repeats: int = 3, device: str = "cpu", log=print,
-        only: list[str] | None = None) -> dict:
+        only: list[str] | None = None, pool: tuple[str, ...] = ("off",)) -> dict:
     """Every method at every batch size, warmed up, then `repeats` times round-robin; the median run counts.
     `device`: where every model runs ("cuda" on a GPU). `only`: the methods whose names contain one of these
-    (target-only always runs: it is the reference; "HF" selects HF assisted generation)."""
+    (target-only always runs: it is the reference; "HF" selects HF assisted generation). `pool`: the
+    `speculation.pool_drafters` settings to run each of our speculative methods with (several: side by side, the
+    setting in the method's name)."""
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
     bench_dir = models_dir / "bench-target"
     if not (bench_dir / "config.json").exists():
@@ -149,15 +154,16 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
             kept_engines[key] = make()
         return kept_engines[key]
 
-    def ours(m: Method, batch: int, warmup: bool = False) -> Row:
+    def ours(m: Method, batch: int, warmup: bool = False, pool_drafters: str = pool[0]) -> Row:
         """All prompts through one `VerifyLoop` (continuous batching up to `batch`)."""
+        name = m.name if len(pool) == 1 or m.mode == "off" else f"{m.name} [pool {pool_drafters}]"
         cfg = AppConfig(verifier={"model": str(bench_dir), "max_batch": batch, "max_len": max_len},
                         drafters=[{"name": n, "model": f"drafter-{n}", "max_len": max_len,
                                    "max_requests": 2 * batch, "generalist": n == "generic"} for n in names]
                         + [{**d, "max_len": max_len, "max_requests": 2 * batch} for d in levels if m.levels],
                         speculation={"mode": m.mode, "k": 2 * k if m.adaptive else k, "tree_budget": 2 * k,
                                      "lockstep": m.lockstep, "adaptive": m.adaptive, "draft_timeout_ms": 600_000,
-                                     "vote": {"per_request": m.vote_per_request}},
+                                     "vote": {"per_request": m.vote_per_request}, "pool_drafters": pool_drafters},
                         routing={"drafters_per_request": 1 if m.chain_choice else 2 if m.drafters is None
                                  else max(1, len(m.drafters("code"))),
                                  "chain_choice": "latency" if m.chain_choice else "score"})
@@ -182,7 +188,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         dt = time.perf_counter() - t
         for server in (loop.drafting.servers.values() if loop.drafting else ()):
             server.executor.shutdown(wait=True)  # its releases done before the next loop uses the engine
-        outputs[(m.name, batch)] = [r.token_ids for r in res]
+        outputs[(name, batch)] = [r.token_ids for r in res]
         tokens = sum(len(r.token_ids) for r in res)
         drafts = sum(r.stats["num_drafts"] for r in res)
         accepted = sum(r.stats["num_accepted_tokens"] for r in res)
@@ -191,10 +197,14 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         t_verify = verifier.runner.forward_seconds - seconds
         # drafting overlaps the other pipeline half's verification: what costs is the time the loop waited for it
         t_wait = loop.stats.totals["draft_wait_s"]
-        return Row(m.name, batch, tokens, round(dt, 2), round(tokens / dt, 1),
+        tier = loop.drafting.coordinator.stats if loop.drafting else None
+        drafted = sum(r.stats["num_draft_tokens"] for r in res)
+        return Row(name, batch, tokens, round(dt, 2), round(tokens / dt, 1),
                    round(mal, 3) if mal else None, round(rounds / tokens, 3), rounds,
                    round(t_verify, 3), round(1000 * t_wait / rounds, 2),
-                   round(1000 * t_verify / rounds, 2), round(1000 * (dt - t_verify - t_wait) / rounds, 2))
+                   round(1000 * t_verify / rounds, 2), round(1000 * (dt - t_verify - t_wait) / rounds, 2),
+                   round(1000 * tier["step_seconds"] / tier["rounds"], 3) if tier and tier["rounds"] else None,
+                   round(1000 * tier["step_seconds"] / drafted, 3) if tier and drafted else None)
 
     def hf(packed: bool, warmup: bool = False) -> Row:
         if packed not in hf_models:  # HF runs the model's own forward: give it the same packed kernels as ours
@@ -208,7 +218,9 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         for m in _methods(k):
             if only and m.mode != "off" and not any(o in m.name for o in only):
                 continue
-            plan.append((m.name, batch, lambda b, w, m=m: ours(m, b, warmup=w)))
+            for p in pool if m.mode != "off" else pool[:1]:
+                name = m.name if len(pool) == 1 or m.mode == "off" else f"{m.name} [pool {p}]"
+                plan.append((name, batch, lambda b, w, m=m, p=p: ours(m, b, warmup=w, pool_drafters=p)))
         if include_hf and batch == 1 and (not only or any(o in "HF assisted generation" for o in only)):
             if packing_available(next(target.parameters())):  # CPU: HF with our packed kernels too, for a like-for-like ratio
                 plan.append(("HF assisted generation (same packed kernels)", 1, lambda b, w: hf(True, w)))
@@ -221,6 +233,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         for i, (method, batch, fn) in enumerate(plan):
             log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(plan)}] batch {batch}: {method}")
             runs.setdefault((method, batch), []).append(fn(batch, False))
+    per_run = {f"{m} | batch {b}": [r.tokens_per_s for r in rs] for (m, b), rs in runs.items()}  # in run order
     rows = [_median(runs[(m, b)]) for m, b, _ in plan]
     best = {(r.method, r.batch): r for r in rows}
 
@@ -247,7 +260,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                        "prepacked_cpu_linears": packing_available(next(target.parameters()))},
             "step_costs_ms": {str(b): {n: round(v, 2) for n, v in c.items()} for b, c in costs.items()},
-            "rows": [asdict(r) for r in rows]}
+            "rows": [asdict(r) for r in rows], "tokens_per_s_per_run": per_run}
 
 
 def _median(rows: list[Row]) -> Row:

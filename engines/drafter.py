@@ -30,6 +30,14 @@ LONG_PENDING = 16  # pending runs longer than this (prompts) are prefilled apart
 LOGLIK_FLOOR = -8.0
 
 
+def context_loglik(logits: torch.Tensor, tokens: list[int]) -> float:
+    """How well a drafter knows the context (CoSine's cold start): the floored mean log-probability of `tokens`[1:]
+    under `logits` [len(tokens), vocab], the drafter's logits after each fed token."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    lp = logp.gather(-1, torch.tensor(tokens[1:])[:, None])
+    return float(lp.clamp(min=LOGLIK_FLOOR).mean())
+
+
 @dataclass
 class _State:
     pending: list[int] = field(default_factory=list)
@@ -108,10 +116,8 @@ class DrafterEngine:
                 self.runner.commit_all(r, x)
                 self.states[r].pending = []
                 out[r] = proposal
-                if full and len(x) > 1:  # how well this drafter knows the context: CoSine's cold start
-                    logp = torch.log_softmax(lg[:-1].float(), dim=-1)
-                    lp = logp.gather(-1, torch.tensor(x[1:])[:, None])
-                    out[r].context_loglik = float(lp.clamp(min=LOGLIK_FLOOR).mean())
+                if full and len(x) > 1:
+                    out[r].context_loglik = context_loglik(lg, x)
         return out
 
     def _propose(self, logits: torch.Tensor) -> list[Proposal]:

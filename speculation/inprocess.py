@@ -18,15 +18,17 @@ from config import AppConfig, DrafterSpec
 from engines.build import build_verifier_engine, check_models, cpu_threads, set_thread_torch_threads
 from engines.cascade import CascadeDrafterEngine
 from engines.drafter import DrafterEngine
+from engines.drafter_pool import DrafterPool, pool_shape
 from engines.drafter_runners import make_drafter_runner
 from engines.interface import CacheFull
 from engines.runner import LlamaRunner
 from engines.sampling import SamplingParams
 from model_family.sources import resolve_model
 from speculation.coordinator import SpeculationCoordinator
-from speculation.goodput import LinearLatency, fit_draft_latency
+from speculation.goodput import LinearLatency
 from speculation.loop import VerifyLoop
 from speculation.messages import Draft, DrafterCall, DrafterReply, DraftRequest, Proposal, SpeculationOverrides
+from speculation.profiling import fit_draft_latency
 
 
 class DrafterServer:
@@ -46,7 +48,7 @@ class DrafterServer:
         """`model`: a model, its path, or a `DrafterEngine` to serve as it is (its caches and CUDA graphs kept from a
         loop before; benchmarks reuse engines so). `assistant`: a smaller model that drafts this drafter's chains
         for it (`CascadeDrafterEngine`). `engine_kw`: more `DrafterEngine` arguments (dtype, runner, KV budget)."""
-        self.name = name
+        self.name, self.threads = name, threads
         kw = dict(name=name, max_requests=max_requests, max_len=max_len, device=device, **engine_kw)
         if isinstance(model, DrafterEngine):
             self.engine = model
@@ -92,16 +94,7 @@ class DrafterServer:
         """Each request's chain: the next proposal and, for `steps` > 1, the drafter's own continuation of it.
         A request whose context no longer fits is dropped from the reply (and its cache freed)."""
         t = time.perf_counter()
-        rids = []
-        for c in calls:
-            if c.request_id in self.released:
-                continue
-            try:
-                self.engine.sync(c.request_id, c.context)
-            except CacheFull:
-                self.engine.release(c.request_id)
-                continue
-            rids.append(c.request_id)
+        rids = self.admit(calls)
         if not rids:
             return DrafterReply({}, (time.perf_counter() - t) * 1000)
         first = self.engine.step(rids, want_loglik=any(c.score_context for c in calls))
@@ -113,6 +106,21 @@ class DrafterServer:
             for r, chain in self.engine.draft(list(more), more).items():
                 chains[r].extend(chain)
         return DrafterReply(chains, (time.perf_counter() - t) * 1000)
+
+    def admit(self, calls: list[DrafterCall]) -> list[str]:
+        """Sync each call's request to its context: the requests to step (released and no longer fitting ones
+        dropped, the latter's cache freed)."""
+        rids = []
+        for c in calls:
+            if c.request_id in self.released:
+                continue
+            try:
+                self.engine.sync(c.request_id, c.context)
+            except CacheFull:
+                self.engine.release(c.request_id)
+                continue
+            rids.append(c.request_id)
+        return rids
 
     def release_later(self, rids: list[str]) -> Future:
         """`release` on the drafter's own thread, after the steps queued before it."""
@@ -131,12 +139,29 @@ class DrafterServer:
 class InProcessDraftingTier:
     """Drafter servers in this process; a drafter's step runs on the drafter's own thread (torch releases the GIL),
     so several drafters and the verifier's step can overlap where there are cores for them. An engine is not
-    re-entrant: calls to one drafter queue on its lock, as they do on a replica."""
+    re-entrant: calls to one drafter queue on its lock, as they do on a replica.
 
-    def __init__(self, coordinator: SpeculationCoordinator, servers: dict[str, DrafterServer]):
+    With `pool_drafters` "auto", drafters of one shape form a `DrafterPool` (engines/drafter_pool.py) on one thread
+    of its own (their steps and releases in order there): the coordinator's calls to several of them at one depth
+    (`asyncio.gather`ed, so they all arrive before the loop's next turn) are coalesced into one `_PooledCalls`
+    batch, whose chains advance one pooled forward per depth."""
+
+    def __init__(self, coordinator: SpeculationCoordinator, servers: dict[str, DrafterServer],
+                 pool_drafters: str = "off"):
         self.coordinator = coordinator
         self.servers = servers
         self.locks = {name: asyncio.Lock() for name in servers}
+        self.pools: dict[str, _PooledCalls] = {}  # drafter name -> its pool
+        if pool_drafters == "auto":
+            shapes: dict[tuple, list[str]] = {}
+            for name, server in servers.items():
+                shape = pool_shape(server.engine)
+                if shape is not None:
+                    shapes.setdefault(shape, []).append(name)
+            for names in shapes.values():
+                if len(names) > 1:
+                    pooled = _PooledCalls({n: servers[n] for n in names})
+                    self.pools |= dict.fromkeys(names, pooled)
 
     @classmethod
     def from_config(cls, cfg: AppConfig, models: dict | None = None) -> InProcessDraftingTier:
@@ -145,9 +170,11 @@ class InProcessDraftingTier:
         models = models or {}
         vocab = check_models(cfg, preloaded=set(models))
         servers = {d.name: DrafterServer.from_spec(d, models.get(d.name), vocab_limit=vocab) for d in cfg.drafters}
-        return cls(SpeculationCoordinator.from_config(cfg), servers)
+        return cls(SpeculationCoordinator.from_config(cfg), servers, cfg.speculation.pool_drafters)
 
     async def _step(self, name: str, calls: list[DrafterCall]) -> dict[str, list[Proposal]]:
+        if name in self.pools:
+            return (await self.pools[name].run(name, calls)).chains
         async with self.locks[name]:
             return (await self.servers[name].run(calls)).chains
 
@@ -164,6 +191,71 @@ class InProcessDraftingTier:
                 per.setdefault(name, []).append(r)
         for name, rids in per.items():
             self.servers[name].release_later(rids)
+
+
+class _PooledCalls:
+    """The calls to a pool's drafters, coalesced: calls that arrive in one event-loop turn become one batch, run on
+    the pool's thread as `DrafterServer.step` runs one drafter's (sync, the first pooled step, then the chains),
+    each drafter's reply as its own step would give it. The pooled servers' executor becomes the pool's thread, so
+    their releases stay ordered with the steps."""
+
+    def __init__(self, servers: dict[str, DrafterServer]):
+        self.servers = servers
+        self.pool = DrafterPool([s.engine for s in servers.values()])
+        threads = max(s.threads for s in servers.values())
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-pool",
+                                           initializer=set_thread_torch_threads, initargs=(threads,))
+        for s in servers.values():
+            s.executor.shutdown(wait=True)
+            s.executor = self.executor
+        self.waiting: list[tuple[str, list[DrafterCall], asyncio.Future]] = []
+
+    async def run(self, name: str, calls: list[DrafterCall]) -> DrafterReply:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self.waiting:
+            loop.call_soon(self._flush, loop)
+        self.waiting.append((name, calls, fut))
+        return await fut
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        waiting, self.waiting = self.waiting, []
+        while waiting:  # a drafter called twice in one turn (overlapping rounds): its second call in a later batch
+            batch, seen, later = [], set(), []
+            for item in waiting:
+                (later if item[0] in seen else batch).append(item)
+                seen.add(item[0])
+            waiting = later
+            job = loop.run_in_executor(self.executor, self.step, [(n, c) for n, c, _ in batch])
+            job.add_done_callback(lambda j, batch=batch: self._answer(j, batch))
+
+    @staticmethod
+    def _answer(job: asyncio.Future, batch) -> None:
+        for name, _, fut in batch:
+            if fut.done():  # its caller gave up (a timeout)
+                continue
+            if job.exception() is not None:
+                fut.set_exception(job.exception())
+            else:
+                fut.set_result(job.result()[name])
+
+    def step(self, batch: list[tuple[str, list[DrafterCall]]]) -> dict[str, DrafterReply]:
+        t = time.perf_counter()
+        rids = {name: self.servers[name].admit(calls) for name, calls in batch}
+        rids = {n: r for n, r in rids.items() if r}
+        first = self.pool.step(rids, want_loglik={n for n, calls in batch if any(c.score_context for c in calls)})
+        chains = {n: {r: [p] for r, p in got.items()} for n, got in first.items()}
+        more = {n: {c.request_id: c.steps - 1 for c in calls if c.steps > 1 and c.request_id in first.get(n, {})}
+                for n, calls in batch}
+        more = {n: m for n, m in more.items() if m}
+        for n, m in more.items():
+            for r in m:
+                self.pool.engines[n].feed(r, [first[n][r].token])
+        for n, got in self.pool.draft({n: list(m) for n, m in more.items()}, more).items():
+            for r, chain in got.items():
+                chains[n][r].extend(chain)
+        ms = (time.perf_counter() - t) * 1000
+        return {name: DrafterReply(chains.get(name, {}), ms) for name, _ in batch}
 
 
 @dataclass

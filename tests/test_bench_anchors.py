@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from benchmarks import anchors
@@ -30,3 +31,32 @@ def test_goals_compare_with_the_fastest_built_in_method():
     goals = anchors._goals(rows, (1, 8))
     assert goals[f"{anchors.OURS} / best built-in vLLM method, concurrency 1"] == 1.1
     assert goals[f"{anchors.OURS} / vLLM target-only, concurrency 8"] == round(150 / 160, 3)
+
+
+@pytest.mark.slow
+def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
+    """The real workers (vLLM draft_model with the generic drafter; ours in process, the pooled drafters of
+    examples/bench.yaml) on two short prompts: each row's drafting cost present and positive, in the table too, and
+    the two greedy outputs equal."""
+    prompts = [tokenizer(heldout[d][0], add_special_tokens=False).input_ids[:24] for d in ("code", "legal")]
+    systems = {"vLLM draft_model, generic drafter": {"kind": "vllm", "draft": "generic"},
+               anchors.OURS: {"kind": "ours", "config": str(BENCH)}}
+    runs = {}
+    for i, (name, spec) in enumerate(systems.items()):
+        worker = anchors._Worker(dict(spec, max_batch=2, k=3), tmp_path / f"{i}.log")
+        try:
+            worker.run(prompts[:1], 1, 4, ["code"])  # warm-up
+            runs[name] = worker.run(prompts, 2, 16, ["code", "legal"])
+        finally:
+            worker.stop()
+    reference = runs[anchors.OURS]["outputs"]
+    assert runs["vLLM draft_model, generic drafter"]["outputs"] == reference
+    rows = []
+    for name, res in runs.items():
+        res["tokens"] = sum(len(o) for o in res["outputs"])
+        row = anchors._row(name, 2, [res], reference, tokenizer)
+        assert row["draft_ms_per_drafted_token"] > 0 and row["draft_ms_per_round"] > 0
+        rows.append(dict(row, speedup_vs_vllm_target_only=1.0))
+    table = anchors.format_table({"rows": rows, "goals": {}})
+    assert "drafting ms per drafted token" in table
+    assert f"{rows[0]['draft_ms_per_drafted_token']:.2f}" in table

@@ -1,0 +1,162 @@
+"""The drafter pool (engines/drafter_pool.py): a pooled step gives every request what its drafter's own step gives,
+and the verify loop with the pool on stays lossless."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from config import AppConfig
+from engines.drafter import DrafterEngine
+from engines.drafter_pool import DrafterPool, pool_shape
+from engines.sampling import SamplingParams
+from engines.verifier import TorchVerifierEngine
+from model_family.distill import greedy_continue
+from speculation.inprocess import build_loop, generate_all
+from speculation.messages import SpeculationOverrides
+
+NAMES = ("code", "legal", "literature", "generic")
+
+
+@pytest.fixture(scope="module")
+def drafter_models(models):
+    return {d: AutoModelForCausalLM.from_pretrained(models / f"drafter-{d}", dtype=torch.float32).eval()
+            for d in NAMES}
+
+
+@pytest.fixture(scope="module")
+def texts(tokenizer, heldout) -> list[list[int]]:
+    return [tokenizer(heldout[d][i], add_special_tokens=False).input_ids for d in heldout for i in range(2)]
+
+
+def _engines(drafter_models) -> dict[str, DrafterEngine]:
+    return {n: DrafterEngine(m, name=n, max_requests=6, max_len=256) for n, m in drafter_models.items()}
+
+
+def _same(a, b) -> None:
+    assert a.token == b.token
+    assert a.top_tokens == b.top_tokens
+    assert a.prob == pytest.approx(b.prob, abs=1e-4)
+    assert a.top_probs == pytest.approx(b.top_probs, abs=1e-4)
+    if a.context_loglik is None:
+        assert b.context_loglik is None
+    else:
+        assert a.context_loglik == pytest.approx(b.context_loglik, abs=1e-4)
+
+
+def test_pooled_steps_equal_each_drafters_own(drafter_models, texts):
+    """Several drafters x requests (1 to 4 per drafter), mixed contexts (prompts prefilled, short pending runs of
+    several tokens), chains of several depths, rollbacks to a diverged context, releases (slots moving) and new
+    requests: every proposal equal to the drafter's own, up to float rounding."""
+    alone, pooled = _engines(drafter_models), _engines(drafter_models)
+    pool = DrafterPool(list(pooled.values()))
+    rids = {n: [f"{n}-{i}" for i in range(1 + j)] for j, n in enumerate(NAMES)}
+    ctx = {r: texts[(j * 3 + i) % len(texts)][:10 + 13 * i] for j, n in enumerate(NAMES)
+           for i, r in enumerate(rids[n])}  # 10 tokens (pooled prefill) to 49 (alone)
+
+    def check(want_loglik=()):
+        want = {n: alone[n].step(rids[n], want_loglik=n in want_loglik) for n in rids}
+        got = pool.step(rids, want_loglik=want_loglik)
+        for n, group in rids.items():
+            assert set(got[n]) == set(group)
+            for r in group:
+                _same(want[n][r], got[n][r])
+        return want
+
+    def sync(contexts):
+        for n, group in rids.items():
+            for r in group:
+                alone[n].sync(r, contexts[r])
+                pooled[n].sync(r, contexts[r])
+
+    sync(ctx)
+    first = check(want_loglik=set(NAMES))
+    assert any(p.context_loglik is not None for g in first.values() for p in g.values())
+    ks = {n: {r: 3 + i for i, r in enumerate(rids[n])} for n in rids}
+    for n, group in rids.items():
+        for r in group:
+            alone[n].feed(r, [first[n][r].token])
+            pooled[n].feed(r, [first[n][r].token])
+    want = {n: alone[n].draft(rids[n], ks[n]) for n in rids}
+    got = pool.draft(rids, ks)
+    for n, group in rids.items():
+        for r in group:
+            assert len(got[n][r]) == ks[n][r]
+            for a, b in zip(want[n][r], got[n][r], strict=True):
+                _same(a, b)
+    # a context that diverged a few tokens back (the target rejected part of the chain): rollback, 3 tokens pending
+    sync({r: ctx[r] + [want[n][r][0].token, 7, 11] for n, group in rids.items() for r in group})
+    check(want_loglik=set(NAMES))
+    # releases move the highest slot into the hole; new requests take the free slots
+    for n in ("code", "literature", "generic"):
+        gone = rids[n].pop(0)
+        alone[n].release(gone)
+        pooled[n].release(gone)
+    rids["code"] = [f"code-new-{i}" for i in range(3)]
+    new = {r: texts[i][:5 + i] for i, r in enumerate(rids["code"])}
+    sync({**{r: ctx[r] + [9] for n in rids for r in rids[n] if r in ctx}, **new})
+    check()
+    # a step of a subset of the drafters, then of one drafter
+    for subset in (("code", "legal"), ("legal",)):
+        for n in subset:
+            for r in rids[n]:
+                alone[n].sync(r, new.get(r, ctx.get(r, [])) + [5, 6])
+                pooled[n].sync(r, new.get(r, ctx.get(r, [])) + [5, 6])
+        want = {n: alone[n].step(rids[n]) for n in subset}
+        got = pool.step({n: rids[n] for n in subset})
+        assert set(got) == set(subset)
+        for n in want:
+            for r in want[n]:
+                _same(want[n][r], got[n][r])
+    assert pool.forward_passes >= 5
+
+
+def test_only_same_shape_drafters_pool(drafter_models, target):
+    a = DrafterEngine(drafter_models["code"], name="a", max_len=256)
+    b = DrafterEngine(drafter_models["legal"], name="b", max_len=256)
+    assert pool_shape(a) == pool_shape(b) is not None
+    other = DrafterEngine(target, name="target", max_len=256)  # another shape
+    assert pool_shape(other) != pool_shape(a)
+    with pytest.raises(ValueError, match="one shape"):
+        DrafterPool([a, other])
+    c = DrafterEngine(drafter_models["code"], name="c", max_len=128)  # another context length
+    with pytest.raises(ValueError, match="one shape"):
+        DrafterPool([a, c])
+    assert pool_shape(DrafterEngine(drafter_models["code"], runner="transformers", max_len=256)) is None
+
+
+@pytest.mark.parametrize("pool", ["auto", "off"])
+def test_loop_with_pooled_drafters_is_lossless(target, drafter_models, tokenizer, heldout, pool):
+    """The in-process loop, every request drafting with 3 drafters (one-shot fusion), then routed CoSine (cold
+    start scoring by every drafter, lockstep fusion): greedy output equal to target-only, the pool doing the
+    drafting where on."""
+    prompts = [tokenizer(heldout[d][5], add_special_tokens=False).input_ids[:n]
+               for d, n in zip(heldout, (8, 40, 12, 60, 20, 30))]
+    new = 20
+    reference = [greedy_continue(target, torch.tensor([p]), new)[0, len(p):].tolist() for p in prompts]
+    names = list(drafter_models)
+    for routed in (False, True):
+        cfg = AppConfig(verifier={"model": "target", "max_batch": 4, "max_len": 256},
+                        drafters=[{"name": n, "model": n, "max_len": 256} for n in names],
+                        speculation={"mode": "cosine", "k": 4, "adaptive": False, "tree_budget": 8,
+                                     "lockstep": routed, "draft_timeout_ms": 600_000, "pool_drafters": pool},
+                        routing={"drafters_per_request": 2 if routed else 3})
+        loop = build_loop(cfg, TorchVerifierEngine(target, max_batch=4, max_len=256), drafter_models)
+        tier = loop.drafting
+        overrides = [None if routed else SpeculationOverrides(drafters=names[:3], lockstep=False)] * len(prompts)
+        out = asyncio.run(generate_all(loop, prompts, [SamplingParams(max_tokens=new, ignore_eos=True)] * len(prompts),
+                                       overrides))
+        assert [o.token_ids for o in out] == reference
+        assert sum(o.stats["num_accepted_tokens"] for o in out) > 0.2 * len(prompts) * new
+        for s in tier.servers.values():
+            s.executor.submit(lambda: None).result()
+        assert not any(s.engine.states for s in tier.servers.values())  # every drafter cache released
+        pools = {id(p): p.pool for p in tier.pools.values()}
+        if pool == "off":
+            assert not pools
+        else:
+            assert set(tier.pools) == set(names)
+            assert sum(p.forward_passes for p in pools.values()) > 10
