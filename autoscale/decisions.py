@@ -34,6 +34,8 @@ class VerifierLoad:
     # the domain drafters retired (every round on the generalist) through the whole look-back window, on every
     # verifier replica
     retired: bool = False
+    # `drafting_tier: auto`: share of drafting rounds the verifier put on the drafter deployments (None: another tier)
+    remote: float | None = None
 
     @property
     def idle(self) -> bool:
@@ -43,7 +45,7 @@ class VerifierLoad:
 @dataclass
 class Decision:
     replicas: int
-    kind: str  # demand | draft_wait | speculation_off | retired | idle | speculating | hold | no_signals
+    kind: str  # demand | draft_wait | speculation_off | colocated | retired | idle | speculating | hold | no_signals
     reason: str
     demand: float  # smoothed replicas' worth of drafting wanted
 
@@ -71,6 +73,10 @@ class ReplicaPlanner:
                             f"{verifier.speculating:.0%} of its request rounds", previous_demand or 0.0)
         if idle:
             return Decision(low, "idle", "the verifier has no requests", previous_demand or 0.0)
+        if verifier is not None and verifier.remote is not None and verifier.remote < s.speculation_off_below:
+            return Decision(low, "colocated", f"the verifier drafts {1 - verifier.remote:.0%} of its rounds on its "
+                            "own hardware (drafting_tier auto: these drafters would cost more than they hide)",
+                            previous_demand or 0.0)
         if verifier is not None and verifier.retired and not generalist:
             return Decision(low, "retired", "the verifier drafts every round on the generalist",
                             previous_demand or 0.0)

@@ -28,6 +28,12 @@ drafter but the generalist goes to its minimum, and comes back as soon as the ve
 to decide from the routed share itself, a routed call could reach a drafter after its last replica went, and Serve
 starts a replica for a call waiting at a handle (measured: seconds of the cores the verifier uses, each time).
 
+`speculation.drafting_tier: auto`: the verifier drafts each round on its own hardware or on the drafter
+deployments, whichever its chooser predicts more goodput of at the current load (speculation/tiers.py), and reports
+the share it puts on the deployments; below `speculation_off_below` (the chooser's probes of the unused tier stay
+under it) every drafter goes to its minimum, and a round the chooser puts on a drafter at zero is drafted on the
+verifier's hardware while the drafter comes back.
+
 Zero replicas (`min_replicas: 0`): a drafter goes to zero only when no drafting is asked of it for a reason the
 verifier states, speculation off, rounds on the generalist or no traffic at all, and comes back (Serve skips the
 upscale delay from zero) as soon as the verifier has requests to speculate for (routed ones, for a domain
@@ -46,6 +52,7 @@ from autoscale.decisions import Decision, DrafterLoad, ReplicaPlanner, VerifierL
 from config import AutoscalerSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_SCALABLE,
                                  VERIFIER_DRAFT_WAIT, VERIFIER_RETIRED, VERIFIER_ROUNDS, VERIFIER_SPECULATING)
+from speculation.tiers import VERIFIER_REMOTE
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,11 +80,14 @@ def verifier_load(ctx: AutoscalingContext | None) -> VerifierLoad | None:
     if not wait or not spec:
         return None
     rounds, retired = metrics.get(VERIFIER_ROUNDS), metrics.get(VERIFIER_RETIRED)
+    remote = metrics.get(VERIFIER_REMOTE)
     return VerifierLoad(sum(wait.values()) / len(wait), sum(spec.values()) / len(spec),
                         sum(rounds.values()) if rounds else None,
                         # each report is 1 only for an interval retired all through: the window's mean is 1 only
                         # when it was retired through the whole window
-                        bool(retired) and min(retired.values()) > 1 - 1e-6)
+                        bool(retired) and min(retired.values()) > 1 - 1e-6,
+                        # the most any verifier replica drafts remotely: the drafters serve them all
+                        max(remote.values()) if remote else None)
 
 
 class DrafterAutoscaler:

@@ -11,7 +11,7 @@ def profile_verifier(engine, batches=(1, 4, 8), ks=(0, 2, 4), prompt_len: int = 
     with a draft of k tokens (random ones: verification costs the same whatever is accepted); prefill excluded."""
     import random
 
-    from engines.draft import Draft
+    from engines.draft_tree import Draft
     from engines.sampling import SamplingParams
 
     rng = random.Random(0)

@@ -25,6 +25,41 @@ DRAFTER_AUTOSCALING_DEFAULTS = {"metrics_interval_s": 2.0, "look_back_period_s":
                                 "downscale_delay_s": 60.0}
 
 
+class AutoscalingOptions(_Strict):
+    """Serve's per-deployment autoscaling_config (ray.serve.config.AutoscalingConfig), its keys checked here; a
+    key left out is Serve's default (on a drafter, DRAFTER_AUTOSCALING_DEFAULTS' first). The application's
+    autoscaling_policy is set by the graph, not per deployment."""
+
+    min_replicas: int | None = Field(None, ge=0, description="fewest replicas; 0 on a drafter: parked when idle")
+    max_replicas: int | None = Field(None, ge=1, description="most replicas")
+    initial_replicas: int | None = Field(None, ge=0, description="replicas at deploy")
+    target_ongoing_requests: float | None = Field(None, gt=0, description="Serve's default policy's target per "
+                                                  "replica (the drafter autoscaler decides from its own signals)")
+    metrics_interval_s: float | None = Field(None, gt=0, description="how often replicas report their load")
+    look_back_period_s: float | None = Field(None, gt=0, description="the window load is averaged over")
+    smoothing_factor: float | None = Field(None, gt=0, description="Serve's default policy: step size")
+    upscale_smoothing_factor: float | None = Field(None, gt=0, description="Serve's default policy: up step size")
+    downscale_smoothing_factor: float | None = Field(None, gt=0, description="Serve's default policy: down step")
+    upscaling_factor: float | None = Field(None, gt=0, description="Serve's default policy: up multiplier")
+    downscaling_factor: float | None = Field(None, gt=0, description="Serve's default policy: down multiplier")
+    upscale_delay_s: float | None = Field(None, ge=0, description="how long a scale-up must be wanted first")
+    downscale_delay_s: float | None = Field(None, ge=0, description="how long a scale-down must be wanted first")
+    downscale_to_zero_delay_s: float | None = Field(None, ge=0, description="the same, for the last replica")
+    aggregation_function: Literal["mean", "max", "min"] | None = Field(None, description="how the window's load "
+                                                                      "samples are combined")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        lo, hi = self.min_replicas, self.max_replicas
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"autoscaling_config: min_replicas ({lo}) must be <= max_replicas ({hi})")
+        return self
+
+    def serve(self) -> dict[str, Any]:
+        """The keys given, as Serve takes them."""
+        return self.model_dump(exclude_none=True)
+
+
 class DeploymentOptions(_Strict):
     """What Ray Serve needs to place and scale one deployment."""
 
@@ -33,11 +68,10 @@ class DeploymentOptions(_Strict):
                                       "starves deployments that batch)")
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0}, description="Ray placement: "
                                               "num_cpus, num_gpus, resources, accelerator_type")
-    autoscaling_config: dict[str, Any] | None = Field(None, description="Serve's per-deployment autoscaling. On a "
-                                                      "drafter, with the drafter autoscaler as the application's "
-                                                      "autoscaling_policy: min_replicas, max_replicas, and Serve's "
-                                                      "timing keys, defaulting to "
-                                                      f"{DRAFTER_AUTOSCALING_DEFAULTS}")
+    autoscaling_config: AutoscalingOptions | None = Field(
+        None, description="Serve's per-deployment autoscaling. On a drafter, with the drafter autoscaler as the "
+        "application's autoscaling_policy: min_replicas, max_replicas, and Serve's timing keys, defaulting to "
+        f"{DRAFTER_AUTOSCALING_DEFAULTS}")
     # Serve's defaults stop a deployment's old replicas before starting new ones (a one-replica deployment is gone
     # until its replacement is up: 20-40 s here, requests in flight cut) and give a replica 20 s to finish
     max_surge_percent: int = Field(100, ge=0, le=100, description="extra replicas while a redeploy replaces this "
@@ -55,7 +89,7 @@ class DeploymentOptions(_Strict):
                                 "max_surge_percent": self.max_surge_percent,
                                 "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
         if self.autoscaling_config is not None:
-            opts["autoscaling_config"] = dict(self.autoscaling_config)
+            opts["autoscaling_config"] = self.autoscaling_config.serve()
         else:
             opts["num_replicas"] = self.num_replicas
         return opts
@@ -240,9 +274,10 @@ class RetirementSpec(_Strict):
 
 
 class SpeculationSpec(_Strict):
-    mode: Literal["cosine", "chain", "vote", "off"] = Field(
+    mode: Literal["cosine", "chain", "vote", "single", "off"] = Field(
         "cosine", description="cosine: routed drafters, fused; chain: one fixed drafter's chain; vote: Minions' "
-        "majority vote of several drafters' chains (see `vote`); off: target-only decoding")
+        "majority vote of several drafters' chains (see `vote`); single: `drafter` drafts every request, no routing "
+        "state kept (speculation/strategies/); off: target-only decoding")
     k: int = Field(4, ge=0, le=32, description="draft steps per round (the maximum when adaptive)")
     gamma_max: int = Field(64, ge=1, description="total draft tokens verified per step (CoSine's Gamma_max)")
     tree_budget: int = Field(8, ge=1, description="draft nodes per request and round")
@@ -262,6 +297,7 @@ class SpeculationSpec(_Strict):
                                     "drafters (one batched step per depth); the hill climber always uses "
                                     "routing.drafters_per_request")
     fixed_drafters: list[str] | None = Field(None, description="bypass routing: always use these drafters")
+    drafter: str | None = Field(None, description="mode single: the drafter (default: the first configured)")
     draft_timeout_ms: float = Field(100.0, gt=0, description="decode without drafts when they are later")
     drafter_timeout_ms: float = Field(5000.0, gt=0, description="a drafter call later than this drops that drafter "
                                       "from the round (the others' drafts still count)")
@@ -273,12 +309,21 @@ class SpeculationSpec(_Strict):
     retirement: RetirementSpec = Field(default_factory=RetirementSpec, description="retiring the domain drafters "
                                        "while rounds draft on the generalist (for the drafter autoscaler)")
     vote: VoteSpec = Field(default_factory=VoteSpec, description="mode vote: the voters and their weights")
-    drafting_tier: Literal["deployments", "colocated"] = Field(
+    drafting_tier: Literal["deployments", "colocated", "auto"] = Field(
         "deployments", description="where drafting runs. deployments: the Speculation deployment (routing, fusion) "
         "and a deployment per drafter, each placed and scaled on its own hardware (the cluster layout; the drafter "
         "autoscaler scales them); colocated: the coordinator and every drafter inside the verifier's replica, "
         "called directly (no hops; for one machine, where drafters share the verifier's cores anyway). Colocated "
-        "drafters ignore their deployment options")
+        "drafters ignore their deployment options; auto: both, each drafting round on the one that predicts more "
+        "goodput at the current load from the measured round times of each and the goodput controller's verify "
+        "model and acceptance (speculation/tiers.py); the drafter autoscaler gives the drafter deployments "
+        "min_replicas while the verifier drafts on its own hardware. Needs the goodput controller")
+    pool_drafters: Literal["auto", "off"] = Field(
+        "off", description="drafters in one process (the colocated layout, `cosine generate`, benchmarks): auto: "
+        "the drafters of one shape (same config apart from the weights, the fast runner on a CPU) advance together, "
+        "one batched forward per depth for all of them and their requests (engines/drafter_pool.py); off: each "
+        "drafter steps on its own. Off by default: on a 2-core CPU the pooled step measured 0.97x the separate "
+        "steps' tokens/s at batch 1 and 8 (bench_results/drafter-pool.json)")
     record_trace: str | None = Field(None, description="a JSON-lines file (absolute path on the verifier's node) "
                                      "the verify loop appends to: every finished request's prompt and output, "
                                      "every verify step's and drafting round's timing; `cosine simulate` replays it")
@@ -343,6 +388,14 @@ class IngressSpec(_Strict):
                                 "variable COSINE_API_KEY of the ingress replicas (`cosine serve --api-key`): the "
                                 "dashboard shows application args. Neither set: no authentication")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429")
+    tool_call_parser: str | None = Field(None, min_length=1, description="vLLM's tool-call parser of the target's "
+                                         "family (its --tool-call-parser: hermes, llama3_json, mistral, ...), for "
+                                         "tool_choice auto; null: auto is refused (named and required need none). "
+                                         "Checked at startup against vLLM and the tokenizer")
+    reasoning_parser: str | None = Field(None, min_length=1, description="vLLM's reasoning parser (its "
+                                         "--reasoning-parser: qwen3, deepseek_r1, ...): the reply's reasoning comes "
+                                         "back as reasoning_content. Checked at startup against vLLM and the "
+                                         "tokenizer")
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
 
 
@@ -379,6 +432,9 @@ class AppConfig(_Strict):
         for n in self.speculation.fixed_drafters or []:
             if n not in names:
                 raise ValueError(f"speculation.fixed_drafters names unknown drafter {n!r}; known: {sorted(names)}")
+        if self.speculation.drafter is not None and self.speculation.drafter not in names:
+            raise ValueError(f"speculation.drafter names unknown drafter {self.speculation.drafter!r}; known: "
+                             f"{sorted(names)}")
         voters = self.speculation.vote.drafters or sorted(names)
         unknown = sorted(set(voters) - names)
         if unknown:
@@ -386,6 +442,12 @@ class AppConfig(_Strict):
         if self.speculation.mode == "vote":
             if len(set(voters)) < 2:
                 raise ValueError("speculation.mode: vote needs at least two voters (with one, use mode: chain)")
+        spec = self.speculation
+        if spec.drafting_tier == "auto" and spec.mode != "off" and (not spec.adaptive
+                                                                     or spec.controller.kind != "goodput"):
+            raise ValueError("speculation.drafting_tier: auto chooses the tier from the goodput controller's verify "
+                             "model and acceptance: set speculation.adaptive: true and controller.kind: goodput, or "
+                             "pick a tier (deployments or colocated)")
         if self.speculation.drafting_tier == "colocated":
             scaled = [d.name for d in self.drafters if d.deployment.autoscaling_config is not None
                       or d.deployment.num_replicas != 1]

@@ -1,6 +1,7 @@
 """The verifier deployment: a thin Serve wrapper around `speculation.loop.VerifyLoop`, with the engine the
 configuration names, a drafting tier (the Speculation deployment's handle, or with `speculation.drafting_tier:
-colocated` the coordinator and drafters in this replica) and Prometheus metrics."""
+colocated` the coordinator and drafters in this replica, or with `auto` both, each round on the tier
+speculation/tiers.py picks) and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from ray import serve
 from ray.serve import metrics
 
 from config import AppConfig
-from deployments.speculation import DrafterFailures
+from deployments.coordinator import DrafterFailures
 from engines.build import build_verifier_engine, cpu_threads
 from engines.sampling import SamplingParams
 from speculation.inprocess import InProcessDraftingTier
 from speculation.loop import LoopStats, VerifyLoop
 from speculation.messages import Draft, DraftRequest, SpeculationOverrides, TokenChunk
 from speculation.signals import VERIFIER_RETIRED, IntervalMeter, verifier_signals
+from speculation.tiers import VERIFIER_REMOTE, AutoDraftingTier, resolve
 
 logger = logging.getLogger("ray.serve")
 
@@ -122,13 +124,17 @@ class VerifierDeployment:
     def __init__(self, config: AppConfig, speculation=None):
         v = config.verifier
         torch.set_num_threads(cpu_threads(v.threads, v.deployment.ray_actor_options.get("num_cpus")))
-        self.speculation = speculation  # handle to the Speculation deployment, or None
-        drafting = None
-        if speculation is not None:
-            drafting = HandleDraftingTier(speculation)
-        elif config.speculation.mode != "off":  # speculation.drafting_tier: colocated
-            drafting = InProcessDraftingTier.from_config(config)
-            drafting.coordinator.on_failure = DrafterFailures()
+        plan = resolve(config)
+        if plan.remote and speculation is None:
+            raise ValueError("the drafting tier needs the Speculation deployment's handle (serve_app/graph.py)")
+        self.speculation = speculation if plan.remote else None  # handle to the Speculation deployment, or None
+        remote = HandleDraftingTier(speculation) if plan.remote else None
+        local = None
+        if plan.local:
+            local = InProcessDraftingTier.from_config(config)
+            local.coordinator.on_failure = DrafterFailures()
+        self.tiers = AutoDraftingTier(local, remote, config) if plan.auto else None
+        drafting = self.tiers or local or remote
         loggers = None
         if v.engine == "vllm":  # vLLM's own metrics (its spec-decode counters among them) go out with ours
             from engines.vllm_hooks import ray_metrics_logger
@@ -137,8 +143,10 @@ class VerifierDeployment:
         self.engine = build_verifier_engine(config, loggers)
         self.loop = VerifyLoop(self.engine, config, drafting, PrometheusStats())
         # colocated drafters compute on this replica's hardware: drafting takes its cycles from verification
-        self.loop.drafting_overlaps_verification = speculation is not None
-        self.placement_checked = speculation is None
+        self.loop.drafting_overlaps_verification = plan.fixed == "deployments"
+        if self.tiers is not None:  # follows the tier in use
+            self.tiers.attach(self.loop)
+        self.placement_checked = not plan.remote
         self.retired = metrics.Gauge("cosine_domain_drafters_retired", "1 while the verifier drafts every round on "
                                      "the generalist so that the autoscaler may take the domain drafters' replicas")
 
@@ -186,6 +194,8 @@ class VerifierDeployment:
         if retirement is not None:
             signals[VERIFIER_RETIRED] = retirement.take()
             self.retired.set(float(retirement.retired))
+        if self.tiers is not None:
+            signals[VERIFIER_REMOTE] = self.tiers.remote_share()
         return signals
 
     def check_health(self) -> None:
@@ -206,4 +216,7 @@ class VerifierDeployment:
             return
         node, device = ray.get_runtime_context().get_node_id(), self.engine.device
         shared = [n for n, p in drafters.items() if p["node_id"] == node and p["device"] == device == "cpu"]
-        self.loop.drafting_overlaps_verification = not shared
+        if self.tiers is not None:
+            self.tiers.set_remote_overlaps(not shared)
+        else:
+            self.loop.drafting_overlaps_verification = not shared

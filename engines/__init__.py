@@ -10,7 +10,8 @@
   budget holds; refuses what neither runner can run.
 - `drafter.DrafterEngine`: per-request drafting steps returning the proposal, its probability and alternatives;
   `cascade.CascadeDrafterEngine`: a drafter whose chains a smaller assistant drafts (SpecRouter's chains).
-- `draft.Draft`: a chain or token tree sent to a verifier; `rules`: greedy and rejection-sampling verification;
+- `drafter_pool.DrafterPool`: drafters of one shape stepping together, one batched forward per depth.
+- `draft_tree.Draft`: a chain or token tree sent to a verifier; `rules`: greedy and rejection-sampling verification;
   `sampling`, `stopping`: request parameters and stop conditions.
 - `verifier.TorchVerifierEngine`: continuous batching and lossless verification of chains and trees;
   `collaborative.CollaborativeEngine`: CoS collaborative decoding; `vllm_engine.VllmVerifierEngine`: our drafts

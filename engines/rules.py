@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from engines.draft import Draft
+from engines.draft_tree import Draft
 
 EPS = 1e-12
 

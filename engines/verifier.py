@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engines.draft import Draft
+from engines.draft_tree import Draft
 from engines.interface import RequestCounts, StepOutput, check_prompt
 from engines.rules import verify_greedy, verify_sampling
 from engines.runner import LlamaRunner, tree_depths

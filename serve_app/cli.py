@@ -448,7 +448,7 @@ def _profile(args) -> int:
     import yaml
 
     from autoscale.profiling import profile_verifier
-    from speculation.goodput import fit_draft_latency
+    from speculation.profiling import fit_draft_latency
     from config import AppConfig
     from engines.build import build_verifier_engine
     from engines.verifier import load_causal_lm

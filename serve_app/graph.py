@@ -1,7 +1,8 @@
 """The application builder used by `serve run` / `serve deploy`: `import_path: serve_app.graph:build_app`.
 
 Ingress -> Verifier -> Speculation (router + fusion) -> Drafter-<domain> (one deployment per domain); with
-`speculation.drafting_tier: colocated`, Ingress -> Verifier, the drafting tier inside the verifier's replica.
+`speculation.drafting_tier: colocated`, Ingress -> Verifier, the drafting tier inside the verifier's replica; with
+`auto`, both (speculation/tiers.py decides what each layout builds).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from ray.serve import Application
 from config import DRAFTER_AUTOSCALING_DEFAULTS, AppConfig, DrafterSpec
 from deployments.drafter import DrafterDeployment
 from engines.build import check_models
-from deployments.speculation import SpeculationDeployment
+from deployments.coordinator import SpeculationDeployment
 from deployments.verifier import VerifierDeployment
 from serve_app.ingress import IngressDeployment
+from speculation.tiers import resolve
 
 # a request's drafter calls go to the replica holding its KV cache
 DRAFTER_ROUTER = {"request_router_class": "deployments.replica_affinity:HomeReplicaRouter"}
@@ -42,7 +44,7 @@ def build_app(args: dict) -> Application:
     cfg = AppConfig.model_validate(args or {})  # a bad config fails here, at deploy time, with pydantic's message
     vocab_limit = check_models(cfg)  # so do models that cannot be had or do not share the target's vocabulary
     speculation, drafter_opts = None, []
-    if cfg.speculation.mode != "off" and cfg.speculation.drafting_tier == "deployments":
+    if resolve(cfg).remote:
         drafter_opts = [drafter_options(d) for d in cfg.drafters]
         drafters = {d.name: DrafterDeployment.options(**o).bind(d, vocab_limit)
                     for d, o in zip(cfg.drafters, drafter_opts)}

@@ -24,6 +24,7 @@ from config import AppConfig, AutoscalerSpec
 from speculation.coordinator import SpeculationCoordinator
 from speculation.messages import SpeculationOverrides
 from speculation.planner import DraftPlanner
+from speculation.tiers import COLOCATED, REMOTE, TierChooser, resolve
 from simulate.hardware import Hardware
 from simulate.replay import Replayer, ReplayRequest, ReplayState
 
@@ -82,6 +83,7 @@ class Result:
     cost_usd: float
     replicas: list[tuple[float, int]]  # (time, drafter replicas running)
     ahead: tuple[int, int] = (0, 0)  # drafts made ahead of a step, and of them used
+    tier_rounds: dict[str, int] = field(default_factory=dict)  # drafting rounds per tier (`drafting_tier: auto`)
 
     def summary(self, slo_ms_per_token: float | None = None) -> dict:
         """Aggregates of the run. Goodput counts the tokens of requests whose latency per token from sending
@@ -104,6 +106,8 @@ class Result:
                 "target_passes_per_token": sum(r.passes for r in f) / max(tokens, 1),
                 "drafter_gpu_hours": self.drafter_gpu_seconds / 3600,
                 "ahead_used_share": self.ahead[1] / self.ahead[0] if self.ahead[0] else 0.0,
+                "remote_round_share": self.tier_rounds.get(REMOTE, 0) / max(1, sum(self.tier_rounds.values()))
+                if self.tier_rounds else None,
                 "usd_per_million_tokens": 1e6 * self.cost_usd / max(tokens, 1),
                 "goodput_tok_s": good / max(self.makespan, 1e-9),
                 "usd_per_million_good_tokens": 1e6 * self.cost_usd / good if good else None}
@@ -127,14 +131,22 @@ class Simulation:
                  replicas: int = 1, drafter_gpus: int | None = None, colocated: bool = False,
                  pipelined: bool | None = None, autoscaling: Autoscaling | None = None):
         """`replicas`: per drafter deployment at the start, placed round-robin on `drafter_gpus` GPUs (default:
-        one GPU each); `colocated`: drafters run on the verifier's GPUs (vanilla speculation); `pipelined`: two
+        one GPU each); `colocated`: drafters run on the verifier's GPUs (vanilla speculation; so does
+        `speculation.drafting_tier: colocated`, and `auto` picks per round, speculation/tiers.py); `pipelined`: two
         halves of the pool take turns at the verifier (default: as the loop decides)."""
         self.cfg, self.hw, self.requests = cfg, hw, requests
-        self.colocated = colocated
+        plan = resolve(cfg)
+        self.colocated = colocated or plan.fixed == COLOCATED
+        # `auto`: each round on the tier the chooser picks (its rounds measured here, as the verifier measures them)
+        self.tiers = TierChooser.from_config(cfg) if plan.auto and not colocated and hw.draft_round is None else None
+        if self.tiers is not None:
+            self._profile(cfg, hw)
+        self.tier_rounds: dict[str, int] = defaultdict(int)
         # as the loop does: two halves where a step may verify part of the pool (the torch engine) and drafting has
-        # hardware of its own; vLLM steps the whole pool and drafts the next round ahead instead
-        own = cfg.speculation.mode != "off" and not colocated and hw.draft_round is None
-        self.pipelined = (own and cfg.verifier.engine == "torch") if pipelined is None else pipelined
+        # hardware of its own; vLLM steps the whole pool and drafts the next round ahead instead (auto: not pipelined)
+        own = cfg.speculation.mode != "off" and not self.colocated and hw.draft_round is None
+        self.pipelined = (own and cfg.verifier.engine == "torch" and self.tiers is None) if pipelined is None \
+            else pipelined
         self.draft_ahead = own and cfg.verifier.engine == "vllm" and cfg.speculation.draft_ahead
         self.autoscaling = autoscaling
         self.env = simpy.Environment()
@@ -150,7 +162,7 @@ class Simulation:
             n: [_Replica(self.gpus[(i * replicas + j) % n_gpus], 0.0) for j in range(replicas)]
             for i, n in enumerate(names)}
         self.gpu_seconds, self.metered_at = 0.0, 0.0
-        self.uses_drafters = self.coordinator is not None and not colocated and hw.draft_round is None
+        self.uses_drafters = self.coordinator is not None and not self.colocated and hw.draft_round is None
         self.replica_log: list[tuple[float, int]] = [(0.0, self._n_replicas())]
         # request pool
         self.queue: list[ReplayState] = []
@@ -172,6 +184,24 @@ class Simulation:
         self.done = self.env.event()
         self.expected = 0
         self.prompt_tokens: int | None = None
+
+    def _profile(self, cfg: AppConfig, hw: Hardware) -> None:
+        """`auto`'s startup profile of both tiers: a round of each depth for one to max_batch requests, each request
+        drafting with routing.drafters_per_request drafters spread over the configured ones: one after another on
+        the verifier's GPUs, in parallel behind a hop on the drafters'."""
+        per, names = cfg.routing.drafters_per_request if cfg.speculation.mode == "cosine" else 1, len(cfg.drafters)
+
+        def colocated(n: int) -> float:
+            used = min(n * per, names)
+            return used * hw.colocated_draft(n * per / used)
+
+        def remote(n: int) -> float:
+            return hw.hop_ms / 1000 + hw.draft(n * per / min(n * per, names))
+
+        b = cfg.verifier.max_batch
+        for tier, step in ((COLOCATED, colocated), (REMOTE, remote)):
+            self.tiers.seed(tier, [(k, n, k * step(n)) for k in range(1, cfg.speculation.k + 1)
+                                   for n in sorted({1, max(1, b // 2), b})])
 
     # ------------------------------------------------------------------ requests
     def _n_replicas(self) -> int:
@@ -281,12 +311,24 @@ class Simulation:
         drafts, batch, modes = self._plan(contexts, overlap, ahead)
         if not batch:
             return {}
+        colocated, tier = self.colocated, None
+        if self.tiers is not None:
+            c = self.planner.controller
+            tier = self.tiers.pick(sum(len(g) for g in self.running), c.verify,
+                                   c.pool_acceptance if c.pool_acceptance is not None else c.prior_acceptance, ahead)
+            self.tier_rounds[tier] += 1
+            self.signals["tier_rounds"] += 1
+            self.signals["remote_rounds"] += tier == REMOTE
+            colocated = tier == COLOCATED
         t0 = self.env.now
-        drafting = self.env.process(self._drafting(batch, scored, list(self.replayer.calls)))
+        drafting = self.env.process(self._drafting(batch, scored, list(self.replayer.calls), colocated))
         yield drafting | self.env.timeout(self.cfg.speculation.draft_timeout_ms / 1000)
+        if tier is not None and not scored:  # as the verifier's auto tier: late rounds count at least that long
+            self.tiers.observe(tier, max(d.k for d in batch), len(batch), self.env.now - t0)
         if not drafting.triggered:
             return {}
-        self.planner.observe_round(batch, modes, self.env.now - t0)
+        if tier is None or tier == self.tiers.held:  # the controller prices the tier in use (warm-up, probes: not)
+            self.planner.observe_round(batch, modes, self.env.now - t0)
         return drafts
 
     def _group(self, g: int):
@@ -327,7 +369,8 @@ class Simulation:
                 drafts = {r: d.best_chain().truncated(self.cfg.speculation.k) for r, d in drafts.items()}
             prompt = sum(self.prompt_tokens or len(members[r].req.prompt) for r in members if r in self.prefill)
             tokens = prompt + sum(1 + len(drafts[r]) if r in drafts else 1 for r in members)
-            if self.draft_ahead and drafts:  # drafted from the context full acceptance would give, beside the step
+            # drafted from the context full acceptance would give, beside the step (auto: while drafting remotely)
+            if self.draft_ahead and drafts and (self.tiers is None or self.tiers.held == REMOTE):
                 bases = {r: members[r].context + d.tokens for r, d in drafts.items()}
                 ahead = bases, self.env.process(self._round(bases, self.last_verify[g], ahead=True))
             with self.verifier.request() as turn:
@@ -351,8 +394,9 @@ class Simulation:
                     del members[rid]
                     self.env.process(self._finish(rid))
 
-    def _drafting(self, batch, scored: int, calls: list[tuple[str, str, int, int]]):
-        """A drafting round replayed in simulated time: its calls, wave by wave (the coordinator's depths)."""
+    def _drafting(self, batch, scored: int, calls: list[tuple[str, str, int, int]], colocated: bool):
+        """A drafting round replayed in simulated time: its calls, wave by wave (the coordinator's depths), on the
+        verifier's GPUs (`colocated`) or the drafters'."""
         if self.hw.draft_round is not None:  # fitted as a whole: drafters share the verifier's hardware
             yield self.env.timeout(self.hw.draft_round(max(d.k for d in batch), len(batch), scored))
             return
@@ -362,7 +406,7 @@ class Simulation:
         for depth in sorted(waves):
             calls = []
             for name, items in waves[depth].items():
-                if self.colocated:
+                if colocated:
                     calls.append(self.env.process(self._colocated(items)))
                     continue
                 by_replica: dict[int, list] = defaultdict(list)
@@ -408,7 +452,8 @@ class Simulation:
             yield self.env.timeout(a.period_s)
             s = self.signals
             verifier = VerifierLoad(s["draft_wait_s"] / a.period_s,
-                                    s["speculated"] / s["rounds"] if s["rounds"] else 1.0, s["rounds"] / a.period_s)
+                                    s["speculated"] / s["rounds"] if s["rounds"] else 1.0, s["rounds"] / a.period_s,
+                                    remote=s["remote_rounds"] / s["tier_rounds"] if s["tier_rounds"] else None)
             self.signals = defaultdict(float)
             for name, reps in self.replicas.items():
                 live = [r for r in reps if r.ready_at <= self.env.now]
@@ -462,4 +507,5 @@ class Simulation:
             (f.arrival for f in self.finished), default=0.0)
         self.aio.close()
         return Result(self.finished, makespan, self.steps, self.step_tokens, self.gpu_seconds,
-                      self.hw.cost(self.env.now, self.gpu_seconds), self.replica_log, tuple(self.ahead_counts))
+                      self.hw.cost(self.env.now, self.gpu_seconds), self.replica_log, tuple(self.ahead_counts),
+                      dict(self.tier_rounds))

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from config import AppConfig
-from engines.draft import Draft
+from engines.draft_tree import Draft
 from engines.drafter import LOGLIK_FLOOR
 from engines.interface import Proposal
 from engines.rules import verify_greedy

@@ -211,6 +211,51 @@ def plot_remote_pays(result: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def tiers_table(result: dict) -> str:
+    out = [f"{result['prompts']} prompts offline per point: throughput by `speculation.drafting_tier`", "",
+           "| profile | batch | colocated tok/s | deployments tok/s | auto tok/s | auto / better fixed | auto's rounds "
+           "on the deployments | accepted length (colocated / deployments / auto) |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        c, d, a = (r[t] for t in ("colocated", "deployments", "auto"))
+        out.append(f"| {r['profile']} | {r['batch']} | {c['throughput_tok_s']:.0f} | {d['throughput_tok_s']:.0f} | "
+                   f"{a['throughput_tok_s']:.0f} | {r['auto_ratio']:.3f} | {a['remote_round_share']:.0%} | "
+                   f"{c['mean_accepted_length']:.2f} / {d['mean_accepted_length']:.2f} / "
+                   f"{a['mean_accepted_length']:.2f} |")
+    return "\n".join(out)
+
+
+def plot_tiers(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = list(dict.fromkeys(r["profile"] for r in result["rows"]))
+    fig, axes = plt.subplots(2, len(profiles), figsize=(5 * len(profiles), 6.5), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1.4]})
+    for j, prof in enumerate(profiles):
+        rows = [r for r in result["rows"] if r["profile"] == prof]
+        xs = [r["batch"] for r in rows]
+        for tier, style in (("colocated", "s--"), ("deployments", "^--"), ("auto", "o-")):
+            axes[0][j].plot(xs, [r[tier]["throughput_tok_s"] for r in rows], style, label=tier)
+        axes[0][j].set_title(prof, fontsize=10)
+        axes[0][j].set_ylabel("throughput, tokens/s")
+        axes[1][j].bar([str(x) for x in xs], [r["auto"]["remote_round_share"] for r in rows], color="grey")
+        axes[1][j].set_ylim(0, 1)
+        axes[1][j].set_ylabel("auto: rounds remote")
+        axes[1][j].set_xlabel("batch size")
+        for k, r in enumerate(rows):
+            axes[1][j].text(k, 0.05, f"{r['auto_ratio']:.2f}x", ha="center", fontsize=8, color="white")
+        axes[0][j].set_xscale("log", base=2)
+        axes[0][j].grid(alpha=0.3)
+        axes[0][j].legend(fontsize=8)
+    fig.suptitle(f"drafting_tier per load, {result['prompts']} prompts offline (bars: auto's share of rounds on the "
+                 "drafter deployments, and auto / the better fixed tier)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main(args) -> int:
     """Runs the study, prints its table, writes its JSON, then its plot (if asked)."""
     from simulate import studies
@@ -237,7 +282,11 @@ def main(args) -> int:
         run_args = studies.app_args(args.config)
         _log(f"replaying {args.trace} with the drafters of {args.config} ...")
         requests = studies.load_replay([args.trace], run_args)
-        if args.study == "remote":
+        if args.study == "tiers":
+            result = studies.tiers(run_args, requests, args.profiles.split(","), _ints(args.batches), args.prompts,
+                                   log=_log)
+            table, plot = tiers_table(result), plot_tiers
+        elif args.study == "remote":
             result = studies.remote_pays(run_args, requests, args.profile, prompts=args.prompts, log=_log)
             table, plot = remote_pays_table(result), plot_remote_pays
         elif args.study == "reproduce":
@@ -288,7 +337,9 @@ def add_parser(sub, default_config: str) -> None:
     for name, helptext in (("reproduce", "the paper's offline and online settings on its two model pairs"),
                            ("size", "goodput per dollar by drafter GPU kind and count per verifier"),
                            ("remote", "where drafters on GPUs of their own pay: throughput against vanilla "
-                                      "speculation over drafter step cost, hop and acceptance margin")):
+                                      "speculation over drafter step cost, hop and acceptance margin"),
+                           ("tiers", "speculation.drafting_tier per load: colocated, deployments and auto (the "
+                                     "chooser of speculation/tiers.py) at each batch size")):
         r = ssub.add_parser(name, help=helptext)
         r.add_argument("--config", default=default_config, help="the application whose drafters are replayed")
         r.add_argument("--trace", default=str(DEFAULT_TRACE), help="recorded requests (speculation.record_trace)")
@@ -298,6 +349,10 @@ def add_parser(sub, default_config: str) -> None:
             r.add_argument("--profiles", default="paper-llama,paper-qwen")
             r.add_argument("--prompts", type=int, default=512, help="offline requests per point (the paper: 8192)")
             r.add_argument("--online-s", type=float, default=600.0, help="simulated seconds per online run")
+        elif name == "tiers":
+            r.add_argument("--profiles", default="paper-qwen,paper-qwen-eager,paper-llama")
+            r.add_argument("--batches", default="1,2,4,8,16")
+            r.add_argument("--prompts", type=int, default=128, help="offline requests per point")
         elif name == "remote":
             r.add_argument("--profile", default="paper-qwen", choices=["paper-qwen", "paper-llama"])
             r.add_argument("--prompts", type=int, default=64, help="offline requests per point")

@@ -439,3 +439,36 @@ def remote_pays(args: dict, requests: list[ReplayRequest], profile: str = "paper
             log(f"  batch {b}, domain drafters sharpened {share:.0%}: accepted {r['mean_accepted_length']:.2f} vs "
                 f"{van['mean_accepted_length']:.2f}, throughput ratio {out['margin'][-1]['ratio']:.2f}")
     return out
+
+
+# ---------------------------------------------------------------------------------------------- drafting tiers
+TIER_LAYOUTS = ("colocated", "deployments", "auto")  # speculation.drafting_tier
+
+
+def tiers(args: dict, requests: list[ReplayRequest], profiles=("paper-qwen", "paper-qwen-eager", "paper-llama"),
+          batches=PAPER["batches"], prompts: int = 128, log=print) -> dict:
+    """`speculation.drafting_tier` per load: the config's drafting (routing, fusion, the goodput controller) on the
+    verifier's GPUs (colocated), on drafter GPUs of their own (deployments), and `auto` (each round on the tier the
+    chooser of speculation/tiers.py picks, from the rounds it measures), offline at each batch size (`prompts`
+    requests of 256 prompt tokens). `best_fixed` is the better fixed tier's throughput at each point, `auto_ratio`
+    auto's over it."""
+    out: dict = {"prompts": prompts, "batches": list(batches), "rows": [],
+                 "hardware": {p: PROFILES[p].model_dump() for p in profiles}}
+    for name in profiles:
+        hw = PROFILES[name]
+        for b in batches:
+            row: dict = {"profile": name, "batch": b}
+            for tier in TIER_LAYOUTS:
+                a = dict(args, speculation=dict(args.get("speculation", {}), drafting_tier=tier))
+                if tier == "colocated":  # colocated drafters have no replicas of their own to scale
+                    a["drafters"] = [{k: v for k, v in d.items() if k != "deployment"} for d in args["drafters"]]
+                row[tier] = simulate(a, "cosine", hw, requests, Workload("offline", count=prompts, prompt_tokens=256),
+                                     max_batch=b)
+            fixed = max(row["colocated"]["throughput_tok_s"], row["deployments"]["throughput_tok_s"])
+            row["best_fixed"] = "colocated" if row["colocated"]["throughput_tok_s"] >= fixed else "deployments"
+            row["auto_ratio"] = row["auto"]["throughput_tok_s"] / fixed
+            out["rows"].append(row)
+            log(f"  {name} batch {b}: " + ", ".join(f"{t} {row[t]['throughput_tok_s']:.0f} tok/s" for t in TIER_LAYOUTS)
+                + f"; auto / best fixed {row['auto_ratio']:.3f}, remote rounds "
+                f"{row['auto']['remote_round_share']:.0%}")
+    return out

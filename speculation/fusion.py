@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engines.draft import Draft, TreeBuilder
+from engines.draft_tree import Draft, TreeBuilder
 from engines.interface import Proposal
 
 

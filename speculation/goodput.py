@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engines.runner import step_seconds
-
+from speculation.controller import DraftLengthController
 from speculation.messages import Participation
 
 
@@ -65,25 +64,6 @@ class LinearLatency:
 
     def __call__(self, n: float) -> float:
         return self.a + self.b * n
-
-
-def fit_verify_latency(model, batch: int, context: int = 128, news=(1, 3, 5, 9)) -> LinearLatency:
-    """t(total tokens in the step) for a verifier running `batch` requests."""
-    lat = LinearLatency()
-    for b in sorted({1, batch}):
-        for n in news:
-            lat.samples.append((b * n, step_seconds(model, b, context, n)))
-    lat.refit()
-    return lat
-
-
-def fit_draft_latency(model, batch: int, context: int = 128, make_runner=None) -> LinearLatency:
-    """t(batch size) of one lockstep drafter step (one new token per request); `make_runner`: as `step_seconds`."""
-    lat = LinearLatency()
-    for b in sorted({1, max(1, batch // 2), batch}):
-        lat.samples.append((b, step_seconds(model, b, context, 1, make_runner=make_runner)))
-    lat.refit()
-    return lat
 
 
 @dataclass
@@ -124,7 +104,7 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 @dataclass
-class SpeculationController:
+class SpeculationController(DraftLengthController):
     """Per-request draft lengths from acceptance estimates and fitted step-latency models."""
 
     k_max: int = 8
@@ -176,6 +156,26 @@ class SpeculationController:
         if mode is not None:
             self.mode_counts[mode] = decayed(self.mode_counts.get(mode, (0.0, 0.0)), 0.95)
             self.mode_of[rid] = mode
+
+    def observe_verified(self, rid: str, drafted: int, accepted: int, participation: Participation | None) -> None:
+        self.observe_acceptance(rid, drafted, accepted, participation if self.modes else None)
+
+    def observe_verify(self, tokens: int, seconds: float, wall_s: float) -> None:
+        self.verify.observe(tokens, seconds)
+
+    def observe_round(self, requests: int, depth: int, modes: set[Participation | None], seconds: float) -> None:
+        """Without modes, one lockstep step per depth; with them, the round in its mode, where it was one."""
+        if not self.modes:
+            self.draft.observe(requests, seconds / depth)
+        elif len(modes) == 1 and None not in modes:
+            self.draft_model(next(iter(modes))).observe(depth, requests, seconds)
+
+    def state(self) -> dict:
+        return {"verify_fit_ms": [1000 * self.verify.a, 1000 * self.verify.b],
+                "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b, 1000 * m.c]
+                                       for p, m in self.mode_draft.items()},
+                "pool_acceptance": self.pool_acceptance,
+                "acceptance_by_participation": {str(p): self.mode_acceptance(p) for p in self.mode_counts}}
 
     def draft_model(self, mode: Participation) -> RoundLatency:
         """A round's drafting time in its depth and requests, per mode: t = a + k (b + c n). Lockstep fusion pays a

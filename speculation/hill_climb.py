@@ -20,16 +20,16 @@ from __future__ import annotations
 import math
 import statistics
 
+from speculation.controller import DraftLengthController
 from speculation.messages import Participation
 
 
-class HillClimbController:
+class HillClimbController(DraftLengthController):
     SETTLE = 2  # steps after a move whose drafts may be the previous k's (the other pipeline half, drafted ahead)
     Z = 1.5  # standard errors by which a probe must beat the current k
     MIN_GAIN = 0.01  # and relative gain
 
-    mode: Participation | None = None  # participation is not chosen: the configuration's
-    predicted_goodput: float | None = None  # nothing is predicted (no `cosine_goodput{source="predicted"}`)
+    # participation is not chosen (the configuration's), nothing is predicted (no cosine_goodput{source="predicted"})
 
     def __init__(self, k_max: int, window: int = 32, hold: int = 4):
         self.k_max, self.window, self.hold = k_max, window, hold
@@ -53,10 +53,16 @@ class HillClimbController:
         self._close_step()
         self.step_wall, self.step_tokens, self.step_requests = wall_s, 0, 0
 
+    def observe_verify(self, tokens: int, seconds: float, wall_s: float) -> None:
+        self.observe_step(wall_s)  # whole steps are measured, not the verifier's share
+
     def observe_acceptance(self, rid: str, drafted: int, accepted: int, mode: Participation | None = None) -> None:
         """A request of the current step committed `accepted` draft tokens and the target's own."""
         self.step_tokens += accepted + 1
         self.step_requests += 1
+
+    def observe_verified(self, rid: str, drafted: int, accepted: int, participation: Participation | None) -> None:
+        self.observe_acceptance(rid, drafted, accepted, participation)
 
     def release(self, rid: str) -> None:
         """Nothing is kept per request."""

@@ -5,7 +5,7 @@
     Verifier --[TokenChunk]--> ingress (one per request and verify step)
 
 Plain dataclasses: Serve pickles them as they are, and there is no codec. Tokens proposed by drafters are
-`engines.interface.Proposal`; drafts (chains or token trees) are `engines.draft.Draft`.
+`engines.interface.Proposal`; drafts (chains or token trees) are `engines.draft_tree.Draft`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engines.draft import Draft
+from engines.draft_tree import Draft
 from engines.interface import Proposal
 
 __all__ = ["Draft", "DraftRequest", "DrafterCall", "DrafterReply", "Participation", "Proposal",

@@ -6,10 +6,18 @@ from __future__ import annotations
 from collections import deque
 
 from config import AppConfig
+from speculation.controller import DraftLengthController
 from speculation.goodput import SpeculationController
 from speculation.hill_climb import HillClimbController
 from speculation.messages import DraftRequest, Participation, SpeculationOverrides
 from speculation.retirement import DomainDrafterRetirement
+from speculation.strategies import strategy_class
+
+
+def _routed(mode: str) -> bool:
+    """Does the mode route several drafters per request (the strategy's `routed`)?"""
+    cls = strategy_class(mode)
+    return cls is not None and cls.routed
 
 
 class DraftPlanner:
@@ -44,7 +52,7 @@ class DraftPlanner:
                                       budget=min(spec.tree_budget, mode.drafters_per_request * k),
                                       participation=mode, drafters=o.drafters, routing=o.routing, ahead=ahead))
         if self.retirement is not None:
-            if not getattr(self.controller, "probing", False):  # a probe of a routed mode only measures it
+            if not (self.controller and self.controller.probing):  # a probe of a routed mode only measures it
                 self.retirement.observe(len(batch), sum(1 for d in batch if not d.participation.generalist))
             batch = self.retirement.apply(batch)
         return batch
@@ -53,11 +61,13 @@ class DraftPlanner:
         """How a request drafts this round: the controller's choice unless the request fixes its drafters, their
         number or lockstep (then lockstep is the configured one, or the controller's where the number matches)."""
         spec, mode = self.cfg.speculation, self.controller.mode if self.controller else None
-        if (o.mode or spec.mode) == "vote":  # every voter drafts its own chain; one chain is verified
-            return Participation(len(o.drafters or spec.vote.drafters or self.cfg.drafters), vote=True)
+        strategy = strategy_class(o.mode or spec.mode)
+        fixed = strategy.participation(self.cfg, o) if strategy is not None else None
+        if fixed is not None:
+            return fixed
         if o.drafters:
             n = len(o.drafters)
-        elif spec.mode != "cosine":
+        elif not _routed(spec.mode):
             n = 1
         elif mode is not None and mode.generalist and not o.drafters_per_request:
             return mode
@@ -72,34 +82,24 @@ class DraftPlanner:
             lockstep = mode.lockstep
         else:
             lockstep = spec.lockstep
-        return Participation(n, lockstep and spec.mode == "cosine")
+        return Participation(n, lockstep and _routed(spec.mode))
 
     def observe_round(self, batch: list[DraftRequest], modes: set[Participation | None], seconds: float) -> None:
         """Price a drafting round: per lockstep depth by the number of requests drafting, or, choosing the
         participation, per mode in the round's depth and requests (only a round of one mode without prompt scoring, marked
         None in `modes`, says what that mode costs)."""
-        c, depth = self.controller, max(d.k for d in batch)
-        if not isinstance(c, SpeculationController):  # none, or the hill climber: it measures whole steps
-            return
-        if not c.modes:
-            c.draft.observe(len(batch), seconds / depth)
-        elif len(modes) == 1 and None not in modes:
-            c.draft_model(next(iter(modes))).observe(depth, len(batch), seconds)
+        if self.controller is not None:
+            self.controller.observe_round(len(batch), max(d.k for d in batch), modes, seconds)
 
     def observe_step(self, tokens: int, seconds: float, wall_s: float) -> None:
         """A verify step of `tokens` took `seconds`; `wall_s` since the previous step ended (drafting included)."""
-        c = self.controller
-        if isinstance(c, HillClimbController):
-            c.observe_step(wall_s)
-        elif c is not None:
-            c.verify.observe(tokens, seconds)
+        if self.controller is not None:
+            self.controller.observe_verify(tokens, seconds, wall_s)
 
     def observe_acceptance(self, rid: str, depth: int, accepted: int, participation: Participation | None) -> None:
         """A verified round of `rid` (depth 0: it had no draft), drafted with `participation`."""
-        c = self.controller
-        if c is not None:
-            modes = isinstance(c, SpeculationController) and c.modes
-            c.observe_acceptance(rid, depth, accepted, participation if depth and modes else None)
+        if self.controller is not None:
+            self.controller.observe_verified(rid, depth, accepted, participation)
 
     def state(self, drafting_overlaps_verification: bool) -> dict | None:
         """The controller's state for operators (`speculation_stats`)."""
@@ -113,16 +113,10 @@ class DraftPlanner:
                   "participation": str(c.mode) if c.mode else None}
         if self.retirement is not None:
             common |= {"domain_drafters_retired": self.retirement.retired, "routed_share": self.retirement.share()}
-        if isinstance(c, HillClimbController):
-            return common | c.state()
-        return common | {
-            "verify_fit_ms": [1000 * c.verify.a, 1000 * c.verify.b],
-            "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b, 1000 * m.c] for p, m in c.mode_draft.items()},
-            "pool_acceptance": c.pool_acceptance,
-            "acceptance_by_participation": {str(p): c.mode_acceptance(p) for p in c.mode_counts}}
+        return common | c.state()
 
 
-def make_controller(cfg: AppConfig) -> SpeculationController | HillClimbController | None:
+def make_controller(cfg: AppConfig) -> DraftLengthController | None:
     """The controller the configuration asks for: none without adaptive speculation; the hill climber (Minions)
     for `controller.kind: hill_climb`; else the goodput controller, which with several drafters per request also
     picks the participation: one drafter, or n fused in lockstep (if on) or one-shot."""
@@ -132,9 +126,9 @@ def make_controller(cfg: AppConfig) -> SpeculationController | HillClimbControll
     if spec.controller.kind == "hill_climb":
         return HillClimbController(spec.k, spec.controller.window, spec.controller.hold)
     # a multi-drafter round verifies up to drafters_per_request nodes per depth (the chain and its branches)
-    per_depth = cfg.routing.drafters_per_request if spec.mode == "cosine" else 1
+    per_depth = cfg.routing.drafters_per_request if _routed(spec.mode) else 1
     modes: tuple[Participation, ...] = ()
-    if spec.adaptive_drafters and spec.mode == "cosine":
+    if spec.adaptive_drafters and _routed(spec.mode):
         # the generalist instead of the routed drafter: one batched step per depth for the whole round, where
         # routing spreads a batch over several drafters (measured, 8 requests on two cores: 226 tok/s on the
         # generic drafter alone against 166 routed; routed wins alone, 97 against 90)

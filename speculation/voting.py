@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engines.draft import Draft
+from engines.draft_tree import Draft
 
 GLOBAL = ""  # the scope of weights shared by every request
 

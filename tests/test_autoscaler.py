@@ -235,3 +235,31 @@ def test_a_drafter_measures_the_part_of_its_step_that_grows_with_its_requests():
     b, a = np.polyfit(*zip(*cost.samples), 1)  # the least-squares line through them (kept non-negative)
     assert (cost.a, cost.b) == pytest.approx((max(a, 0.0), max(b, 0.0)), rel=1e-9, abs=1e-12)
     server.executor.shutdown()
+
+
+def test_drafters_go_to_their_minimum_while_the_auto_tier_drafts_on_the_verifiers_hardware():
+    """`speculation.drafting_tier: auto` (speculation/tiers.py): the verifier reports the share of rounds its chooser
+    put on the drafter deployments. Below speculation_off_below (the chooser's probes of the unused tier stay
+    under it) every drafter goes to min_replicas, zero included; a verifier drafting remotely gets the usual
+    demand-driven replicas, and a drafter at zero comes back once the chooser puts rounds on it again."""
+    from speculation.tiers import VERIFIER_REMOTE
+
+    policy = DrafterAutoscaler()
+
+    def decisions(remote: list[float], code: int) -> dict[str, int]:
+        n = len(remote)
+        contexts = dict([
+            _context("Verifier", n, {VERIFIER_DRAFT_WAIT: [0.05] * n, VERIFIER_SPECULATING: [0.9] * n,
+                                     VERIFIER_ROUNDS: [60.0] * n, VERIFIER_REMOTE: remote}),
+            _context("Drafter-code", code, {DRAFTER_BUSY: [0.9] * code, DRAFTER_QUEUED: [0.0] * code,
+                                            DRAFTER_REQUESTS: [4] * code} if code else {}, low=0)])
+        return {d.name: r for d, r in policy(contexts)[0].items() if d.name.startswith("Drafter-")}
+
+    assert decisions([0.01], code=2) == {"Drafter-code": 0}  # probes only: the drafters would cost more than hide
+    # one verifier replica drafts remotely: its demand decides (1.8 replicas' worth, at most 60% each)
+    assert decisions([0.01, 0.6], code=2) == {"Drafter-code": 3}
+    assert decisions([0.5], code=0) == {"Drafter-code": 1}  # back from zero
+    assert verifier_load(_context("Verifier", 1, {VERIFIER_DRAFT_WAIT: [0.0], VERIFIER_SPECULATING: [1.0]})[1]) \
+        .remote is None  # a fixed tier does not report it
+    d = ReplicaPlanner(SPEC).decide(DrafterLoad(0.9, 0.0), VerifierLoad(0.05, 0.9, 60.0, remote=0.0), 2, 1, 4, None)
+    assert (d.replicas, d.kind) == (1, "colocated")

@@ -35,6 +35,23 @@ def test_bad_configs_are_rejected_with_a_clear_message(bad, needle):
     assert needle in str(e.value)
 
 
+def test_autoscaling_config_is_typed_and_goes_to_serve_as_written():
+    """Serve's keys, as YAML writes them, pass through unchanged; a misspelt key or reversed bounds is refused at
+    startup, not left for Serve (or nobody) to notice."""
+    from ray.serve.config import AutoscalingConfig
+
+    scaling = {"min_replicas": 0, "max_replicas": 3, "upscale_delay_s": 2.0, "aggregation_function": "max"}
+    cfg = AppConfig.model_validate(_cfg(drafters=[{"name": "code", "model": "a",
+                                                   "deployment": {"autoscaling_config": scaling}}]))
+    opts = cfg.drafters[0].deployment.serve_options()
+    assert opts["autoscaling_config"] == scaling and "num_replicas" not in opts
+    AutoscalingConfig(**opts["autoscaling_config"])  # Serve takes it
+    for bad, needle in (({"max_replica": 2}, "max_replica"), ({"min_replicas": 3, "max_replicas": 2}, "<=")):
+        with pytest.raises(ValidationError, match=needle):
+            AppConfig.model_validate(_cfg(drafters=[{"name": "code", "model": "a",
+                                                     "deployment": {"autoscaling_config": bad}}]))
+
+
 def test_shipped_serve_configs_validate_against_both_schemas():
     from pathlib import Path
 

@@ -133,7 +133,7 @@ def test_a_hung_drafter_sits_out_and_the_others_still_draft(target, models, prom
     # drafters of its own: the verifier engine's request ids repeat across tests, and drafters drop calls for ids
     # they were told are released
     got, coord, _ = asyncio.run(_run(target, _servers(models), prompts[:3], True, hung=hung, round_budget_s=0.5,
-                                            health=DrafterHealth(base_s=600)))
+                                            health=DrafterHealth(base_s=600, max_s=600)))
     want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts[:3]]
     assert got == want
     assert sorted(coord.failed_calls) == sorted(hung) and [coord.calls.count(n) for n in hung] == [1, 1]

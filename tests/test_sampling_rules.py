@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engines.draft import Draft, TreeBuilder
+from engines.draft_tree import Draft, TreeBuilder
 from engines.rules import verify_sampling
 
 V = 5

@@ -37,8 +37,8 @@ class SpeculationDeployment:
         self.coordinator = SpeculationCoordinator.from_config(config)
         # drafters the autoscaler may take to zero replicas: a call to one at zero would wait at its handle until
         # the round's deadline, so those at zero are parked (not called) until Serve runs a replica again
-        self.may_park = [d.name for d in config.drafters
-                         if (d.deployment.autoscaling_config or {}).get("min_replicas", 1) == 0]
+        self.may_park = [d.name for d in config.drafters if (a := d.deployment.autoscaling_config) is not None
+                         and a.min_replicas == 0]
         self.watch: asyncio.Task | None = None
         self.coordinator.on_failure = DrafterFailures()
         self.homes: dict[tuple[str, str], str] = {}  # (drafter, request) -> the replica holding its cache

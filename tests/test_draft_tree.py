@@ -3,7 +3,7 @@ made ahead once the context has grown."""
 
 from __future__ import annotations
 
-from engines.draft import Draft
+from engines.draft_tree import Draft
 
 
 def _tree() -> Draft:

@@ -1,0 +1,43 @@
+"""The draft-length controller interface: what the planner asks of a controller and tells it.
+
+Two implement it: `goodput.SpeculationController` (per-request lengths and the participation from the goodput
+model, SmartSpec) and `hill_climb.HillClimbController` (one length hill-climbed on measured goodput, Minions);
+`planner.make_controller` builds the one `speculation.controller.kind` names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from speculation.messages import Participation
+
+
+class DraftLengthController(ABC):
+    mode: Participation | None = None  # the participation the last `choose` picked (None: the configuration's)
+    probing: bool = False  # the last `choose` tried a mode for its measurements, not for its goodput
+    predicted_goodput: float | None = None  # tokens per second the last choice expects, where it predicts one
+
+    @abstractmethod
+    def choose(self, rids: list[str], k_caps: dict[str, int] | None = None, overlap_s: float = 0.0) -> dict[str, int]:
+        """Each request's draft length, within its cap; `overlap_s` of verification runs beside the drafting."""
+
+    def observe_round(self, requests: int, depth: int, modes: set[Participation | None], seconds: float) -> None:
+        """A drafting round of `requests` drafting up to `depth` took `seconds`; `modes`: the participations it
+        drafted in (None among them: a request's prompt was scored, so the round says nothing of a mode's cost)."""
+
+    @abstractmethod
+    def observe_verify(self, tokens: int, seconds: float, wall_s: float) -> None:
+        """A verify step of `tokens` took `seconds`; `wall_s` since the previous step ended (drafting included)."""
+
+    @abstractmethod
+    def observe_verified(self, rid: str, drafted: int, accepted: int, participation: Participation | None) -> None:
+        """A request's verified round: `accepted` of a draft `drafted` deep (0: no draft), drafted with
+        `participation`."""
+
+    @abstractmethod
+    def release(self, rid: str) -> None:
+        """The request finished."""
+
+    @abstractmethod
+    def state(self) -> dict:
+        """What operators see (`speculation_stats`)."""
