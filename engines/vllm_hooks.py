@@ -86,6 +86,11 @@ class ExternalDraftScheduler(Scheduler):
                 continue
             # More than k tokens crash vLLM's spec-decode metrics; none may run past max_tokens or the context.
             room = min(k, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+            # Before min_tokens, vLLM masks the stop tokens per draft row but at the bonus row by the step's start
+            # count (the plain sampler's MinTokensLogitsProcessor.apply): a step ending past min_tokens would mask
+            # a stop token target-only decoding may emit there. Such a step ends at min_tokens - 1 at the latest.
+            if req.num_output_tokens < (min_tokens := req.sampling_params.min_tokens):
+                room = min(room, min_tokens - req.num_output_tokens - 1)
             tokens = list(draft.tokens[:max(0, room)])
             # A structured-output request's draft is cut where it breaks the grammar, as vLLM cuts its own proposer's
             # (update_draft_token_ids); the grammar's bitmask then masks the target at every draft position.
