@@ -295,7 +295,6 @@ def test_a_real_prometheus_scrapes_the_graph_evaluates_the_alerts_and_answers_th
     import shutil
     import subprocess
     import time
-    from pathlib import Path
 
     import yaml
 
