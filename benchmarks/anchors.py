@@ -242,7 +242,8 @@ class _Worker:
         for line in self.proc.stdout:
             if line.startswith(prefix):
                 return line[len(prefix):].strip()
-        raise RuntimeError(f"benchmark worker exited ({self.proc.wait()}); its log: {self.log_path}")
+        tail = "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"benchmark worker exited ({self.proc.wait()}); the end of its log ({self.log_path}):\n{tail}")
 
     def run(self, prompts, concurrency, max_tokens, domains) -> dict:
         self.proc.stdin.write(json.dumps({"prompts": prompts, "concurrency": concurrency, "max_tokens": max_tokens,
