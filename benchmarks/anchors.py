@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,9 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from model_family import DOMAINS
+from benchmarks.common import ServedApp, heldout_prompts
 from benchmarks.metrics import save_json
 
 TARGET_ONLY = "vLLM target-only"
@@ -259,63 +257,9 @@ class _Worker:
             self.proc.kill()
 
 
-class _Served:
-    """`cosine serve CONFIG` on loopback ports of its own, and a closed-loop HTTP client."""
-
-    def __init__(self, config: str, port: int, dashboard_port: int):
-        self.url = f"http://127.0.0.1:{port}"
-        cli = Path(sys.executable).with_name("cosine")
-        self.proc = subprocess.Popen([str(cli), "serve", config, "--port", str(port), "--dashboard-port",
-                                      str(dashboard_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cosine serve exited ({self.proc.returncode})")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(3)
-        self.model = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
-
-    def run(self, prompts, concurrency, max_tokens, domains) -> dict:
-        async def go():
-            sem = asyncio.Semaphore(concurrency)
-            async with httpx.AsyncClient(timeout=600) as client:
-                async def one(p):
-                    async with sem:
-                        t = time.perf_counter()
-                        r = await client.post(f"{self.url}/v1/completions", json={
-                            "model": self.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True})
-                        r.raise_for_status()
-                        return r.json(), time.perf_counter() - t
-
-                t0 = time.perf_counter()
-                res = await asyncio.gather(*(one(p) for p in prompts))
-                return res, time.perf_counter() - t0
-
-        res, wall = asyncio.run(go())
-        # the API returns text: the output check compares it with the reference's decoded text
-        return {"texts": [r[0]["choices"][0]["text"] for r in res], "seconds": [r[1] for r in res],
-                "outputs": [[0] * r[0]["usage"]["completion_tokens"] for r in res],
-                "wall": wall, "drafts": sum(r[0]["usage"].get("num_drafts", 0) for r in res),
-                "accepted": sum(r[0]["usage"].get("num_accepted_tokens", 0) for r in res),
-                "steps": sum(r[0]["usage"].get("verify_steps", 0) for r in res)}
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: int = 128, concurrencies=(1, 8),
         prompt_len: int = 64, repeats: int = 3, served: bool = True, port: int = 8011, k: int = 4,
         log=print) -> dict:
-    from benchmarks.engine import _prompts
     from model_family.paths import model_path
 
     if not (model_path("bench-target") / "config.json").exists():
@@ -326,7 +270,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path("tokenizer"))
-    prompts = _prompts(tok, per_domain, prompt_len)
+    prompts = heldout_prompts(tok, per_domain, prompt_len)
     max_batch = max(concurrencies)
     systems = _systems(served)
     logs = Path(tempfile.mkdtemp(prefix="cosine-anchors-"))
@@ -343,7 +287,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
                 continue
             log(f"[start {i + 1}/{len(systems)}] {name}")
             if spec["kind"] == "served":
-                runners[name] = _Served(_with_k(config, k, logs), port, port + 1)
+                runners[name] = ServedApp(_with_k(config, k, logs), port, port + 1)
             else:
                 runners[name] = _Worker(dict(spec, config=config, max_batch=max_batch, k=k), logs / f"{i}.log")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.engine import _load, _median, _prompts
+from benchmarks.common import heldout_prompts, load_model, median_row
 from benchmarks.metrics import save_json
 from engines.collaborative import CollaborativeEngine, Combination
 from engines.sampling import SamplingParams
@@ -53,8 +53,8 @@ def _methods(k: int) -> list[tuple[str, int, bool]]:
 def run(models_dir: Path, per_domain: int = 1, new_tokens: int = 96, k: int = 4, batches=(1, 8),
         prompt_len: int = 64, repeats: int = 3, partner: str = "drafter-generic", log=print) -> dict:
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
-    target, partner_model = _load(models_dir / "bench-target"), _load(models_dir / partner)
-    prompts = [p for _, p in _prompts(tok, per_domain, prompt_len)]
+    target, partner_model = load_model(models_dir / "bench-target"), load_model(models_dir / partner)
+    prompts = [p for _, p in heldout_prompts(tok, per_domain, prompt_len)]
     outputs: dict[tuple, list[list[int]]] = {}
 
     def one(case: str, comb: Combination, temperature: float, method: str, kk: int, alternate: bool, batch: int,
@@ -89,7 +89,7 @@ def run(models_dir: Path, per_domain: int = 1, new_tokens: int = 96, k: int = 4,
         for i, p in enumerate(plan):
             log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(plan)}] batch {p[-1]}: {p[0]}, {p[3]}")
             runs.setdefault((p[0], p[3], p[-1]), []).append(one(*p, warmup=False))
-    rows = [_median(r) for r in runs.values()]
+    rows = [median_row(r) for r in runs.values()]
     base = {(r.case, r.batch): r for r in rows if r.method == "token by token"}
     for r in rows:
         ref = base[(r.case, r.batch)]

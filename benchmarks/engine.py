@@ -10,67 +10,27 @@ speed-up a system with free drafting and no overhead would reach with the measur
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from config import AppConfig
-from engines.cpu_kernels import pack_linear_modules, packing_available
+from engines.cpu_kernels import packing_available
 from engines.sampling import SamplingParams
 from engines.drafter import DrafterEngine
 from engines.runner import step_seconds
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
-from model_family.samples import heldout_texts
 from speculation.goodput import SpeculationController
 from speculation.profiling import fit_draft_latency, fit_verify_latency
 from speculation.inprocess import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
+from benchmarks.common import Row, heldout_prompts, load_model, median_row
 from benchmarks.metrics import save_json
-
-
-@dataclass
-class Row:
-    method: str
-    batch: int
-    tokens: int
-    seconds: float
-    tokens_per_s: float  # the median run's
-    mean_accepted_length: float | None
-    target_passes_per_token: float | None
-    rounds: int | None = None
-    forward_seconds: float | None = None  # the verifier's forward passes: this run's time with free drafting
-    draft_ms_per_round: float | None = None  # per verify step, the time the loop waited for drafts
-    verify_ms_per_round: float | None = None
-    overhead_ms_per_round: float | None = None
-    drafting_ms_per_round: float | None = None  # the drafting tier's own time per round (routing, drafters, fusion)
-    drafting_ms_per_drafted_token: float | None = None  # the same per draft token verified
-    speedup_vs_target: float | None = None
-    identical_to_target: bool | None = None
-    limit_speedup: float | None = None
-    efficiency: float | None = None
-    tokens_per_s_min: float | None = None  # over the repeats
-    tokens_per_s_max: float | None = None
-    runs: int = 1
-
-
-def _load(path: Path, packed: bool = False, device: str = "cpu"):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
-    return pack_linear_modules(model) if packed else model
-
-
-def _prompts(tokenizer, per_domain: int, length: int) -> list[tuple[str, list[int]]]:
-    texts = heldout_texts()
-    out = []
-    for d in DOMAINS:
-        for t in texts[d][:per_domain]:
-            out.append((d, tokenizer(t, add_special_tokens=False).input_ids[:length]))
-    return out
 
 
 def _step_cost_ms(model, batch: int, context: int, new: int) -> float:
@@ -133,14 +93,14 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
 
         log("building the bench target (cosine models bench-target) ...")
         build_bench_target(models_dir / "target", bench_dir)
-    target = _load(bench_dir, device=device)
+    target = load_model(bench_dir, device=device)
     names = list(DOMAINS) + ["generic"]
-    drafters = {d: _load(models_dir / f"drafter-{d}", device=device) for d in names}
-    drafters["original"] = _load(models_dir / "target", device=device)
+    drafters = {d: load_model(models_dir / f"drafter-{d}", device=device) for d in names}
+    drafters["original"] = load_model(models_dir / "target", device=device)
     levels = [{"name": "original", "model": "target"}] + [
         {"name": f"3level-{d}", "model": "target", "assistant": str(models_dir / f"drafter-{d}")} for d in DOMAINS]
     drafters |= {f"3level-{d}": drafters["original"] for d in DOMAINS}
-    prompts = _prompts(tok, per_domain, prompt_len)
+    prompts = heldout_prompts(tok, per_domain, prompt_len)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     hf_models = {}
@@ -208,8 +168,8 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
 
     def hf(packed: bool, warmup: bool = False) -> Row:
         if packed not in hf_models:  # HF runs the model's own forward: give it the same packed kernels as ours
-            hf_models[packed] = (_load(bench_dir, packed, device),
-                                 {d: _load(models_dir / f"drafter-{d}", packed, device) for d in DOMAINS})
+            hf_models[packed] = (load_model(bench_dir, packed, device),
+                                 {d: load_model(models_dir / f"drafter-{d}", packed, device) for d in DOMAINS})
         name = "HF assisted generation" + (" (same packed kernels)" if packed else " (stock kernels)")
         return _hf_assisted(name, *hf_models[packed], prompts[:2] if warmup else prompts, new_tokens, outputs)
 
@@ -234,7 +194,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
             log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(plan)}] batch {batch}: {method}")
             runs.setdefault((method, batch), []).append(fn(batch, False))
     per_run = {f"{m} | batch {b}": [r.tokens_per_s for r in rs] for (m, b), rs in runs.items()}  # in run order
-    rows = [_median(runs[(m, b)]) for m, b, _ in plan]
+    rows = [median_row(runs[(m, b)]) for m, b, _ in plan]
     best = {(r.method, r.batch): r for r in rows}
 
     # speed-up, output identity and the limit with free drafting: target-only's verify forward time over this
@@ -261,15 +221,6 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                        "prepacked_cpu_linears": packing_available(next(target.parameters()))},
             "step_costs_ms": {str(b): {n: round(v, 2) for n, v in c.items()} for b, c in costs.items()},
             "rows": [asdict(r) for r in rows], "tokens_per_s_per_run": per_run}
-
-
-def _median(rows: list[Row]) -> Row:
-    """The median run by tokens/s, with the spread of all runs."""
-    ordered = sorted(rows, key=lambda r: r.tokens_per_s)
-    mid = ordered[(len(ordered) - 1) // 2]
-    mid.tokens_per_s = round(statistics.median(r.tokens_per_s for r in rows), 1)
-    mid.tokens_per_s_min, mid.tokens_per_s_max, mid.runs = ordered[0].tokens_per_s, ordered[-1].tokens_per_s, len(rows)
-    return mid
 
 
 @torch.no_grad()

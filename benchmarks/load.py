@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from benchmarks.anchors import _Served
+from benchmarks.common import ServedApp, heldout_prompts
 from benchmarks.metrics import save_json
 
 AUTOSCALING = {"min_replicas": 0, "max_replicas": 3, "initial_replicas": 1, "metrics_interval_s": 1.0,
@@ -184,7 +184,6 @@ class ReplicaPoller:
 
 def run(config: str, systems: list[str], rates: list[float], duration: float, repeats: int, max_tokens: int,
         port: int, log=print) -> dict:
-    from benchmarks.engine import _prompts
     from config import AppConfig
     from model_family.paths import model_path
     from transformers import AutoTokenizer
@@ -192,9 +191,9 @@ def run(config: str, systems: list[str], rates: list[float], duration: float, re
     # one token for the systems' Ray clusters and this process's REST client (Ray's token authentication)
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
-    prompts = [p for _, p in _prompts(AutoTokenizer.from_pretrained(model_path("tokenizer")), 4, 64)]
+    prompts = [p for _, p in heldout_prompts(AutoTokenizer.from_pretrained(model_path("tokenizer")), 4, 64)]
     random.Random(0).shuffle(prompts)  # domains mixed in arrival order
-    base = yaml.safe_load(Path(config).read_text())
+    base = yaml.safeload_model(Path(config).read_text())
     tmp = Path(tempfile.mkdtemp(prefix="cosine-load-"))
     configs = {}
     for s in systems:
@@ -206,7 +205,7 @@ def run(config: str, systems: list[str], rates: list[float], duration: float, re
     for rep in range(repeats):
         for i, (s, path) in enumerate(configs.items()):
             log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(configs)}] {s}: deploying")
-            served = _Served(str(path), port, port + 1)
+            served = ServedApp(str(path), port, port + 1)
             try:
                 drive(served.url, served.model, prompts, 1.0, 8, 16, seed=99)  # warm-up
                 with ReplicaPoller(f"http://127.0.0.1:{port + 1}") as poller:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from benchmarks.anchors import _Served
+from benchmarks.common import ServedApp, heldout_prompts
 from benchmarks.load import arrivals
 from benchmarks.metrics import save_json
 
@@ -138,17 +138,16 @@ def _auth() -> dict:
 
 def run(config: str, duration: float, rate: float, overload_rate: float, period: float, overload_share: float,
         hang_up_share: float, max_requests: int, max_tokens: int, port: int, log=print) -> dict:
-    from benchmarks.engine import _prompts
     from model_family.paths import model_path
     from transformers import AutoTokenizer
 
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # one token for the Ray cluster and this process's REST client
     os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
-    prompts = [p for _, p in _prompts(AutoTokenizer.from_pretrained(model_path("tokenizer")), 8, 64)]
+    prompts = [p for _, p in heldout_prompts(AutoTokenizer.from_pretrained(model_path("tokenizer")), 8, 64)]
     plans = schedule(duration, rate, overload_rate, period, overload_share, hang_up_share, len(prompts),
                      max_requests, seed=0)
     log(f"{len(plans)} requests over {duration:.0f} s; deploying {config}")
-    served = _Served(config, port, port + 1)
+    served = ServedApp(config, port, port + 1)
     dashboard = f"http://127.0.0.1:{port + 1}"
     try:
         warm = schedule(10, 1.0, 1.0, 10, 0.0, 0.0, len(prompts), 8, seed=1)

@@ -33,7 +33,7 @@ PAPER = {"prompt_tokens": 256, "output_tokens": 128, "batches": (1, 2, 4, 8, 16)
 
 def app_args(config: str | Path) -> dict:
     """The application args of a Serve config file (its first application)."""
-    return yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
+    return yaml.safeload_model(Path(config).read_text())["applications"][0]["args"]
 
 
 def system_config(args: dict, system: str, max_batch: int | None = None) -> tuple[AppConfig, dict]:
@@ -75,26 +75,25 @@ def validate(config: str, per_domain: int = 3, new_tokens: int = 128, concurrenc
     concurrencies' runs only (out of sample); acceptance is replayed."""
     from transformers import AutoTokenizer
 
-    from benchmarks.anchors import _Served
-    from benchmarks.engine import _prompts
+    from benchmarks.common import ServedApp, heldout_prompts
     from model_family.sources import resolve_model
 
     args = app_args(config)
     work = Path(tempfile.mkdtemp(prefix="cosine-validate-"))
     trace_path = work / "trace.jsonl"
-    serve_cfg = yaml.safe_load(Path(config).read_text())
+    serve_cfg = yaml.safeload_model(Path(config).read_text())
     serve_cfg["applications"][0]["args"]["speculation"] = dict(args.get("speculation", {}),
                                                                record_trace=str(trace_path))
     (work / "serve.yaml").write_text(yaml.safe_dump(serve_cfg))
     tok = AutoTokenizer.from_pretrained(resolve_model(args.get("tokenizer") or args["verifier"]["model"]))
-    prompts = _prompts(tok, per_domain, 64)
+    prompts = heldout_prompts(tok, per_domain, 64)
     ids = [p for _, p in prompts]
 
     def lines() -> int:
         return len(trace_path.read_text().splitlines()) if trace_path.exists() else 0
 
     log(f"starting the served graph of {config} (trace: {trace_path})")
-    served = _Served(str(work / "serve.yaml"), port, port + 1)
+    served = ServedApp(str(work / "serve.yaml"), port, port + 1)
     runs = []
     try:
         served.run(ids[:4], 2, 16, None)  # warm-up

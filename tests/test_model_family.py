@@ -137,7 +137,6 @@ def test_shipped_weights_reproduce_the_acceptance_matrix(models):
 
 def test_training_resumes_from_its_checkpoint_exactly(tmp_path):
     """A run cut off mid-model and started again ends with the weights of a run never cut off."""
-    import numpy as np
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from model_family.train import fit

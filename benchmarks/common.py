@@ -1,0 +1,129 @@
+"""What the benchmarks share: held-out prompts, the models loaded as the benchmarks run them, a result row with its
+median over repeats, and the served application under test (`cosine serve` on loopback ports with an HTTP client).
+
+Every benchmark imports these from here; none reaches into another benchmark's module."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from model_family import DOMAINS
+
+
+def load_model(path: Path, packed: bool = False, device: str = "cpu"):
+    """A model in fp32 for inference; `packed`: its linear layers in the CPU kernels' packed layout."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engines.cpu_kernels import pack_linear_modules
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    return pack_linear_modules(model) if packed else model
+
+
+def heldout_prompts(tokenizer, per_domain: int, length: int) -> list[tuple[str, list[int]]]:
+    """(domain, the first `length` tokens of a held-out text) for `per_domain` texts of every domain."""
+    from model_family.samples import heldout_texts
+
+    texts = heldout_texts()
+    out = []
+    for d in DOMAINS:
+        for t in texts[d][:per_domain]:
+            out.append((d, tokenizer(t, add_special_tokens=False).input_ids[:length]))
+    return out
+
+
+@dataclass
+class Row:
+    method: str
+    batch: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float  # the median run's
+    mean_accepted_length: float | None
+    target_passes_per_token: float | None
+    rounds: int | None = None
+    forward_seconds: float | None = None  # the verifier's forward passes: this run's time with free drafting
+    draft_ms_per_round: float | None = None  # per verify step, the time the loop waited for drafts
+    verify_ms_per_round: float | None = None
+    overhead_ms_per_round: float | None = None
+    drafting_ms_per_round: float | None = None  # the drafting tier's own time per round (routing, drafters, fusion)
+    drafting_ms_per_drafted_token: float | None = None  # the same per draft token verified
+    speedup_vs_target: float | None = None
+    identical_to_target: bool | None = None
+    limit_speedup: float | None = None
+    efficiency: float | None = None
+    tokens_per_s_min: float | None = None  # over the repeats
+    tokens_per_s_max: float | None = None
+    runs: int = 1
+
+
+def median_row(rows: list[Row]) -> Row:
+    """The median run by tokens/s, with the spread of all runs."""
+    ordered = sorted(rows, key=lambda r: r.tokens_per_s)
+    mid = ordered[(len(ordered) - 1) // 2]
+    mid.tokens_per_s = round(statistics.median(r.tokens_per_s for r in rows), 1)
+    mid.tokens_per_s_min, mid.tokens_per_s_max, mid.runs = ordered[0].tokens_per_s, ordered[-1].tokens_per_s, len(rows)
+    return mid
+
+
+class ServedApp:
+    """`cosine serve CONFIG` on loopback ports of its own, and a closed-loop HTTP client."""
+
+    def __init__(self, config: str, port: int, dashboard_port: int):
+        self.url = f"http://127.0.0.1:{port}"
+        cli = Path(sys.executable).with_name("cosine")
+        self.proc = subprocess.Popen([str(cli), "serve", config, "--port", str(port), "--dashboard-port",
+                                      str(dashboard_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cosine serve exited ({self.proc.returncode})")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(3)
+        self.model = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
+
+    def run(self, prompts, concurrency, max_tokens, domains) -> dict:
+        async def go():
+            sem = asyncio.Semaphore(concurrency)
+            async with httpx.AsyncClient(timeout=600) as client:
+                async def one(p):
+                    async with sem:
+                        t = time.perf_counter()
+                        r = await client.post(f"{self.url}/v1/completions", json={
+                            "model": self.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True})
+                        r.raise_for_status()
+                        return r.json(), time.perf_counter() - t
+
+                t0 = time.perf_counter()
+                res = await asyncio.gather(*(one(p) for p in prompts))
+                return res, time.perf_counter() - t0
+
+        res, wall = asyncio.run(go())
+        # the API returns text: the output check compares it with the reference's decoded text
+        return {"texts": [r[0]["choices"][0]["text"] for r in res], "seconds": [r[1] for r in res],
+                "outputs": [[0] * r[0]["usage"]["completion_tokens"] for r in res],
+                "wall": wall, "drafts": sum(r[0]["usage"].get("num_drafts", 0) for r in res),
+                "accepted": sum(r[0]["usage"].get("num_accepted_tokens", 0) for r in res),
+                "steps": sum(r[0]["usage"].get("verify_steps", 0) for r in res)}
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
