@@ -10,6 +10,7 @@ speed-up a system with free drafting and no overhead would reach with the measur
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -258,12 +259,35 @@ def format_table(result: dict) -> str:
     return "\n".join(lines) + f"\n\nstep costs (median): {costs}"
 
 
+def pool_table(result: dict) -> str:
+    """Each method run with the drafter pool on and off: the tokens/s ratio per repeat (median, min-max; the runs
+    were interleaved, so repeat i of both ran side by side), drafting costs, acceptance and output identity."""
+    rows = {(r["method"], r["batch"]): r for r in result["rows"]}
+    runs = result["tokens_per_s_per_run"]
+    lines = ["| batch | tok/s pool / no pool, median (min-max) | drafting ms per drafted token, pool / no pool "
+             "| drafting ms per round, pool / no pool | mean accepted length, pool / no pool | output = target-only |",
+             "|---|---|---|---|---|---|"]
+    for (name, batch), on in rows.items():
+        if not name.endswith(" [pool auto]"):
+            continue
+        off = rows[(name.replace("[pool auto]", "[pool off]"), batch)]
+        ratios = sorted(a / b for a, b in zip(runs[f"{name} | batch {batch}"], runs[f"{off['method']} | batch {batch}"]))
+        pair = lambda k: f"{on[k]:.3f} / {off[k]:.3f}"  # noqa: E731
+        yes = lambda r: "yes" if r["identical_to_target"] else "NO"  # noqa: E731
+        lines.append(f"| {batch} | {statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f}) "
+                     f"| {pair('drafting_ms_per_drafted_token')} | {pair('drafting_ms_per_round')} "
+                     f"| {pair('mean_accepted_length')} | {yes(on)} / {yes(off)} |")
+    return "\n".join(lines)
+
+
 def main(args) -> int:
     from model_family.paths import models_dir
 
     result = run(models_dir(), per_domain=args.per_domain, new_tokens=args.new_tokens, k=args.k,
                  batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device,
-                 only=args.methods)
+                 only=args.methods, pool=tuple(args.pool))
     print(format_table(result))
+    if len(args.pool) > 1:
+        print("\n" + pool_table(result))
     save_json(result, args.json)
     return 0

@@ -322,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="cpu", help="where the models run: cpu, or cuda on a GPU machine")
     e.add_argument("--methods", nargs="+", help="run only the methods whose names contain one of these (and "
                    "target-only, the reference), e.g. 'Minions' 'chain, generic'; 'HF' for HF assisted generation")
+    e.add_argument("--pool", nargs="+", choices=["auto", "off"], default=["off"], help="speculation.pool_drafters "
+                   "for our methods; both: side by side, with the pool's ratio per batch")
     e.add_argument("--json", default="bench_results/engine.json")
     e.set_defaults(func=_bench_engine)
     co = bsub.add_parser("collaborative", help="CoS vs token-by-token collaborative decoding (ensemble, "

@@ -36,15 +36,19 @@ def validation_table(result: dict) -> str:
 
 
 def out_of_sample_table(result: dict) -> str:
-    lines = ["| run predicted | latency model fitted on | throughput tok/s: measured | simulated | error | ms/token: "
-             "measured | simulated | error | verify step ms: measured | simulated | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """One row per run: measured throughput, latency per token and verify step; then each simulated from the even
+    half of the run's own steps and from the runs beside it, with its error."""
+    lines = ["| run | measured: tok/s, ms/token, verify ms | from the even half of its steps: tok/s, ms/token, verify "
+             "ms | from the runs beside it: tok/s, ms/token, verify ms |", "|---|---|---|---|"]
+    keys = (("throughput_tok_s", 1), ("latency_ms_per_token", 2), ("verify_ms", 2))
+    runs: dict[tuple, dict] = {}
     for r in result["rows"]:
-        cells = [f"{r[k]['measured']:.{d}f} | {r[k]['simulated']:.{d}f} | {r[k]['error']:+.1%}"
-                 for k, d in (("throughput_tok_s", 1), ("latency_ms_per_token", 2), ("verify_ms", 2))]
-        fitted = ", ".join(f"c{c}-r{rep}" for c, rep in r["fitted_on"]) + (" (even steps)" if r["half"] == 0 else "")
-        run = f"c{r['concurrency']}-r{','.join(map(str, r['repeats']))}"
-        lines.append(f"| {run} | {fitted} | " + " | ".join(cells) + " |")
+        runs.setdefault((r["repeats"][0], r["concurrency"]), {})["half" if r["half"] == 0 else "beside"] = r
+    for (rep, conc), by in sorted(runs.items()):
+        measured = ", ".join(f"{by['half'][k]['measured']:.{d}f}" for k, d in keys)
+        sims = [", ".join(f"{by[w][k]['simulated']:.{d}f} ({by[w][k]['error']:+.1%})" for k, d in keys)
+                for w in ("half", "beside")]
+        lines.append(f"| concurrency {conc}, repeat {rep} | {measured} | {sims[0]} | {sims[1]} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,146 @@
+"""The numbers in the docs' tables are recomputed from the committed JSON they cite: a table copied from an older run,
+edited by hand or rounded differently fails here.
+
+Tables a command prints are rendered again with the command's own formatter and every row must appear verbatim in
+the doc; tables that compare two runs (before -> after) are rendered here from both JSON files. Fast (reads JSON and
+markdown); no marks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _json(name: str) -> dict:
+    return json.loads((ROOT / "bench_results" / name).read_text())
+
+
+def _doc(rel: str) -> str:
+    return (ROOT / rel).read_text(encoding="utf-8")
+
+
+def _table_rows(table: str) -> list[str]:
+    return [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+
+
+def _assert_rows_in(rel: str, rows: list[str], source: str) -> None:
+    assert rows, f"nothing rendered from {source}"
+    text = _doc(rel)
+    missing = [r for r in rows if r not in text]
+    assert not missing, f"{rel}: rows that {source} does not give (recompute them from it):\n" + "\n".join(missing)
+
+
+# --- tables a command prints: its formatter on its JSON ----------------------------------------------------------
+
+def _pool(name):
+    from benchmarks.engine import pool_table
+    return pool_table(_json(name))
+
+
+def _remote(name):
+    from simulate.report import remote_pays_table
+    return remote_pays_table(_json(name))
+
+
+def _out_of_sample(name):
+    from simulate.report import out_of_sample_table
+    return out_of_sample_table(_json(name))
+
+
+PRINTED = [("docs/benchmarks.md", "drafter-pool.json", _pool),
+           ("docs/simulation.md", "simulate-remote.json", _remote),
+           ("docs/simulation.md", "simulate-validate-recorded.json", _out_of_sample),
+           ("docs/simulation.md", "simulate-validate-recorded-fixed.json", _out_of_sample)]
+
+
+@pytest.mark.parametrize("rel,name,render", PRINTED, ids=[p[1] for p in PRINTED])
+def test_a_printed_table_in_the_docs_is_its_commands_output_on_the_committed_json(rel, name, render):
+    _assert_rows_in(rel, _table_rows(render(name)), f"bench_results/{name}")
+
+
+# --- tables comparing the code before a change with after it -----------------------------------------------------
+
+PAIRS = {"paper-llama": "Llama-70B + 68M", "paper-qwen": "Qwen-32B + 0.5B"}
+
+
+def _by(rows: list[dict], *keys: str) -> dict:
+    return {tuple(r[k] for k in keys): r for r in rows}
+
+
+def test_the_reproduction_tables_are_the_two_runs():
+    before, after = _json("simulate-reproduce-before.json"), _json("simulate-reproduce.json")
+    b_off, a_off = _by(before["offline"], "profile", "batch", "system"), _by(after["offline"], "profile", "batch", "system")
+    rows = []
+    for (profile, batch, system), a in a_off.items():
+        if system != "no-spec":
+            continue
+        tps = lambda d, s: d[(profile, batch, s)]["throughput_tok_s"]  # noqa: E731
+        ms = lambda d, s: d[(profile, batch, s)]["service_ms_per_token"]  # noqa: E731
+        cells = [f"{tps(b_off, 'no-spec'):.0f} -> {tps(a_off, 'no-spec'):.0f}"]
+        cells += [f"{tps(b_off, s):.0f} ({ms(b_off, s):.1f}) -> {tps(a_off, s):.0f} ({ms(a_off, s):.1f})"
+                  for s in ("vanilla", "cosine")]
+        cells.append(f"{tps(b_off, 'cosine') / tps(b_off, 'vanilla'):.2f} -> "
+                     f"{tps(a_off, 'cosine') / tps(a_off, 'vanilla'):.2f}")
+        cos, van = a_off[(profile, batch, "cosine")], a_off[(profile, batch, "vanilla")]
+        cells.append(f"{van['mean_accepted_length']:.2f} / {cos['mean_accepted_length']:.2f}")
+        cells.append(f"{cos['ahead_used_share']:.0%}")
+        rows.append(f"| {PAIRS[profile]} | {batch} | " + " | ".join(cells) + " |")
+    b_on, a_on = _by(before["online"], "profile", "rate", "system"), _by(after["online"], "profile", "rate", "system")
+    for (profile, rate, system), a in a_on.items():
+        if system != "no-spec":
+            continue
+        cells = []
+        for s in ("no-spec", "vanilla", "cosine", "cosine+autoscaler"):
+            x, y = b_on[(profile, rate, s)], a_on[(profile, rate, s)]
+            cell = (f"{x['latency_ms_per_token']:.1f} -> {y['latency_ms_per_token']:.1f} ms, "
+                    f"${y['usd_per_million_tokens']:.2f}/M")
+            if s == "cosine+autoscaler":
+                cell += f"; {y['drafter_gpu_hours']:.2f} drafter GPU-h"
+            cells.append(cell)
+        rows.append(f"| {PAIRS[profile]} | {rate} | " + " | ".join(cells) + " |")
+    assert len(rows) == 16
+    _assert_rows_in("docs/simulation.md", rows, "bench_results/simulate-reproduce{-before,}.json")
+
+
+@pytest.mark.parametrize("suffix", ["", "-low"])
+def test_the_sizing_tables_are_the_two_runs(suffix):
+    before, after = _json(f"simulate-size{suffix}-before.json"), _json(f"simulate-size{suffix}.json")
+    b_rows, a_rows = _by(before["rows"], "system", "kind", "gpus"), _by(after["rows"], "system", "kind", "gpus")
+    rows = []
+    for key, a in a_rows.items():
+        system, kind, gpus = key
+        if system == "cosine" and gpus not in (1, 7, 14):
+            continue
+        b = b_rows[key]
+        cell = lambda r: f"{r['latency_ms_per_token']:.1f} ms, {r['good_tokens_per_usd'] / 1000:.0f}k"  # noqa: E731
+        name = system if kind is None else f"{system}, {gpus} x {kind}"
+        rows.append(f"| {name} | {cell(b)} | {cell(a)} |")
+    assert len(rows) == 11
+    _assert_rows_in("docs/simulation.md", rows, f"bench_results/simulate-size{suffix}{{-before,}}.json")
+
+
+def test_the_gpu_step_table_is_the_measured_steps_and_their_calibrated_model():
+    """docs/simulation.md, "GPU steps, calibrated on the measured ones": each cell is a step of
+    bench_results/gpu-steps.json (ms) and, in parentheses, what simulate/hardware.py's fit makes of it."""
+    from simulate.hardware import calibrate
+
+    data = _json("gpu-steps.json")
+    model = {(c.gpu, c.graphs, p["model"], p["batch"], p["new_tokens"]): p["model_ms"]
+             for c in calibrate().values() for p in c.points}
+    groups: dict[tuple, dict[int, dict]] = {}
+    for s in data["steps"]:
+        groups.setdefault((s["device"], s["gpu"], s["dtype"], s["graphs"], s["model"], s["batch"]), {})[s["new_tokens"]] = s
+    rows = []
+    for (device, gpu, dtype, graphs, name, batch), by_n in groups.items():
+        cells = [f"{by_n[n]['ms']} ({model[(gpu, graphs, name, batch, n)]:.2f})" if n in by_n else "-"
+                 for n in (1, 5, 9)]
+        mode = "CUDA graphs" if graphs else "eager"
+        rows.append(f"| {device} | {dtype} | {mode} | {name} | {batch} | " + " | ".join(cells) + " |")
+    assert len(rows) == len(groups) >= 12
+    text = _doc("docs/simulation.md")
+    missing = [r for r in rows if not any(line.startswith(r) for line in text.splitlines())]
+    assert not missing, "docs/simulation.md: GPU step rows that bench_results/gpu-steps.json does not give:\n" + \
+        "\n".join(missing)
