@@ -194,44 +194,44 @@ class _Primed:
 
 
 class _ChatReply:
-    """One choice's assistant message from its text: the content, or what vLLM's parsers make of it (reasoning
-    content, tool calls), whole or as stream deltas. Tool calls parse from the whole reply, so a reply that may
-    carry them streams its message at the end; reasoning streams as it comes."""
+    """One choice's assistant message from its text: the content, or what vLLM's composed parser makes of it
+    (reasoning, content, tool calls), whole or as stream deltas as vLLM's server sends them: reasoning and tool-call
+    arguments stream as they are generated."""
 
-    def __init__(self, api, vreq):
-        self.api, self.vreq = api, vreq
+    def __init__(self, api, vreq, prompt_ids: list[int]):
+        self.vreq, self.prompt_ids, self.called = vreq, prompt_ids, False
         self.mode = api.tool_mode(vreq) if vreq is not None else None
-        self.reasoner = api.reasoning_parser() if vreq is not None and self.mode is None else None
-        self.text, self.ids, self.called = "", [], False
+        self.parser = api.reply_parser() if vreq is not None else None
 
-    def whole(self, text: str) -> dict:
-        if self.vreq is None:
+    def whole(self, text: str, ids: list[int]) -> dict:
+        if self.parser is None:
             return {"role": "assistant", "content": text}
-        reasoning, content, calls = self.api.split(text, self.vreq)
+        from serve_app.vllm_api import tool_call
+
+        self.parser.set_prompt_token_ids(self.prompt_ids)
+        reasoning, content, calls = self.parser.parse(text, self.vreq, enable_auto_tools=True,
+                                                      model_output_token_ids=ids)
         self.called = bool(calls)
-        msg = {"role": "assistant", "content": content}
-        if reasoning is not None:  # vLLM 0.32 names it `reasoning`; clients read `reasoning_content` (vLLM's before)
+        msg = {"role": "assistant", "content": content or "" if self.mode in ("named", "required") else content}
+        if reasoning is not None and self.vreq.include_reasoning:
+            # vLLM 0.32 names it `reasoning`; clients read `reasoning_content` (vLLM's name before)
             msg.update(reasoning_content=reasoning, reasoning=reasoning)
         if calls:
-            msg["tool_calls"] = calls
+            msg["tool_calls"] = [tool_call(c.name, c.arguments, c.id) for c in calls]
         return msg
 
     def delta(self, text: str, ids: list[int], final: bool) -> dict:
-        if self.mode is not None:
-            self.text += text
-            if not final:
-                return {}
-            msg = self.whole(self.text)
-            msg["tool_calls"] = [{"index": j, **c} for j, c in enumerate(msg.get("tool_calls", []))]
-            return {k: v for k, v in msg.items() if k != "role" and v}
-        if self.reasoner is None or not text:
+        if self.parser is None:
             return {"content": text} if text else {}
-        before, before_ids = self.text, self.ids
-        self.text, self.ids = before + text, before_ids + list(ids)
-        d = self.reasoner.extract_reasoning_streaming(before, self.text, text, before_ids, self.ids, list(ids))
-        out = {} if d is None or d.content is None else {"content": d.content}
-        if d is not None and d.reasoning is not None:
+        d = self.parser.parse_delta(text, list(ids), self.vreq, self.prompt_ids, finished=final)
+        out = {}
+        if d is not None and d.content:
+            out["content"] = d.content
+        if d is not None and d.reasoning:
             out.update(reasoning_content=d.reasoning, reasoning=d.reasoning)
+        if d is not None and d.tool_calls:
+            self.called = True
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in d.tool_calls]
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:
@@ -380,9 +380,17 @@ class IngressDeployment:
         return params
 
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-                  add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message, tools=tools)
+                  add_special_tokens: bool = False, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
+                                                      **(template_kwargs or {}))
+        except TemplateError as e:  # the template's own checks (raise_exception), e.g. on a chat_template_kwargs value
+            raise P.APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
         return self._text_ids(text, add_special_tokens)
 
     def _text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -439,7 +447,8 @@ class IngressDeployment:
             self._check_model(req.model)
             if chat:
                 ids = await self._tokenize(self._chat_ids, self._messages(req), req.add_generation_prompt,
-                                           req.continue_final_message, req.add_special_tokens, req.tools)
+                                           req.continue_final_message, req.add_special_tokens, req.tools,
+                                           req.chat_template_kwargs)
             else:
                 ids = await self._tokenize(self._text_ids, req.prompt, req.add_special_tokens)
         except P.APIError as e:
@@ -468,7 +477,8 @@ class IngressDeployment:
             req = P.parse(P.ChatCompletionRequest, await self._body(request))
             vreq = self._constraints(req, chat=True)
             prompt_ids = await self._tokenize(self._chat_ids, self._messages(req), req.add_generation_prompt,
-                                              req.continue_final_message, req.add_special_tokens, req.tools)
+                                              req.continue_final_message, req.add_special_tokens, req.tools,
+                                              req.chat_template_kwargs)
             params = self._prepare(req, prompt_ids, vreq)
             self._admit(req.n)
         except P.APIError as e:
@@ -505,7 +515,7 @@ class IngressDeployment:
         top = params.logprobs  # None: no logprobs
         name = _token_id_name if req.return_tokens_as_token_ids else self.token_names
         offsets = [0] * n  # completions' text_offset of each choice's next token
-        replies = [_ChatReply(self.vllm_api, vreq) for _ in range(n)] if chat else None
+        replies = [_ChatReply(self.vllm_api, vreq, prompt_ids) for _ in range(n)] if chat else None
 
         def logprobs(i: int, chunk) -> dict | None:
             if top is None or not chunk.token_ids:
@@ -540,7 +550,7 @@ class IngressDeployment:
         out = []
         for i, whole in enumerate(wholes):
             text = detoks[i].push(whole.token_ids, True)
-            body = {"message": replies[i].whole(text)} if chat else {"text": text}
+            body = {"message": replies[i].whole(text, whole.token_ids)} if chat else {"text": text}
             reason = replies[i].finish_reason(whole.finish_reason) if chat else whole.finish_reason
             out.append({"index": i, **body, "logprobs": logprobs(i, whole), "finish_reason": reason})
         u = P.usage(len(prompt_ids), sum(len(w.token_ids) for w in wholes), P.spec_usage([w.usage for w in wholes]))

@@ -62,6 +62,15 @@ def ignored_fields(obj: BaseModel, prefix: str = "") -> list[str]:
 FUNCTIONS = "OpenAI's deprecated function calling: use tools and tool_choice"
 NOT_WITH_SPECULATION = "vLLM does not apply it with speculative decoding (vLLM refuses it with speculation on)"
 CHAT_TEMPLATE = "the model's own chat template is always used"
+# what the server itself passes to the chat template: a request's chat_template_kwargs may not set them
+TEMPLATE_ARGUMENTS = ("messages", "conversation", "tools", "documents", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "chat_template", "return_dict", "tokenizer")
+
+
+def _check_template_kwargs(kwargs: dict | None) -> None:
+    if kwargs and (taken := sorted(set(kwargs) & set(TEMPLATE_ARGUMENTS))):
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do",
+                       param="chat_template_kwargs")
 
 
 class TextPart(_Fields):
@@ -175,8 +184,9 @@ class _Common(_Fields):
 
     def constraint_fields(self) -> dict:
         """The fields vLLM's protocol models read (serve_app/vllm_api.py), as sent."""
-        return {k: getattr(self, k, None) for k in ("response_format", "structured_outputs", "tools", "tool_choice",
-                                                    "parallel_tool_calls")}
+        fields = {k: getattr(self, k, None) for k in ("response_format", "structured_outputs", "tools", "tool_choice",
+                                                      "parallel_tool_calls")}
+        return fields | {"include_reasoning": None if getattr(self, "include_reasoning", True) else False}
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -196,8 +206,7 @@ class ChatCompletionRequest(_Common):
         "audio": ((None,), "audio output is not served"), "modalities": ((["text"], None), "text only"),
         "prediction": ((None,), "predicted outputs are not served"),
         "web_search_options": ((None,), "web search is not served"),
-        "chat_template": ((None,), CHAT_TEMPLATE), "chat_template_kwargs": ((None, {}), CHAT_TEMPLATE),
-        "documents": ((None,), CHAT_TEMPLATE),
+        "chat_template": ((None,), CHAT_TEMPLATE), "documents": ((None,), CHAT_TEMPLATE),
         "echo": ((False, None), "the reply is never prefixed with the last message"),
     }
 
@@ -212,9 +221,13 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = Field(True, description="vLLM's extension, passed to the chat template")
     continue_final_message: bool = Field(False, description="vLLM's extension: the reply continues the last message")
     add_special_tokens: bool = Field(False, description="vLLM's extension: the tokenizer's own special tokens too")
+    chat_template_kwargs: dict | None = Field(None, description="vLLM's extension: more variables for the chat "
+                                              "template (e.g. enable_thinking)")
+    include_reasoning: bool = Field(True, description="vLLM's extension: false leaves the reasoning out of the reply")
 
     @model_validator(mode="after")
     def _consistent(self):
+        _check_template_kwargs(self.chat_template_kwargs)
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:
@@ -256,7 +269,7 @@ class TokenizeCompletionRequest(_Fields):
 class TokenizeChatRequest(_Fields):
     """vLLM's /tokenize of chat messages: the ids /v1/chat/completions feeds the model."""
 
-    UNSUPPORTED = {"chat_template": ((None,), CHAT_TEMPLATE), "chat_template_kwargs": ((None, {}), CHAT_TEMPLATE)}
+    UNSUPPORTED = {"chat_template": ((None,), CHAT_TEMPLATE)}
 
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -265,9 +278,11 @@ class TokenizeChatRequest(_Fields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
+    chat_template_kwargs: dict | None = None
 
     @model_validator(mode="after")
     def _consistent(self):
+        _check_template_kwargs(self.chat_template_kwargs)
         if self.add_generation_prompt and self.continue_final_message:
             raise APIError(400, "continue_final_message needs add_generation_prompt: false",
                            param="continue_final_message")

@@ -1,6 +1,7 @@
 """vLLM's own OpenAI-server pieces behind the ingress: structured outputs from `response_format` /
 `structured_outputs`, the JSON schema a `tool_choice` forces, and its tool-call and reasoning parsers
-(`ToolParserManager`, `ReasoningParserManager`, as `--tool-call-parser` and `--reasoning-parser`).
+(`ToolParserManager`, `ReasoningParserManager`, as `--tool-call-parser` and `--reasoning-parser`), composed per reply
+as vLLM's server composes them (`ParserManager`): reasoning first, then tool calls, whole or streamed as deltas.
 
 Requests are validated and converted by vLLM's protocol models, so a constraint means here what it means to vLLM's
 server; the constraint itself is applied in the verifier by vLLM's structured-output backend (engines/vllm_hooks.py).
@@ -9,7 +10,6 @@ server; the constraint itself is applied in the verifier by vLLM's structured-ou
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 
 from pydantic import ValidationError
@@ -17,7 +17,8 @@ from pydantic import ValidationError
 from serve_app.protocol import APIError
 
 # the request fields vLLM's protocol models read here
-CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls")
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
+                     "include_reasoning")
 
 
 def _vllm_error(e: Exception, default_param: str) -> APIError:
@@ -46,6 +47,7 @@ class VllmAPI:
             "tool_call_parser", tool_call_parser, ToolParserManager.get_tool_parser, tokenizer, None)
         self.reasoning_parser_cls = None if reasoning_parser is None else _parser(
             "reasoning_parser", reasoning_parser, ReasoningParserManager.get_reasoning_parser, tokenizer)
+        self.reply_parser_cls = _reply_parser(tool_call_parser, reasoning_parser, tokenizer)
 
     def request(self, body: dict, chat: bool):
         """vLLM's request model of the constraint fields (and the messages' place held): vLLM's validation."""
@@ -92,29 +94,9 @@ class VllmAPI:
             return "required"
         return "auto" if choice in ("auto", None) else "named"
 
-    def reasoning_parser(self):
-        return None if self.reasoning_parser_cls is None else self.reasoning_parser_cls(self.tokenizer)
-
-    def split(self, text: str, vreq) -> tuple[str | None, str | None, list[dict]]:
-        """(reasoning_content, content, tool_calls) of a whole reply, as vLLM's server splits it."""
-        reasoning, content = None, text
-        if self.reasoning_parser_cls is not None:
-            reasoning, content = self.reasoning_parser().extract_reasoning(text, vreq)
-        mode = self.tool_mode(vreq)
-        if mode == "named":
-            return reasoning, "", [_call(vreq.tool_choice.function.name, content or "")]
-        if mode == "required":
-            try:
-                calls = json.loads(content or "")
-            except json.JSONDecodeError:  # cut short (max_tokens): what there is stays content
-                return reasoning, content, []
-            return reasoning, "", [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-        if mode == "auto":
-            info = self.tool_parser_cls(self.tokenizer, vreq.tools).extract_tool_calls(content or "", vreq)
-            if info.tools_called:
-                return reasoning, info.content or None, [
-                    _call(tc.function.name, tc.function.arguments, tc.id) for tc in info.tool_calls]
-        return reasoning, content, []
+    def reply_parser(self):
+        """A parser for one reply (they keep stream state): vLLM's `Parser` interface, `parse` and `parse_delta`."""
+        return self.reply_parser_cls(self.tokenizer, None)
 
 
 def _parser(field: str, name: str, get, *args):
@@ -128,6 +110,53 @@ def _parser(field: str, name: str, get, *args):
     return cls
 
 
-def _call(name: str, arguments: str, call_id: str | None = None) -> dict:
+def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
+    """A whole reply's tool call as the API returns it."""
     return {"id": call_id or f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+def _reply_parser(tool_call_parser: str | None, reasoning_parser: str | None, tokenizer):
+    """vLLM's composed parser class for the configured names, its tool parser made to read a named or required
+    tool choice as vLLM's JSON path does: this server constrains those to their tools' JSON schema (structured_outputs
+    above), where vLLM 0.32 lets a parser with a structural tag constrain them to its own markup instead. Without a
+    tool parser, named and required still return their calls (auto is refused at the request)."""
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage, ExtractedToolCallInformation
+    from vllm.parser.abstract_parser import DelegatingParser
+    from vllm.parser.parser_manager import ParserManager
+    from vllm.tool_parsers.abstract_tool_parser import ToolParser
+
+    class NoAutoTools(ToolParser):
+        def extract_tool_calls(self, model_output, request):
+            return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
+
+        def extract_tool_calls_streaming(self, previous_text, current_text, delta_text, *args):
+            return DeltaMessage(content=delta_text) if delta_text else None
+
+    base = ParserManager.get_parser(tool_parser_name=tool_call_parser, reasoning_parser_name=reasoning_parser,
+                                    enable_auto_tools=True, tokenizer=tokenizer) or DelegatingParser
+    tools = type("JsonToolChoice", (base.tool_parser_cls or NoAutoTools,), {})
+    tools.supports_required_and_named = True  # after the class exists: ToolParser.__init_subclass__ may unset it
+
+    class ReplyParser(base):
+        """Streamed, the tool-call phase starts where the reasoning ends, which vLLM detects by token ids; a reasoning
+        parser whose markers are text (granite's) never reports that, and vLLM would stream a tool call as content.
+        Here the first content the reasoning parser passes on ends the reasoning too (content comes only after it,
+        or without any)."""
+
+        tool_parser_cls = tools
+        _content_seen = False
+
+        def extract_reasoning_streaming(self, *args, **kwargs):
+            d = super().extract_reasoning_streaming(*args, **kwargs)
+            self._content_seen = self._content_seen or bool(d is not None and d.content)
+            return d
+
+        def _is_reasoning_end_streaming(self, input_ids, delta_ids):
+            return super()._is_reasoning_end_streaming(input_ids, delta_ids) or self._content_seen
+
+        def _extract_content_ids(self, input_ids):
+            ids = super()._extract_content_ids(input_ids)  # None from a parser without end-token ids
+            return list(input_ids) if ids is None else ids
+
+    return ReplyParser

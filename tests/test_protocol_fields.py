@@ -6,6 +6,7 @@ served behaviour is tests/served/test_api_fields.py."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -285,34 +286,72 @@ def test_unknown_parsers_are_refused_at_startup(field):
         _ingress("vllm", **{field: "no-such-parser"})
 
 
-def test_replies_split_by_vllms_parsers(vllm_ingress):
+def _stream(reply, tokenizer, text: str) -> list[dict]:
+    """The reply's deltas with the text fed a token at a time, as the verifier commits it."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return [reply.delta(tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):], [t], i == len(ids) - 1)
+            for i, t in enumerate(ids)]
+
+
+def _streamed_calls(deltas: list[dict]) -> tuple[list[dict], int]:
+    """The tool calls the deltas add up to (OpenAI's rule: id, type and name once, arguments appended by index), and
+    how many deltas carried a piece of them."""
+    calls: dict[int, dict] = {}
+    pieces = 0
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            pieces += 1
+            call = calls.setdefault(c["index"], {"name": "", "arguments": ""})
+            if "id" in c:
+                call["id"] = c["id"]
+            fn = c.get("function", {})
+            call["name"] += fn.get("name") or ""
+            call["arguments"] += fn.get("arguments") or ""
+    return [calls[i] for i in sorted(calls)], pieces
+
+
+def test_replies_split_by_vllms_parsers(vllm_ingress, tokenizer):
     from serve_app.ingress import _ChatReply
 
     api = vllm_ingress.vllm_api
     auto = api.request({"tools": [TOOL], "tool_choice": "auto"}, chat=True)
     text = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    reply = _ChatReply(api, auto)
-    msg = reply.whole(text)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    reply = _ChatReply(api, auto, [1, 2])
+    msg = reply.whole(text, ids)
     assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
     assert (msg["content"] or "").strip() in ("", "Let me look.") and reply.finish_reason("stop") == "tool_calls"
-    plain = _ChatReply(api, auto)
-    assert plain.whole("no call here")["content"] == "no call here" and plain.finish_reason("stop") == "stop"
-    streamed = _ChatReply(api, auto)
-    deltas = [streamed.delta(text[:20], [], False), streamed.delta(text[20:], [], True)]
-    assert deltas[0] == {} and deltas[1]["tool_calls"][0]["index"] == 0
-    assert deltas[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    plain = _ChatReply(api, auto, [1, 2])
+    assert plain.whole("no call here", [])["content"] == "no call here" and plain.finish_reason("stop") == "stop"
+
+    # streamed: the call's name, then its arguments as they are generated, not the whole call in the last chunk
+    streamed = _ChatReply(api, auto, [1, 2])
+    deltas = _stream(streamed, tokenizer, text)
+    calls, pieces = _streamed_calls(deltas)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0]["id"] and pieces >= 3 and not deltas[-1].get("tool_calls", [{}])[0].get("function", {}).get("name")
+    assert "".join(d.get("content", "") for d in deltas).strip() == "Let me look."
+    assert streamed.finish_reason("stop") == "tool_calls"
 
     named = api.request({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
                         chat=True)
-    reply = _ChatReply(api, named)
-    msg = reply.whole('{"city": "Rome"}')
+    reply = _ChatReply(api, named, [1, 2])
+    msg = reply.whole('{"city": "Rome"}', [])
     assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     assert reply.finish_reason("stop") == "stop"  # OpenAI's (and vLLM's) for a named tool
+    calls, pieces = _streamed_calls(_stream(_ChatReply(api, named, [1, 2]), tokenizer, '{"city": "Rome"}'))
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Rome"}')] and pieces > 1
+
     required = api.request({"tools": [TOOL], "tool_choice": "required"}, chat=True)
-    reply = _ChatReply(api, required)
-    msg = reply.whole('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    reply = _ChatReply(api, required, [1, 2])
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    msg = reply.whole(text, [])
     assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert reply.finish_reason("stop") == "tool_calls"
+    streamed = _ChatReply(api, required, [1, 2])
+    calls, pieces = _streamed_calls(_stream(streamed, tokenizer, text))
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert pieces > 1 and streamed.finish_reason("stop") == "tool_calls"
 
 
 def test_reasoning_split_whole_and_streamed(vllm_ingress, tokenizer):
@@ -321,13 +360,36 @@ def test_reasoning_split_whole_and_streamed(vllm_ingress, tokenizer):
     api = vllm_ingress.vllm_api
     vreq = api.request({}, chat=True)
     text = "Here is my thought process: the user greets. Here is my response: Hello there"
-    msg = _ChatReply(api, vreq).whole(text)
+    msg = _ChatReply(api, vreq, [1, 2]).whole(text, [])
     assert (msg["reasoning_content"].strip(), msg["content"].strip()) == ("the user greets.", "Hello there")
     assert msg["reasoning"] == msg["reasoning_content"]
-    reply, reasoning, content = _ChatReply(api, vreq), "", ""
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    for i, t in enumerate(ids):
-        d = reply.delta(tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):], [t], i == len(ids) - 1)
-        reasoning, content = reasoning + d.get("reasoning_content", ""), content + d.get("content", "")
+    deltas = _stream(_ChatReply(api, vreq, [1, 2]), tokenizer, text)
+    reasoning, content = ("".join(d.get(k, "") for d in deltas) for k in ("reasoning_content", "content"))
     assert (reasoning.strip(), content.strip()) == ("the user greets.", "Hello there")
-    assert _ChatReply(api, vreq).whole("just text")["content"] == "just text"
+    assert _ChatReply(api, vreq, [1, 2]).whole("just text", [])["content"] == "just text"
+    # include_reasoning: false (vLLM's): the reasoning is left out, whole and streamed
+    hidden = api.request({"include_reasoning": False}, chat=True)
+    msg = _ChatReply(api, hidden, [1, 2]).whole(text, [])
+    assert "reasoning_content" not in msg and msg["content"].strip() == "Hello there"
+    deltas = _stream(_ChatReply(api, hidden, [1, 2]), tokenizer, text)
+    assert not any("reasoning_content" in d for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas).strip() == "Hello there"
+
+
+def test_chat_template_kwargs_reach_the_template_and_may_not_set_the_requests_own_fields():
+    """vLLM's chat_template_kwargs: variables of the model's chat template (a thinking switch, say); the ones the
+    request's own fields set are refused, and a template that raises on a value is the client's 400."""
+    ingress = _ingress("vllm")
+    ingress.tokenizer.chat_template = ("{% if enable_thinking %}<think>{% endif %}{% for m in messages %}"
+                                       "{{ m['content'] }}{% endfor %}{% if strict %}{{ raise_exception('no') }}"
+                                       "{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = ingress._chat_ids(msgs)
+    thinking = ingress._chat_ids(msgs, template_kwargs=_chat(chat_template_kwargs={"enable_thinking": True})
+                                 .chat_template_kwargs)
+    assert thinking != plain and ingress.tokenizer.decode(thinking).startswith("<think>")
+    for taken in ("add_generation_prompt", "tools", "messages"):
+        assert _refusal(_chat, chat_template_kwargs={taken: True}).param == "chat_template_kwargs"
+    with pytest.raises(P.APIError) as e:
+        ingress._chat_ids(msgs, template_kwargs={"strict": True})
+    assert e.value.status == 400 and "no" in e.value.message

@@ -364,13 +364,24 @@ def test_named_tool_choice_is_constrained_decoding_of_its_schema(client, tokeniz
     assert call.function.arguments == _want(reference, tokenizer, "named_tool")
 
 
+def _joined_calls(pieces: list[dict]) -> list[dict]:
+    """Streamed tool-call pieces joined as OpenAI's clients join them: by index, the name once, arguments appended."""
+    calls: dict[int, dict] = {}
+    for p in pieces:
+        call = calls.setdefault(p["index"], {"id": p.get("id"), "name": "", "arguments": ""})
+        call["name"] += (p.get("function") or {}).get("name") or ""
+        call["arguments"] += (p.get("function") or {}).get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
+
+
 def test_required_tool_choice_streams_a_parsed_call(server):
     chunks = _stream(server, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": WEATHER_PROMPT}], "max_tokens": 64, "temperature": 0,
         "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
-    calls = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
-    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
-    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    pieces = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
+    (call,) = _joined_calls(pieces)
+    assert call["id"] and call["name"] == "get_weather" and len(pieces) > 1  # arguments streamed as generated
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
     assert chunks[-1]["finish_reason"] == "tool_calls"
 
 
@@ -386,8 +397,10 @@ def test_auto_tool_choice_through_the_servers_parser(client, tokenizer, referenc
     assert _want(reference, tokenizer, "hermes") == \
         f'<tool_call>{{"name": "get_weather", "arguments": {call.function.arguments}}}</tool_call>'
     streamed = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
-    deltas = [tc for c in streamed for tc in c.choices[0].delta.tool_calls or []]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", call.function.arguments)]
+    pieces = [tc.model_dump(exclude_none=True) for c in streamed for tc in c.choices[0].delta.tool_calls or []]
+    joined = _joined_calls(pieces)
+    assert [(c["name"], json.loads(c["arguments"])) for c in joined] == \
+        [("get_weather", json.loads(call.function.arguments))] and len(pieces) > 1
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
     free = client.chat.completions.create(**{**kw, "extra_body": {}, "max_tokens": 16})
     m = free.choices[0]
@@ -436,5 +449,12 @@ def test_langchain_chat_openai_invoke_stream_tools_and_structured_output(server,
     ai = chat(48).bind_tools([WEATHER], tool_choice="get_weather").invoke(WEATHER_PROMPT)
     assert [c["name"] for c in ai.tool_calls] == ["get_weather"]
     assert ai.tool_calls[0]["args"] == json.loads(_want(reference, tokenizer, "named_tool"))
+    # streamed, LangChain joins the call's pieces (tool_call_chunks) into the same call
+    chunks = list(chat(48).bind_tools([WEATHER], tool_choice="get_weather").stream(WEATHER_PROMPT))
+    joined = chunks[0]
+    for c in chunks[1:]:
+        joined += c
+    assert [(c["name"], c["args"]) for c in joined.tool_calls] == [("get_weather", ai.tool_calls[0]["args"])]
+    assert sum(bool(c.tool_call_chunks) for c in chunks) > 1
     case = chat(64).with_structured_output({"title": "case", **CASE_SCHEMA}, method="json_schema").invoke(CASE_PROMPT)
     assert case == json.loads(_want(reference, tokenizer, "json_schema"))
