@@ -30,16 +30,19 @@ class DrafterLoad:
 class VerifierLoad:
     draft_wait: float  # share of the verifier's time spent waiting for drafts
     speculating: float  # share of request rounds given drafts
-    rounds: float | None = None  # request rounds per second; 0: no traffic (None: not reported)
+    rounds: float | None = None  # request rounds per second (None: not reported)
     # the domain drafters retired (every round on the generalist) through the whole look-back window, on every
     # verifier replica
     retired: bool = False
     # `drafting_tier: auto`: share of drafting rounds the verifier put on the drafter deployments (None: another tier)
     remote: float | None = None
+    requests: float | None = None  # requests in the verifier's pool (None: not reported)
 
     @property
     def idle(self) -> bool:
-        return self.rounds is not None and self.rounds < 1e-9
+        """No traffic: no request rounds and no requests held (a verify step may outlast the look-back window on a
+        busy machine: its requests are traffic all the same)."""
+        return self.rounds is not None and self.rounds < 1e-9 and not (self.requests or 0.0) > 1e-9
 
 
 @dataclass

@@ -51,7 +51,8 @@ from ray.serve.config import AutoscalingContext
 from autoscale.decisions import Decision, DrafterLoad, ReplicaPlanner, VerifierLoad
 from config import AutoscalerSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_SCALABLE,
-                                 VERIFIER_DRAFT_WAIT, VERIFIER_RETIRED, VERIFIER_ROUNDS, VERIFIER_SPECULATING)
+                                 VERIFIER_DRAFT_WAIT, VERIFIER_REQUESTS, VERIFIER_RETIRED, VERIFIER_ROUNDS,
+                                 VERIFIER_SPECULATING)
 from speculation.tiers import VERIFIER_REMOTE
 
 logger = logging.getLogger("ray.serve")
@@ -80,14 +81,15 @@ def verifier_load(ctx: AutoscalingContext | None) -> VerifierLoad | None:
     if not wait or not spec:
         return None
     rounds, retired = metrics.get(VERIFIER_ROUNDS), metrics.get(VERIFIER_RETIRED)
-    remote = metrics.get(VERIFIER_REMOTE)
+    remote, requests = metrics.get(VERIFIER_REMOTE), metrics.get(VERIFIER_REQUESTS)
     return VerifierLoad(sum(wait.values()) / len(wait), sum(spec.values()) / len(spec),
                         sum(rounds.values()) if rounds else None,
                         # each report is 1 only for an interval retired all through: the window's mean is 1 only
                         # when it was retired through the whole window
                         bool(retired) and min(retired.values()) > 1 - 1e-6,
                         # the most any verifier replica drafts remotely: the drafters serve them all
-                        max(remote.values()) if remote else None)
+                        max(remote.values()) if remote else None,
+                        requests=sum(requests.values()) if requests else None)
 
 
 class DrafterAutoscaler:

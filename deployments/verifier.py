@@ -189,7 +189,7 @@ class VerifierDeployment:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook: what the drafter autoscaler (autoscale/policy.py) needs to
         know of the verifier (a verifier with autoscaling_config takes part in the application's policy)."""
-        signals = verifier_signals(self.loop.stats.meter)
+        signals = verifier_signals(self.loop.stats.meter, len(self.loop.requests))
         retirement = self.loop.planner.retirement
         if retirement is not None:
             signals[VERIFIER_RETIRED] = retirement.take()

@@ -453,7 +453,8 @@ class Simulation:
             s = self.signals
             verifier = VerifierLoad(s["draft_wait_s"] / a.period_s,
                                     s["speculated"] / s["rounds"] if s["rounds"] else 1.0, s["rounds"] / a.period_s,
-                                    remote=s["remote_rounds"] / s["tier_rounds"] if s["tier_rounds"] else None)
+                                    remote=s["remote_rounds"] / s["tier_rounds"] if s["tier_rounds"] else None,
+                                    requests=float(sum(len(g) for g in self.running)))
             self.signals = defaultdict(float)
             for name, reps in self.replicas.items():
                 live = [r for r in reps if r.ready_at <= self.env.now]

@@ -18,7 +18,10 @@ DRAFTER_REQUESTS = "requests"  # requests holding a KV cache here (what removing
 VERIFIER_DRAFT_WAIT = "draft_wait"  # share of wall time the verifier waited for drafts
 VERIFIER_SPECULATING = "speculating"  # share of request rounds the controller gave drafts (k > 0); 1 when idle
 VERIFIER_MEAN_K = "mean_k"  # mean chosen draft length over those rounds
-VERIFIER_ROUNDS = "rounds"  # request rounds per second (0: no traffic)
+VERIFIER_ROUNDS = "rounds"  # request rounds per second
+# requests in the verifier's pool when it reports (the drafters' name for requests held): no rounds and no requests
+# is no traffic; no rounds with requests held is a verify step slower than the interval, on a busy machine
+VERIFIER_REQUESTS = DRAFTER_REQUESTS
 # 1 when the verifier kept the domain drafters retired through the whole interval: every round drafted on the
 # generalist, none called them (speculation/retirement.py); not reported where retirement is off
 VERIFIER_RETIRED = "retired"
@@ -50,9 +53,10 @@ def drafter_signals(meter: IntervalMeter, requests: int, generalist: bool = Fals
             DRAFTER_GENERALIST: float(generalist)}
 
 
-def verifier_signals(meter: IntervalMeter) -> dict[str, float]:
+def verifier_signals(meter: IntervalMeter, requests: int) -> dict[str, float]:
     sums, elapsed = meter.take()
     rounds = sums["rounds"]
     return {VERIFIER_DRAFT_WAIT: sums["draft_wait_s"] / elapsed,
             VERIFIER_SPECULATING: sums["speculated"] / rounds if rounds else 1.0,
-            VERIFIER_MEAN_K: sums["k"] / rounds if rounds else 0.0, VERIFIER_ROUNDS: rounds / elapsed}
+            VERIFIER_MEAN_K: sums["k"] / rounds if rounds else 0.0, VERIFIER_ROUNDS: rounds / elapsed,
+            VERIFIER_REQUESTS: float(requests)}

@@ -15,8 +15,8 @@ from autoscale.decisions import DrafterLoad, ReplicaPlanner, VerifierLoad
 from autoscale.policy import DrafterAutoscaler, verifier_load
 from config import AutoscalerSpec, DrafterSpec
 from speculation.signals import (DRAFTER_BUSY, DRAFTER_GENERALIST, DRAFTER_QUEUED, DRAFTER_REQUESTS,
-                                 DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT, VERIFIER_RETIRED, VERIFIER_ROUNDS,
-                                 VERIFIER_SPECULATING, IntervalMeter, drafter_signals,
+                                 DRAFTER_SCALABLE, VERIFIER_DRAFT_WAIT, VERIFIER_REQUESTS, VERIFIER_RETIRED,
+                                 VERIFIER_ROUNDS, VERIFIER_SPECULATING, IntervalMeter, drafter_signals,
                                  verifier_signals)
 
 SPEC = AutoscalerSpec(target_utilization=0.6, hysteresis=0.25, smoothing=1.0)
@@ -78,6 +78,13 @@ def test_goes_to_zero_only_when_speculation_is_off_or_there_is_no_traffic_and_re
     assert (back.replicas, back.kind) == (1, "speculating")
     assert planner.decide(None, off, 0, 0, 4, 0.3).replicas == 0
     assert planner.decide(None, idle, 0, 0, 4, 0.3).replicas == 0
+    # no round finished in the window but requests held: a verify step slower than the window (a busy machine),
+    # not idleness; the drafters stay (and come back from zero)
+    slow = VerifierLoad(draft_wait=0.0, speculating=1.0, rounds=0.0, requests=2.0)
+    assert decide(busy=0.0, replicas=1, verifier=slow, low=0).kind != "idle"
+    assert decide(busy=0.0, replicas=1, verifier=slow, low=0).replicas == 1
+    assert planner.decide(None, slow, 0, 0, 4, 0.3).replicas == 1
+    assert decide(busy=0.0, replicas=1, verifier=VerifierLoad(0.0, 1.0, 0.0, requests=0.0), low=0).kind == "idle"
     assert planner.decide(None, busy, 0, 0, 0, None).replicas == 0  # max_replicas 0 wins
 
 
@@ -122,9 +129,9 @@ def test_signals_are_rates_over_the_reporting_interval():
         v.add("k", k)
     v.add("draft_wait_s", 2.0)
     now[0] = 20.0
-    assert verifier_signals(v) == {VERIFIER_DRAFT_WAIT: 0.2, VERIFIER_SPECULATING: 0.5, "mean_k": 1.75,
-                                   VERIFIER_ROUNDS: 0.4}
-    idle = verifier_signals(v)
+    assert verifier_signals(v, 3) == {VERIFIER_DRAFT_WAIT: 0.2, VERIFIER_SPECULATING: 0.5, "mean_k": 1.75,
+                                      VERIFIER_ROUNDS: 0.4, VERIFIER_REQUESTS: 3.0}
+    idle = verifier_signals(v, 0)
     assert idle[VERIFIER_SPECULATING] == 1.0 and idle[VERIFIER_ROUNDS] == 0.0  # idle: not "speculation off"
 
 
@@ -166,10 +173,10 @@ def test_the_serve_policy_reads_every_replica_and_keeps_its_state():
 def test_the_serve_policy_brings_a_drafter_back_from_zero_when_the_verifier_speculates_for_traffic():
     policy = DrafterAutoscaler()
 
-    def decisions(speculating: float, rounds: float) -> dict[str, int]:
+    def decisions(speculating: float, rounds: float, requests: float = 0.0) -> dict[str, int]:
         contexts = dict([
             _context("Verifier", 1, {VERIFIER_DRAFT_WAIT: [0.0], VERIFIER_SPECULATING: [speculating],
-                                     VERIFIER_ROUNDS: [rounds]}),
+                                     VERIFIER_ROUNDS: [rounds], VERIFIER_REQUESTS: [requests]}),
             _context("Drafter-code", 0, {}, low=0),
             _context("Drafter-legal", 1, {DRAFTER_BUSY: [0.2], DRAFTER_QUEUED: [0.0], DRAFTER_REQUESTS: [2]},
                      low=0)])
@@ -178,6 +185,8 @@ def test_the_serve_policy_brings_a_drafter_back_from_zero_when_the_verifier_spec
     assert decisions(speculating=0.8, rounds=30.0) == {"Drafter-code": 1, "Drafter-legal": 1}
     assert decisions(speculating=0.0, rounds=30.0) == {"Drafter-code": 0, "Drafter-legal": 0}
     assert decisions(speculating=1.0, rounds=0.0) == {"Drafter-code": 0, "Drafter-legal": 0}
+    # a verify step longer than the look-back window, requests held: traffic, the drafters stay or come back
+    assert decisions(speculating=1.0, rounds=0.0, requests=2.0) == {"Drafter-code": 1, "Drafter-legal": 1}
 
 
 def test_domain_drafters_go_to_their_minimum_once_the_verifier_retired_them_for_a_whole_window():
