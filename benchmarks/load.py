@@ -193,7 +193,7 @@ def run(config: str, systems: list[str], rates: list[float], duration: float, re
     os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
     prompts = [p for _, p in heldout_prompts(AutoTokenizer.from_pretrained(model_path("tokenizer")), 4, 64)]
     random.Random(0).shuffle(prompts)  # domains mixed in arrival order
-    base = yaml.safeload_model(Path(config).read_text())
+    base = yaml.safe_load(Path(config).read_text())
     tmp = Path(tempfile.mkdtemp(prefix="cosine-load-"))
     configs = {}
     for s in systems:

@@ -33,7 +33,7 @@ PAPER = {"prompt_tokens": 256, "output_tokens": 128, "batches": (1, 2, 4, 8, 16)
 
 def app_args(config: str | Path) -> dict:
     """The application args of a Serve config file (its first application)."""
-    return yaml.safeload_model(Path(config).read_text())["applications"][0]["args"]
+    return yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
 
 
 def system_config(args: dict, system: str, max_batch: int | None = None) -> tuple[AppConfig, dict]:
@@ -81,7 +81,7 @@ def validate(config: str, per_domain: int = 3, new_tokens: int = 128, concurrenc
     args = app_args(config)
     work = Path(tempfile.mkdtemp(prefix="cosine-validate-"))
     trace_path = work / "trace.jsonl"
-    serve_cfg = yaml.safeload_model(Path(config).read_text())
+    serve_cfg = yaml.safe_load(Path(config).read_text())
     serve_cfg["applications"][0]["args"]["speculation"] = dict(args.get("speculation", {}),
                                                                record_trace=str(trace_path))
     (work / "serve.yaml").write_text(yaml.safe_dump(serve_cfg))
