@@ -45,6 +45,11 @@ def _remote(name):
     return remote_pays_table(_json(name))
 
 
+def _tiers(name):
+    from simulate.report import tiers_table
+    return tiers_table(_json(name))
+
+
 def _out_of_sample(name):
     from simulate.report import out_of_sample_table
     return out_of_sample_table(_json(name))
@@ -58,6 +63,7 @@ def _anchors(name):
 PRINTED = [("docs/benchmarks.md", "anchors-k8.json", _anchors),
            ("docs/benchmarks.md", "drafter-pool.json", _pool),
            ("docs/simulation.md", "simulate-remote.json", _remote),
+           ("docs/simulation.md", "simulate-tiers.json", _tiers),
            ("docs/simulation.md", "simulate-validate-recorded.json", _out_of_sample),
            ("docs/simulation.md", "simulate-validate-recorded-fixed.json", _out_of_sample)]
 
