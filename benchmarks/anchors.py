@@ -260,14 +260,12 @@ class _Worker:
 def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: int = 128, concurrencies=(1, 8),
         prompt_len: int = 64, repeats: int = 3, served: bool = True, port: int = 8011, k: int = 4,
         log=print) -> dict:
-    from model_family.paths import model_path
-
-    if not (model_path("bench-target") / "config.json").exists():
-        from model_family.bench_target import build_bench_target
-
-        log("building the bench target (cosine models bench-target) ...")
-        build_bench_target(model_path("target"), model_path("bench-target"))
     from transformers import AutoTokenizer
+
+    from model_family.bench_target import ensure_bench_target
+    from model_family.paths import model_path, models_dir
+
+    ensure_bench_target(models_dir(), log)
 
     tok = AutoTokenizer.from_pretrained(model_path("tokenizer"))
     prompts = heldout_prompts(tok, per_domain, prompt_len)

@@ -53,7 +53,9 @@ def _methods(k: int) -> list[tuple[str, int, bool]]:
 def run(models_dir: Path, per_domain: int = 1, new_tokens: int = 96, k: int = 4, batches=(1, 8),
         prompt_len: int = 64, repeats: int = 3, partner: str = "drafter-generic", log=print) -> dict:
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
-    target, partner_model = load_model(models_dir / "bench-target"), load_model(models_dir / partner)
+    from model_family.bench_target import ensure_bench_target
+
+    target, partner_model = load_model(ensure_bench_target(models_dir, log)), load_model(models_dir / partner)
     prompts = [p for _, p in heldout_prompts(tok, per_domain, prompt_len)]
     outputs: dict[tuple, list[list[int]]] = {}
 

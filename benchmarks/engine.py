@@ -26,6 +26,7 @@ from engines.drafter import DrafterEngine
 from engines.runner import step_seconds
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
+from model_family.bench_target import ensure_bench_target
 from speculation.goodput import SpeculationController
 from speculation.profiling import fit_draft_latency, fit_verify_latency
 from speculation.inprocess import build_loop, generate_all
@@ -88,12 +89,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     `speculation.pool_drafters` settings to run each of our speculative methods with (several: side by side, the
     setting in the method's name)."""
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
-    bench_dir = models_dir / "bench-target"
-    if not (bench_dir / "config.json").exists():
-        from model_family.bench_target import build_bench_target
-
-        log("building the bench target (cosine models bench-target) ...")
-        build_bench_target(models_dir / "target", bench_dir)
+    bench_dir = ensure_bench_target(models_dir, log)
     target = load_model(bench_dir, device=device)
     names = list(DOMAINS) + ["generic"]
     drafters = {d: load_model(models_dir / f"drafter-{d}", device=device) for d in names}

@@ -65,3 +65,13 @@ def build_bench_target(target_dir: Path, out_dir: Path, factor: int = 4) -> Path
         {"role": "bench-target", "widened_from": "target", "factor": factor,
          "params": sum(p.numel() for p in wide.parameters())}, indent=2))
     return out_dir
+
+
+def ensure_bench_target(models_dir: Path, log=print) -> Path:
+    """`models_dir`/bench-target, built from the shipped target the first time a benchmark needs it (it is not
+    committed: a fresh checkout has none)."""
+    out = models_dir / "bench-target"
+    if not (out / "config.json").exists():
+        log("building the bench target (cosine models bench-target) ...")
+        build_bench_target(models_dir / "target", out)
+    return out
