@@ -314,7 +314,8 @@ def test_drafters_go_to_zero_without_traffic_and_come_back_for_it_without_changi
     assert _wait_for(lambda: _drafter_replicas() == zero), f"idle drafters stayed: {_drafter_replicas()}"
     # the speculation node sees it within its poll period (until then a call would wait at the empty handle)
     assert _wait_for(lambda: set(cluster.stats()["drafters_parked"]) == set(drafters), 60)
-    calls_before = cluster.stats()["drafter_calls"]  # before they went
+    # before they went; failures counted from here (the redeploy before this test may have had its own)
+    calls_before, failures_before = (cluster.stats()[k] for k in ("drafter_calls", "drafter_failures"))
     results: list = []
     done = threading.Event()
     load = threading.Thread(target=lambda: asyncio.run(_load(base, prompts, 2, done.is_set, results)))
@@ -332,5 +333,6 @@ def test_drafters_go_to_zero_without_traffic_and_come_back_for_it_without_changi
         done.set()
         load.join()
     after = cluster.stats()
-    assert after["drafter_calls"] > calls_before and after["drafter_failures"] == 0
+    assert after["drafter_calls"] > calls_before and after["drafter_failures"] == failures_before, \
+        (failures_before, after)
     _check_outputs(results, target, tokenizer)
