@@ -458,3 +458,43 @@ def test_langchain_chat_openai_invoke_stream_tools_and_structured_output(server,
     assert sum(bool(c.tool_call_chunks) for c in chunks) > 1
     case = chat(64).with_structured_output({"title": "case", **CASE_SCHEMA}, method="json_schema").invoke(CASE_PROMPT)
     assert case == json.loads(_want(reference, tokenizer, "json_schema"))
+
+
+def test_lm_eval_harness_scores_the_served_answers_against_the_targets_own(server, tokenizer, target, heldout,
+                                                                            tmp_path, monkeypatch):
+    """lm-eval's `local-completions` model against the server, on a generation task defined from a local JSON file
+    whose answers are the target's own greedy continuations (HF, no speculation): a lossless server scores exact
+    match on each; one answer is deliberately wrong, so the harness's comparison is shown to count."""
+    import yaml as _yaml
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    eos = tokenizer.eos_token_id
+    docs = []
+    for domain in ("code", "legal", "biomedical", "dialogue"):
+        text = tokenizer.decode(tokenizer(heldout[domain][1], add_special_tokens=False).input_ids[:40])
+        ids = tokenizer(text, add_special_tokens=False).input_ids  # the prompt as the server tokenizes it
+        with torch.no_grad():
+            new = greedy_continue(target, torch.tensor([ids]), 12)[0, len(ids):].tolist()
+        new = new[:new.index(eos)] if eos in new else new
+        docs.append({"prompt": text, "answer": tokenizer.decode(new, skip_special_tokens=True)})
+    docs.append({"prompt": docs[0]["prompt"], "answer": docs[0]["answer"] + " and not this"})
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    (tmp_path / "task.yaml").write_text(_yaml.safe_dump({
+        "task": "cosine_continuation", "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(tmp_path / "docs.json")}}, "test_split": "test",
+        "output_type": "generate_until", "doc_to_text": "{{prompt}}", "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": [tokenizer.eos_token], "max_gen_toks": 12, "do_sample": False},
+        "metric_list": [{"metric": "exact_match"}]}))
+    out = simple_evaluate(model="local-completions", tasks=["cosine_continuation"],
+                          task_manager=TaskManager(include_path=str(tmp_path)),
+                          model_args={"base_url": f"{server}/v1/completions", "model": MODEL,
+                                      "tokenizer_backend": "huggingface", "tokenizer": str(tokenizer.name_or_path),
+                                      "tokenized_requests": False, "max_retries": 1, "timeout": 300})
+    logged = out["samples"]["cosine_continuation"]
+    assert [s["exact_match"] for s in sorted(logged, key=lambda s: s["doc_id"])] == [1.0] * 4 + [0.0], \
+        [(s["target"], s["filtered_resps"]) for s in logged]
+    assert out["results"]["cosine_continuation"]["exact_match,none"] == pytest.approx(0.8)
