@@ -29,6 +29,7 @@ from config import AppConfig
 from engines.build import load_tokenizer
 from engines.sampling import SamplingParams
 from serve_app import protocol as P
+from serve_app.vllm_api import tool_call
 from speculation.messages import SpeculationOverrides
 
 logger = logging.getLogger("ray.serve")
@@ -206,8 +207,6 @@ class _ChatReply:
     def whole(self, text: str, ids: list[int]) -> dict:
         if self.parser is None:
             return {"role": "assistant", "content": text}
-        from serve_app.vllm_api import tool_call
-
         self.parser.set_prompt_token_ids(self.prompt_ids)
         reasoning, content, calls = self.parser.parse(text, self.vreq, enable_auto_tools=True,
                                                       model_output_token_ids=ids)

@@ -6,6 +6,7 @@ the doc; tables that compare two runs (before -> after) are rendered here from b
 markdown); no marks."""
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -35,42 +36,20 @@ def _assert_rows_in(rel: str, rows: list[str], source: str) -> None:
 
 # --- tables a command prints: its formatter on its JSON ----------------------------------------------------------
 
-def _pool(name):
-    from benchmarks.engine import pool_table
-    return pool_table(_json(name))
+# (doc, JSON, the formatter the command prints it with)
+PRINTED = [("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "drafter-pool.json", "benchmarks.engine:pool_table"),
+           ("docs/simulation.md", "simulate-remote.json", "simulate.report:remote_pays_table"),
+           ("docs/simulation.md", "simulate-tiers.json", "simulate.report:tiers_table"),
+           ("docs/simulation.md", "simulate-validate-recorded.json", "simulate.report:out_of_sample_table"),
+           ("docs/simulation.md", "simulate-validate-recorded-fixed.json", "simulate.report:out_of_sample_table")]
 
 
-def _remote(name):
-    from simulate.report import remote_pays_table
-    return remote_pays_table(_json(name))
-
-
-def _tiers(name):
-    from simulate.report import tiers_table
-    return tiers_table(_json(name))
-
-
-def _out_of_sample(name):
-    from simulate.report import out_of_sample_table
-    return out_of_sample_table(_json(name))
-
-
-def _anchors(name):
-    from benchmarks.anchors import format_table
-    return format_table(_json(name))
-
-
-PRINTED = [("docs/benchmarks.md", "anchors-k8.json", _anchors),
-           ("docs/benchmarks.md", "drafter-pool.json", _pool),
-           ("docs/simulation.md", "simulate-remote.json", _remote),
-           ("docs/simulation.md", "simulate-tiers.json", _tiers),
-           ("docs/simulation.md", "simulate-validate-recorded.json", _out_of_sample),
-           ("docs/simulation.md", "simulate-validate-recorded-fixed.json", _out_of_sample)]
-
-
-@pytest.mark.parametrize("rel,name,render", PRINTED, ids=[p[1] for p in PRINTED])
-def test_a_printed_table_in_the_docs_is_its_commands_output_on_the_committed_json(rel, name, render):
-    _assert_rows_in(rel, _table_rows(render(name)), f"bench_results/{name}")
+@pytest.mark.parametrize("rel,name,formatter", PRINTED, ids=[p[1] for p in PRINTED])
+def test_a_printed_table_in_the_docs_is_its_commands_output_on_the_committed_json(rel, name, formatter):
+    module, function = formatter.split(":")
+    render = getattr(importlib.import_module(module), function)
+    _assert_rows_in(rel, _table_rows(render(_json(name))), f"bench_results/{name}")
 
 
 # --- tables comparing the code before a change with after it -----------------------------------------------------
