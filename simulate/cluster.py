@@ -1,8 +1,9 @@
 """The simulated cluster: a verifier (continuous batching, CoSine's pipeline halves or whole-batch steps), drafter
 replicas on GPUs behind network hops, and the drafter autoscaler, on simpy's clock.
 
-What decides is the project's own code, driven as the service drives it: `DraftPlanner` (the goodput controller,
-participation, Gamma_max), `SpeculationCoordinator` (routing with its cold start and feedback, lockstep or
+What decides is the project's own code, driven as the service drives it: `StepGrouping` (which requests each verify
+step takes and which drafting rounds run beside it: CoSine's pipeline halves, drafting ahead, as speculation/loop.py
+groups its steps), `DraftPlanner` (the goodput controller, participation, Gamma_max), `SpeculationCoordinator` (routing with its cold start and feedback, lockstep or
 one-shot fusion, tree budget) over the replayed drafters (replay.py), the engines' greedy verification rule, and
 the autoscaler's `ReplicaPlanner` fed the signals the replicas would report. What is modelled: time (hardware.py),
 queueing at the drafter GPUs and the verifier, and replicas' start-up. Not modelled: KV-cache limits beyond
@@ -24,6 +25,7 @@ from config import AppConfig, AutoscalerSpec
 from speculation.coordinator import SpeculationCoordinator
 from speculation.messages import SpeculationOverrides
 from speculation.planner import DraftPlanner
+from speculation.stepping import StepGrouping, carried
 from speculation.tiers import COLOCATED, REMOTE, TierChooser, resolve
 from simulate.hardware import Hardware
 from simulate.replay import Replayer, ReplayRequest, ReplayState
@@ -129,11 +131,10 @@ class Simulation:
 
     def __init__(self, cfg: AppConfig, hw: Hardware, requests: list[ReplayRequest],
                  replicas: int = 1, drafter_gpus: int | None = None, colocated: bool = False,
-                 pipelined: bool | None = None, autoscaling: Autoscaling | None = None):
+                 autoscaling: Autoscaling | None = None):
         """`replicas`: per drafter deployment at the start, placed round-robin on `drafter_gpus` GPUs (default:
         one GPU each); `colocated`: drafters run on the verifier's GPUs (vanilla speculation; so does
-        `speculation.drafting_tier: colocated`, and `auto` picks per round, speculation/tiers.py); `pipelined`: two
-        halves of the pool take turns at the verifier (default: as the loop decides)."""
+        `speculation.drafting_tier: colocated`, and `auto` picks per round, speculation/tiers.py)."""
         self.cfg, self.hw, self.requests = cfg, hw, requests
         plan = resolve(cfg)
         self.colocated = colocated or plan.fixed == COLOCATED
@@ -142,12 +143,9 @@ class Simulation:
         if self.tiers is not None:
             self._profile(cfg, hw)
         self.tier_rounds: dict[str, int] = defaultdict(int)
-        # as the loop does: two halves where a step may verify part of the pool (the torch engine) and drafting has
-        # hardware of its own; vLLM steps the whole pool and drafts the next round ahead instead (auto: not pipelined)
-        own = cfg.speculation.mode != "off" and not self.colocated and hw.draft_round is None
-        self.pipelined = (own and cfg.verifier.engine == "torch" and self.tiers is None) if pipelined is None \
-            else pipelined
-        self.draft_ahead = own and cfg.verifier.engine == "vllm" and cfg.speculation.draft_ahead
+        # the torch engine may verify part of its pool in a step (pipeline halves); vLLM steps it whole
+        self.grouping = StepGrouping(partial_steps=cfg.verifier.engine == "torch")
+        self.own_hardware = cfg.speculation.mode != "off" and not self.colocated and hw.draft_round is None
         self.autoscaling = autoscaling
         self.env = simpy.Environment()
         self.verifier = simpy.Resource(self.env, 1)
@@ -166,7 +164,7 @@ class Simulation:
         self.replica_log: list[tuple[float, int]] = [(0.0, self._n_replicas())]
         # request pool
         self.queue: list[ReplayState] = []
-        self.running: list[dict[str, ReplayState]] = [{}, {}] if self.pipelined else [{}]
+        self.running: dict[str, ReplayState] = {}
         self.prefill: set[str] = set()
         self.drafted: set[str] = set()
         self.participation: dict = {}  # how each request's last draft was made
@@ -177,8 +175,7 @@ class Simulation:
         self.started: dict[str, float] = {}
         self.finished: list[Finished] = []
         self.wakeup = self.env.event()
-        self.last_verify = [0.0, 0.0]
-        self.last_step_end = 0.0  # of either half
+        self.last_verify = 0.0  # the last step's
         self.steps = self.step_tokens = 0
         self.signals = defaultdict(float)  # the verifier's autoscaling signals since the last period
         self.done = self.env.event()
@@ -215,6 +212,7 @@ class Simulation:
         yield self.env.timeout(self.hw.request_overhead_ms / 2000)
         self.replayer.states[rid] = st
         self.queue.append(st)
+        self.grouping.join(rid)
         if not self.wakeup.triggered:
             self.wakeup.succeed()
 
@@ -224,6 +222,7 @@ class Simulation:
     def _finish(self, rid: str):
         """The response reaches its client half the request overhead after the last token."""
         st = self.replayer.states.pop(rid)
+        self.grouping.leave(rid)
         if self.planner.controller:
             self.planner.controller.release(rid)
         if self.coordinator:
@@ -275,17 +274,21 @@ class Simulation:
         yield self.env.timeout(0)
 
     # ------------------------------------------------------------------ the verifier loop
-    def _admit(self) -> None:
-        total = sum(len(g) for g in self.running)
-        while self.queue and total < self.cfg.verifier.max_batch:
+    def _admit(self) -> int:
+        """Queued requests into the running pool, up to max_batch; how many joined."""
+        joined = 0
+        while self.queue and len(self.running) < self.cfg.verifier.max_batch:
             st = self.queue.pop(0)
-            group = min(range(len(self.running)), key=lambda g: len(self.running[g]))
-            self.running[group][st.req.rid] = st
+            self.running[st.req.rid] = st
             self.prefill.add(st.req.rid)
             self.started[st.req.rid] = self.env.now
-            total += 1
-            if not self.wakeup.triggered:  # the request may have gone to a group that is waiting
-                self.wakeup.succeed()
+            joined += 1
+        return joined
+
+    def _overlaps(self) -> bool:
+        """The loop's `drafting_overlaps_verification`: drafting on hardware of its own (`auto`: while the remote
+        tier is held, as AutoDraftingTier sets it)."""
+        return self.own_hardware and (self.tiers is None or self.tiers.held == REMOTE)
 
     def _plan(self, contexts: dict[str, list[int]], overlap: float, ahead: bool = False):
         """Plan and replay one drafting round (instantly); returns (drafts, the round's batch, its modes)."""
@@ -314,7 +317,7 @@ class Simulation:
         colocated, tier = self.colocated, None
         if self.tiers is not None:
             c = self.planner.controller
-            tier = self.tiers.pick(sum(len(g) for g in self.running), c.verify,
+            tier = self.tiers.pick(len(self.running), c.verify,
                                    c.pool_acceptance if c.pool_acceptance is not None else c.prior_acceptance, ahead)
             self.tier_rounds[tier] += 1
             self.signals["tier_rounds"] += 1
@@ -331,68 +334,95 @@ class Simulation:
             self.planner.observe_round(batch, modes, self.env.now - t0)
         return drafts
 
-    def _group(self, g: int):
-        """The verify loop for one pipeline half (or the whole pool), as speculation/loop.py runs it."""
+    def _contexts(self, rids) -> dict[str, list[int]]:
+        return {r: self.running[r].context for r in rids}
+
+    def _carried(self, ahead):
+        """Waits for a round drafted ahead; its drafts that still extend their context (`stepping.carried`)."""
+        bases, proc = ahead
+        made = yield proc
+        out = carried(bases, made, lambda r: self.running[r].context if r in self.running else None)
+        self.ahead_counts[0] += len(bases)
+        self.ahead_counts[1] += len(out)
+        return out
+
+    def _steps(self):
+        """The verify loop as speculation/loop.py runs it: `StepGrouping` groups the steps and starts the drafting
+        beside them; simpy processes stand for the loop's tasks, and hardware.py's costs for its clock."""
         vllm = self.cfg.verifier.engine == "vllm"
+        drafting = self.coordinator is not None
+        pending: dict[int, simpy.Process] = {}  # per half: its next round, drafted while the other half is verified
         ahead = None  # (bases, the drafting process) started beside the last verify step
+        last_end = None
         while True:
-            self._admit()
-            members = self.running[g]
-            if not members:
+            if ahead is not None and not self.running:  # settle it before idling
+                yield from self._carried(ahead)
+                ahead = None
+            joined = self._admit()
+            if not self.running:
+                pending.clear()
+                last_end = None  # idle time is not loop overhead
                 if self.wakeup.triggered:
                     self.wakeup = self.env.event()
                 yield self.wakeup
                 continue
-            joining = sum(1 for r in members if r in self.prefill)
-            if joining and self.hw.admit_ms:  # the loop admits (and the torch engine prefills) before drafting
+            if joined and self.hw.admit_ms:  # the loop admits (and the torch engine prefills) before drafting
                 with self.verifier.request() as turn:
                     yield turn
-                    yield self.env.timeout(self.hw.admit_ms * joining / 1000)
+                    yield self.env.timeout(self.hw.admit_ms * joined / 1000)
             t0 = self.env.now
-            drafts = {}
-            if ahead is not None:  # the drafts made ahead that still extend their context
-                bases, proc = ahead
-                made = yield proc
-                self.ahead_counts[0] += len(bases)
-                for r, d in made.items():
-                    if r in members and (now := members[r].context)[:len(bases[r])] == bases[r] and (
-                            rest := d.following(now[len(bases[r]):])) is not None:
-                        drafts[r] = rest
-                        self.ahead_counts[1] += 1
-                ahead = None
-            if self.coordinator:  # a new request drafts from its prompt: its first step prefills and verifies
-                other = self.last_verify[1 - g] if self.pipelined and self.running[1 - g] else 0.0
-                drafts.update((yield from self._round({r: st.context for r, st in members.items()
-                                                       if r not in drafts}, other)))
+            since = t0 if last_end is None else last_end
+            members = self.grouping.members(self.running, drafting, self._overlaps(), lambda r: True)
+            if self.grouping.pipelined:
+                proc = pending.pop(self.grouping.turn, None)
+                drafts = (yield proc) if proc is not None else (yield from self._round(
+                    self._contexts(members), self.grouping.overlap(members, self.running)))
+            else:  # the whole pool in one verify step, drafted first (drafts started while pipelining still count)
+                drafts = {}
+                for proc in pending.values():
+                    drafts.update((yield proc))
+                pending.clear()
+                if ahead is not None:
+                    drafts.update((yield from self._carried(ahead)))
+                    ahead = None
+                if drafting:  # a new request drafts from its prompt: its first step prefills and verifies
+                    rest = [r for r in self.running if r not in drafts]
+                    drafts.update((yield from self._round(self._contexts(rest), self.grouping.overlap(
+                        rest, self.running))))
+            drafts = {r: d for r, d in drafts.items() if r in self.running}
             self.signals["draft_wait_s"] += self.env.now - t0
             if vllm:
                 drafts = {r: d.best_chain().truncated(self.cfg.speculation.k) for r, d in drafts.items()}
-            prompt = sum(self.prompt_tokens or len(members[r].req.prompt) for r in members if r in self.prefill)
+            prompt = sum(self.prompt_tokens or len(self.running[r].req.prompt) for r in members if r in self.prefill)
             tokens = prompt + sum(1 + len(drafts[r]) if r in drafts else 1 for r in members)
-            # drafted from the context full acceptance would give, beside the step (auto: while drafting remotely)
-            if self.draft_ahead and drafts and (self.tiers is None or self.tiers.held == REMOTE):
-                bases = {r: members[r].context + d.tokens for r, d in drafts.items()}
-                ahead = bases, self.env.process(self._round(bases, self.last_verify[g], ahead=True))
+            # `auto` may have changed tiers in this step's round
+            if self.grouping.drafts_ahead(self.cfg.speculation.draft_ahead, drafting, self._overlaps(), drafts):
+                bases = {r: self.running[r].context + d.tokens for r, d in drafts.items()}
+                ahead = bases, self.env.process(self._round(bases, self.last_verify, ahead=True))
             with self.verifier.request() as turn:
                 yield turn
                 seconds = self.hw.verify(tokens)
                 yield self.env.timeout(seconds + self.hw.loop_overhead_ms / 1000)
-            self.last_verify[g] = seconds
+            self.last_verify = seconds
             self.steps += 1
             self.step_tokens += tokens
-            # wall time from the last step's end (the other half's, when pipelined) or this iteration's start
-            self.planner.observe_step(tokens, seconds, self.env.now - max(t0, self.last_step_end))
-            self.last_step_end = self.env.now
-            for rid in list(members):
-                st = members[rid]
+            self.planner.observe_step(tokens, seconds, self.env.now - since)
+            last_end = self.env.now
+            for rid in members:
+                st = self.running[rid]
                 if rid in self.prefill:
                     self.prefill.discard(rid)
                     self.first[rid] = self.env.now
                 _, accepted, depth = self.replayer.verify(rid, drafts.get(rid))
                 self.planner.observe_acceptance(rid, depth, accepted, self.participation.get(rid))
                 if st.done:
-                    del members[rid]
+                    del self.running[rid]
                     self.env.process(self._finish(rid))
+            turn = self.grouping.turn
+            nxt = self.grouping.verified(seconds, self.running)
+            if nxt:  # this half's next drafts are produced while the other half is verified
+                pending[turn] = self.env.process(self._round(self._contexts(nxt),
+                                                             self.grouping.overlap(nxt, self.running)))
 
     def _drafting(self, batch, scored: int, calls: list[tuple[str, str, int, int]], colocated: bool):
         """A drafting round replayed in simulated time: its calls, wave by wave (the coordinator's depths), on the
@@ -454,7 +484,7 @@ class Simulation:
             verifier = VerifierLoad(s["draft_wait_s"] / a.period_s,
                                     s["speculated"] / s["rounds"] if s["rounds"] else 1.0, s["rounds"] / a.period_s,
                                     remote=s["remote_rounds"] / s["tier_rounds"] if s["tier_rounds"] else None,
-                                    requests=float(sum(len(g) for g in self.running)))
+                                    requests=float(len(self.running)))
             self.signals = defaultdict(float)
             for name, reps in self.replicas.items():
                 live = [r for r in reps if r.ready_at <= self.env.now]
@@ -498,8 +528,7 @@ class Simulation:
     def run(self, workload: Workload, limit_s: float = 36000.0) -> Result:
         self.prompt_tokens = workload.prompt_tokens
         self.env.process(self._workload(workload))
-        for g in range(len(self.running)):
-            self.env.process(self._group(g))
+        self.env.process(self._steps())
         if self.autoscaling is not None:
             self.env.process(self._autoscaler(self.autoscaling))
         self.env.run(until=simpy.AnyOf(self.env, [self.done, self.env.timeout(limit_s)]))

@@ -2,6 +2,8 @@
 
 The loop and its messages:
 - `loop.VerifyLoop`: the one draft/verify loop (the service, `cosine generate`, the engine bench);
+  `stepping.StepGrouping`: which requests each step takes and what is drafted beside it (the loop's pipeline
+  halves and drafting ahead, which the simulator runs too);
   `planner.DraftPlanner`: what each request drafts this round; `messages`: the typed messages between the
   verifier, the speculation cluster and the drafters; `trace`: run traces for `cosine simulate`.
 - `inprocess`: the drafting tier in one process (`DrafterServer`, `InProcessDraftingTier`, `build_loop`);

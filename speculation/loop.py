@@ -2,9 +2,10 @@
 
 `VerifyLoop` owns a verifier engine's running batch (CoSine's request pool). `generate` registers a request and
 yields a `TokenChunk` per verify step that committed tokens for it. One task repeats: admit, ask the drafting tier
-for drafts for half of the pool (bounded by `draft_timeout_ms`; late or failed drafting means plain decoding
-this step), verify that half in a worker thread, hand the results to the requests' queues, and start drafting
-that half's next round while the other half is verified (CoSine's pipeline).
+for drafts for the step's requests (bounded by `draft_timeout_ms`; late or failed drafting means plain decoding
+this step), verify them in a worker thread, hand the results to the requests' queues, and start drafting the next
+round beside the next step. Which requests a step takes and which rounds run beside it (CoSine's pipeline halves,
+drafting ahead) is `StepGrouping` (speculation/stepping.py), which the cluster simulator runs too.
 
 The drafting tier is the only thing that differs between deployments: `DraftingTier.draft` is a call to the
 Speculation deployment through a Serve handle in the service, and a local coordinator over in-process drafter
@@ -27,6 +28,7 @@ from config import AppConfig
 from engines.sampling import SamplingParams
 from speculation.messages import Draft, DraftRequest, Participation, SpeculationOverrides, TokenChunk
 from speculation.planner import DraftPlanner
+from speculation.stepping import StepGrouping, carried
 from speculation.trace import TraceRecorder
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,6 @@ class _Request:
 
     queue: asyncio.Queue
     overrides: SpeculationOverrides
-    half: int  # the pipeline half it is verified in
     participation: Participation | None = None  # how its pending draft was made
     drafted: bool = False  # past its first round (which scores the prompt, so is not priced)
 
@@ -134,11 +135,10 @@ class VerifyLoop:
         self.controller = self.planner.controller
         self.trace = TraceRecorder(cfg.speculation.record_trace) if cfg.speculation.record_trace else None
         self.drafting_overlaps_verification = True  # False where drafters share this CPU (set by the deployment)
-        self.half_verify_s = [0.0, 0.0]  # last verify step time of each pipeline half
+        self.grouping = StepGrouping(engine.partial_steps)
         self.requests: dict[str, _Request] = {}
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.ids = itertools.count()
-        self.arrivals = itertools.count()
         self.task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ requests
@@ -146,8 +146,9 @@ class VerifyLoop:
                        overrides: SpeculationOverrides | None = None) -> AsyncIterator[TokenChunk]:
         self._ensure_running()
         rid = request_id or f"v-{next(self.ids)}"
-        req = _Request(asyncio.Queue(), overrides or SpeculationOverrides(), next(self.arrivals) % 2)
+        req = _Request(asyncio.Queue(), overrides or SpeculationOverrides())
         self.requests[rid] = req
+        self.grouping.join(rid)
         await self.inbox.put(("add", rid, prompt_ids, params))
         started, output, drafted, accepted = time.perf_counter(), [], 0, 0
         try:
@@ -206,6 +207,7 @@ class VerifyLoop:
                     else:
                         self.engine.add_request(prompt, params, request_id=rid)
                 except ValueError as e:
+                    self.grouping.leave(rid)
                     req = self.requests.pop(rid, None)
                     if req:
                         req.queue.put_nowait(e)
@@ -218,6 +220,8 @@ class VerifyLoop:
     def _release(self, rids: list[str]) -> None:
         if not rids:
             return
+        for r in rids:
+            self.grouping.leave(r)
         if self.controller:
             for r in rids:
                 self.controller.release(r)
@@ -225,28 +229,9 @@ class VerifyLoop:
             self.drafting.release(rids)
 
     # ------------------------------------------------------------------ drafting
-    def _overlap(self, rids: list[str]) -> float:
-        """How long the other pipeline half's verification runs alongside these requests' drafting (0 when the
-        other half is empty, or drafting shares the verifier's hardware: then they take turns)."""
-        if not self.drafting_overlaps_verification or not rids:
-            return 0.0
-        half = self._half(rids[0])
-        if not any(self._half(r) != half for r in self.engine.running):
-            return 0.0
-        return self.half_verify_s[1 - half]
-
-    def _pipelined(self) -> bool:
-        """Two halves only pay where there is drafting to hide behind the other half's verification, on hardware
-        of its own: where drafters share the verifier's cores, verifying each half apart only loses batching
-        (measured: 8 requests on two cores, target-only 78 tok/s in halves vs 151 in one step)."""
-        if not self.engine.partial_steps:  # vLLM steps its whole batch
-            return False
-        return self.drafting is not None and self.drafting_overlaps_verification and any(
-            r not in self.requests or self.requests[r].overrides.enabled for r in self.engine.running)
-
-    def _half(self, rid: str) -> int:
+    def _speculating(self, rid: str) -> bool:
         req = self.requests.get(rid)
-        return req.half if req else 0
+        return req is None or req.overrides.enabled
 
     async def _drafts(self, rids: list[str], ahead: dict[str, list[int]] | None = None) -> dict[str, Draft]:
         """Drafts for `rids`; {} (plain decoding) when late, failed or off. `ahead`: drafted during a verify step,
@@ -256,7 +241,8 @@ class VerifyLoop:
         overrides = {r: self.requests[r].overrides if r in self.requests else SpeculationOverrides() for r in rids}
         contexts = ahead or {r: self.engine.context(r) for r in rids}
         # drafted ahead, the round runs beside the step being verified
-        overlap = (self.stats.verify_seconds[-1] if self.stats.verify_seconds else 0.0) if ahead else self._overlap(rids)
+        overlap = (self.stats.verify_seconds[-1] if self.stats.verify_seconds else 0.0) if ahead else \
+            self.grouping.overlap(rids, self.engine.running)
         batch = self.planner.plan(contexts, overrides, overlap, ahead=bool(ahead))
         self.stats.planned(self.planner.chosen, getattr(self.controller, "predicted_goodput", None))
         if not batch:
@@ -284,30 +270,21 @@ class VerifyLoop:
 
     def _draft_ahead(self, drafts: dict[str, Draft]) -> tuple[dict[str, list[int]], asyncio.Task] | None:
         """Start drafting the next round while `drafts` are verified: from each request's context plus the chain
-        the engine verifies (vLLM verifies chains), as if all of it were accepted. Only where drafting has hardware
-        of its own: drafters sharing the verifier's cores would slow its step by as much (measured, two cores:
-        vLLM steps 34 -> 44 ms with drafting beside them)."""
-        if not (self.cfg.speculation.draft_ahead and self.drafting is not None and drafts
-                and not self.engine.partial_steps and self.drafting_overlaps_verification):
+        the engine verifies (vLLM verifies chains), as if all of it were accepted (`StepGrouping.drafts_ahead`)."""
+        if not self.grouping.drafts_ahead(self.cfg.speculation.draft_ahead, self.drafting is not None,
+                                          self.drafting_overlaps_verification, drafts):
             return None
         bases = {r: self.engine.context(r) + self.engine.chain_of(d).tokens for r, d in drafts.items()}
         return bases, asyncio.get_running_loop().create_task(self._drafts(list(bases), ahead=bases))
 
     async def _carried(self, ahead: tuple[dict[str, list[int]], asyncio.Task]) -> dict[str, Draft]:
-        """The drafts made ahead that still extend their request's context: its chain was accepted whole, and the
-        draft begins with the token the target added after it."""
+        """The drafts made ahead that still extend their request's context (`stepping.carried`)."""
         bases, task = ahead
         made = await task
         # requests that finished or were aborted while their round was drafted: the drafters made caches for them
         # after the release, so release them again
         self._release([r for r in bases if r not in self.engine.running])
-        out = {}
-        for r, d in made.items():
-            if r not in self.engine.running:
-                continue
-            base, now = bases[r], self.engine.context(r)
-            if now[:len(base)] == base and (rest := d.following(now[len(base):])) is not None:
-                out[r] = rest
+        out = carried(bases, made, lambda r: self.engine.context(r) if r in self.engine.running else None)
         self.stats.ahead_round(len(bases), len(out))
         return out
 
@@ -326,12 +303,11 @@ class VerifyLoop:
             raise
 
     async def _steps(self) -> None:
-        """Two halves of the pool take turns: while one half is verified (in a worker thread), the other half's
-        drafts are being produced by the drafting tier. An engine that steps its whole pool (vLLM) verifies every
-        request each step, and the next round is drafted ahead meanwhile (`_draft_ahead`)."""
-        pending: dict[int, asyncio.Task] = {}
+        """The steps, grouped as `StepGrouping` says: pipelined, one half is verified (in a worker thread) while the
+        other half's drafts are produced by the drafting tier; else the whole pool in one step, its next round
+        drafted ahead meanwhile (`_draft_ahead`)."""
+        pending: dict[int, asyncio.Task] = {}  # per half: its next round, drafted while the other half is verified
         ahead = None
-        turn = 0
         last_end = None
         while True:
             if ahead is not None and not self.engine.has_unfinished():  # settle it before idling
@@ -348,15 +324,13 @@ class VerifyLoop:
             t = time.perf_counter()
             # the step's wall time (for the hill climber) runs from the last step's end, or from now after idling
             since = t if last_end is None else last_end
-            if self._pipelined():
-                members = [r for r in self.engine.running if self._half(r) == turn]
-                if not members:
-                    turn = 1 - turn
-                    members = [r for r in self.engine.running if self._half(r) == turn]
-                task = pending.pop(turn, None)
+            members = self.grouping.members(self.engine.running, self.drafting is not None,
+                                            self.drafting_overlaps_verification, self._speculating)
+            if self.grouping.pipelined:
+                task = pending.pop(self.grouping.turn, None)
                 drafts = await task if task is not None else await self._drafts(members)
             else:  # the whole pool in one verify step, drafted first (drafts started while pipelining still count)
-                members, drafts = list(self.engine.running), {}
+                drafts = {}
                 for task in pending.values():
                     drafts.update(await task)
                 pending.clear()
@@ -383,16 +357,14 @@ class VerifyLoop:
                 self._release(members)
                 continue
             last_end = time.perf_counter()
-            self.half_verify_s[turn] = last_end - t
-            self.stats.verify_step(self.half_verify_s[turn], drafts, outs, len(self.requests))
+            seconds, turn = last_end - t, self.grouping.turn
+            self.stats.verify_step(seconds, drafts, outs, len(self.requests))
             if self.trace:
-                self.trace.step(last_end, len(members), self.engine.last_step_tokens, self.half_verify_s[turn], wait,
-                                len(drafts))
+                self.trace.step(last_end, len(members), self.engine.last_step_tokens, seconds, wait, len(drafts))
             self._dispatch(outs, last_end - since)
-            nxt = [r for r in self.engine.running if self._half(r) == turn] if self._pipelined() else []
+            nxt = self.grouping.verified(seconds, self.engine.running)
             if nxt:  # this half's next drafts are produced while the other half is verified
                 pending[turn] = asyncio.get_running_loop().create_task(self._drafts(nxt))
-            turn = 1 - turn
 
     def _dispatch(self, outs, wall_s: float) -> None:
         """A verify step's outputs to their requests, and to the planner with the step's wall time `wall_s`."""

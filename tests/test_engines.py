@@ -49,9 +49,11 @@ def reference(target, mixed_prompts) -> list[list[int]]:
     return [greedy_continue(target, torch.tensor([p]), NEW_TOKENS)[0, len(p):].tolist() for p in mixed_prompts]
 
 
-def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max_len=512, trees=True, mode="cosine"):
+def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max_len=512, trees=True, mode="cosine",
+         pipelined=False):
     """Every prompt through the loop, each drafted by all `drafters` (one-shot fusion of their chains when several,
-    or their majority vote in mode vote). `params`: one SamplingParams for all, or one per prompt."""
+    or their majority vote in mode vote). `params`: one SamplingParams for all, or one per prompt. `pipelined`: as
+    if the drafters had hardware of their own (the loop then verifies the pool's halves in turn)."""
     names = [f"d{i}" for i in range(len(drafters))]
     cfg = AppConfig(verifier={"model": "target", "max_batch": batch, "max_len": max_len},
                     drafters=[{"name": n, "model": n, "max_len": max_len} for n in names],
@@ -60,6 +62,7 @@ def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max
                     routing={"drafters_per_request": len(drafters)})
     verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees=trees)
     loop = build_loop(cfg, verifier, dict(zip(names, drafters)))
+    loop.drafting_overlaps_verification = pipelined
     params = params or SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     plist = params if isinstance(params, list) else [params] * len(prompts)
     overrides = [SpeculationOverrides(drafters=names, lockstep=False)] * len(prompts)
@@ -111,6 +114,29 @@ def test_greedy_best_chain_of_each_tree_equals_target(target, drafter_models, mi
     assert [o.token_ids for o in out] == reference[1::3]
     assert all(o.stats["num_draft_tokens"] <= 4 * o.stats["num_drafts"] for o in out)  # chains of at most k
     assert _accepted_share(out) > 0.2
+
+
+def test_pipeline_halves_take_turns_and_stay_lossless(target, drafter_models, mixed_prompts, reference):
+    """CoSine's pipeline (speculation/stepping.py, which the simulator runs too): with drafting on hardware of its
+    own, each step verifies one half of the pool (requests join the halves in turn) while the other half's next
+    round is drafted; the output is still the target's, and the drafts are accepted."""
+    steps: list[set[str]] = []
+    step = TorchVerifierEngine.step
+
+    def recording(self, drafts, members=None):
+        steps.append((set(members), set(self.running)))
+        return step(self, drafts, members)
+
+    TorchVerifierEngine.step = recording
+    try:
+        out, _ = _run(target, [drafter_models["generic"]], mixed_prompts[:8], k=4, batch=8, pipelined=True)
+    finally:
+        TorchVerifierEngine.step = step
+    assert [o.token_ids for o in out] == reference[:8]
+    assert _accepted_share(out) > 0.2
+    halves = [{int(r.split("-")[1]) % 2 for r in members} for members, _ in steps]
+    assert all(len(h) == 1 for h in halves) and {0, 1} <= set().union(*halves)  # one half per step, both verified
+    assert sum(members < running for members, running in steps) > len(steps) // 2  # halves, not the whole pool
 
 
 @pytest.mark.parametrize("batch", [1, 8])

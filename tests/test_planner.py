@@ -78,11 +78,12 @@ def test_stopping_the_loop_outlasts_a_swallowed_cancellation():
     awaiting it runs on (seen as a hang of the whole suite at the end of a drafted-ahead run): `stop` cancels until
     the task is done."""
     import asyncio
+    from types import SimpleNamespace
 
     from speculation.loop import VerifyLoop
 
     cfg = AppConfig.model_validate({"verifier": {"model": "target"}, "speculation": {"mode": "off"}})
-    loop = VerifyLoop(None, cfg, None)
+    loop = VerifyLoop(SimpleNamespace(partial_steps=False), cfg, None)  # an engine the stopped task never steps
 
     async def run() -> bool:
         async def stubborn():

@@ -37,7 +37,7 @@ def _hw(draft_ms: float, hop_ms: float) -> Hardware:
 
 def _run(requests, draft_ahead: bool, hw: Hardware):
     sim = Simulation(_cfg(draft_ahead), hw, requests)
-    assert sim.draft_ahead == draft_ahead and not sim.pipelined
+    assert not sim.grouping.partial_steps
     return sim.run(Workload("closed", count=len(requests), concurrency=1))
 
 
