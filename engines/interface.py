@@ -6,8 +6,9 @@
   `drafter_runners.make_drafter_runner` picks one by the model's architecture.
 - `DraftingEngine`: what the drafting tier uses of a drafter engine (`drafter.DrafterEngine`, and
   `cascade.CascadeDrafterEngine`), and `Proposal`, what its steps return.
-- `StepOutput`, `RequestCounts` and `check_prompt`: shared by the two verifier engines (`verifier.py`, the torch
-  engine, and `vllm_engine.py`), so that the verify loop drives either.
+- `VerifierEngine`: what the verify loop (speculation/loop.py) asks of a verifier engine: `verifier.py` (the torch
+  engine, trees), `vllm_engine.py` (our drafts verified inside vLLM) and `collaborative.py` (CoS) implement it.
+  `StepOutput`, `RequestCounts` and `check_prompt` are shared by them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from engines.draft_tree import Draft
+from engines.sampling import SamplingParams
 
 
 class CacheFull(RuntimeError):
@@ -122,6 +126,50 @@ class DraftingEngine(Protocol):
     def draft(self, rids: list[str], k: int | dict[str, int]) -> dict[str, list[Proposal]]:
         """The greedy chain of up to k proposals per request (each fed back as the next input); shorter where the
         cache is full."""
+
+
+@runtime_checkable
+class VerifierEngine(Protocol):
+    """The target's side of speculation: continuous batching of requests and lossless verification of their
+    drafts. The loop calls every method from one task, in this order per step: `admit`, drafting for `draftable`
+    requests (from their `context`), then `step` in a worker thread."""
+
+    partial_steps: bool  # a step may verify part of the pool (the loop's pipeline halves); vLLM steps it whole
+    drafts_itself: bool  # the engine drafts inside its step (CoS's partner): the loop sends it no drafts
+    device: str  # where the target runs ("cpu", "cuda"): the verifier deployment's placement check reads it
+    running: Mapping[str, object]  # the requests admitted and not finished, by id
+    last_step_tokens: int  # tokens the last verify forward fed, and its seconds: the goodput model's inputs
+    last_verify_seconds: float
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> str:
+        """Queue a request. ValueError when it cannot be served (a prompt too long, a setting the engine does
+        not apply): the loop fails that request alone."""
+
+    def abort(self, rid: str) -> None:
+        """Drop a request and free its cache (a client hung up)."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def admit(self) -> None:
+        """Move waiting requests into the running batch (the torch engine prefills their prompts here; vLLM
+        admits inside its step), before the round that drafts for them."""
+
+    def draftable(self) -> list[str]:
+        """The requests the next step decodes: a draft for any other would not be verified."""
+
+    def context(self, rid: str) -> list[int]:
+        """Prompt and committed tokens: what the drafters continue."""
+
+    def chain_of(self, draft: Draft) -> Draft:
+        """What this engine verifies of a draft (vLLM: its best chain, at most k long): the loop drafts the
+        next round ahead from the context this chain's full acceptance would give."""
+
+    def step(self, drafts: dict[str, Draft | None] | None = None, only: set[str] | None = None) -> list[StepOutput]:
+        """One verify step of the running requests (of `only`, where `partial_steps`); blocking (the loop runs
+        it in a worker thread). The output of a greedy request is token for token the target's."""
+
+    def finished_stats(self, rid: str) -> dict | None:
+        """A finished request's counters (`RequestCounts.stats`: the OpenAI usage extras)."""
 
 
 @dataclass

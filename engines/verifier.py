@@ -125,6 +125,10 @@ class TorchVerifierEngine:
     def admit(self) -> None:
         self._admit()
 
+    def chain_of(self, draft: Draft) -> Draft:
+        """What `step` verifies of a draft: all of it, or its best chain where trees are off."""
+        return draft if self.verifies_trees else draft.best_chain()
+
     def _admit(self) -> None:
         """Move waiting requests into free slots and prefill their prompts (all but the last token)."""
         joining = []

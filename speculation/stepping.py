@@ -66,7 +66,8 @@ class StepGrouping:
         if not self.pipelined or not rids:
             return 0.0
         half = self.half(rids[0])
-        if not any(self.half(r) != half for r in running):
+        # a snapshot: the loop asks while a step in a worker thread may admit or finish requests
+        if not any(self.half(r) != half for r in list(running)):
             return 0.0
         return self.verify_s[1 - half]
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from config import AppConfig
 from engines.collaborative import CollaborativeEngine, Combination
+from engines.interface import VerifierEngine
 from engines.sampling import SamplingParams, target_probs
 from speculation.inprocess import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
@@ -115,6 +116,7 @@ def test_the_served_loop_runs_collaborative_decoding(target, partner, prompts, m
                     speculation={"mode": "off"})
     engine = CollaborativeEngine(target, partner, CONTRASTIVE, k=cfg.verifier.collaboration.k, max_batch=2,
                                  max_len=256)
+    assert isinstance(engine, VerifierEngine)  # the loop's written contract (engines/interface.py)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     res = asyncio.run(generate_all(build_loop(cfg, engine), prompts, [params] * len(prompts)))
     ref, _ = _generate(target, partner, CONTRASTIVE, prompts, params, k=0)

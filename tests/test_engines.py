@@ -15,6 +15,7 @@ import asyncio
 import random
 
 from config import AppConfig
+from engines.interface import VerifierEngine
 from engines.runner import LlamaRunner
 from engines.sampling import SamplingParams, target_probs
 from engines.verifier import TorchVerifierEngine
@@ -96,6 +97,7 @@ def test_greedy_equals_target_for_every_batch_size(target, drafter_models, mixed
     assert all(o.finish_reason == "length" for o in out)
     assert _accepted_share(out) > 0.2
     assert verifier.runner.requests == {}  # every KV cache slot released
+    assert isinstance(verifier, VerifierEngine)  # the loop's written contract (engines/interface.py)
 
 
 @pytest.mark.parametrize("k,budget", [(1, 2), (3, 6), (8, 12)])
@@ -137,6 +139,28 @@ def test_pipeline_halves_take_turns_and_stay_lossless(target, drafter_models, mi
     halves = [{int(r.split("-")[1]) % 2 for r in members} for members, _ in steps]
     assert all(len(h) == 1 for h in halves) and {0, 1} <= set().union(*halves)  # one half per step, both verified
     assert sum(members < running for members, running in steps) > len(steps) // 2  # halves, not the whole pool
+
+
+def test_verify_steps_keep_the_loops_torch_threads_beside_in_process_drafters(target, drafter_models, mixed_prompts):
+    """In-process drafters step on threads set to their own torch thread count (1), and a thread started after that
+    starts with it: the loop's verify steps must still run with the count of the thread that built the loop (they
+    ran on one core of two, at half speed, in every in-process run before this was pinned)."""
+    want = torch.get_num_threads()
+    if want < 2:
+        pytest.skip("one torch thread here: nothing to lose")
+    seen: list[int] = []
+    step = TorchVerifierEngine.step
+
+    def recording(self, drafts, members=None):
+        seen.append(torch.get_num_threads())
+        return step(self, drafts, members)
+
+    TorchVerifierEngine.step = recording
+    try:
+        _run(target, [drafter_models["generic"]], mixed_prompts[:4], k=4, batch=4)
+    finally:
+        TorchVerifierEngine.step = step
+    assert seen and set(seen) == {want}
 
 
 @pytest.mark.parametrize("batch", [1, 8])

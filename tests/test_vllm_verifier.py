@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from config import AppConfig
 from engines import vllm_hooks
 from engines.build import build_verifier_engine
+from engines.interface import VerifierEngine
 from engines.sampling import SamplingParams, target_probs
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
@@ -92,6 +93,7 @@ def test_vllm_target_only_agrees_with_the_reference(models, prompts, reference):
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_through_the_loop_equals_the_target(engine, drafter_models, prompts, reference, batch):
+    assert isinstance(engine, VerifierEngine)  # the loop's written contract (engines/interface.py)
     loop = build_loop(_cfg(), engine, drafter_models)
     before = dict(engine.vllm_counters.totals)
     if batch == 1:
