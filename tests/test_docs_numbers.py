@@ -38,6 +38,8 @@ def _assert_rows_in(rel: str, rows: list[str], source: str) -> None:
 
 # (doc, JSON, the formatter the command prints it with)
 PRINTED = [("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "engine.json", "benchmarks.engine:format_table"),
+           ("docs/benchmarks.md", "collaborative.json", "benchmarks.collaborative:format_table"),
            ("docs/benchmarks.md", "drafter-pool.json", "benchmarks.engine:pool_table"),
            ("docs/simulation.md", "simulate-remote.json", "simulate.report:remote_pays_table"),
            ("docs/simulation.md", "simulate-tiers.json", "simulate.report:tiers_table"),
