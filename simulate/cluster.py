@@ -3,9 +3,10 @@ replicas on GPUs behind network hops, and the drafter autoscaler, on simpy's clo
 
 What decides is the project's own code, driven as the service drives it: `StepGrouping` (which requests each verify
 step takes and which drafting rounds run beside it: CoSine's pipeline halves, drafting ahead, as speculation/loop.py
-groups its steps), `DraftPlanner` (the goodput controller, participation, Gamma_max), `SpeculationCoordinator` (routing with its cold start and feedback, lockstep or
-one-shot fusion, tree budget) over the replayed drafters (replay.py), the engines' greedy verification rule, and
-the autoscaler's `ReplicaPlanner` fed the signals the replicas would report. What is modelled: time (hardware.py),
+groups its steps), `DraftPlanner` (the goodput controller, participation, Gamma_max), `SpeculationCoordinator`
+(routing with its cold start and feedback, lockstep or one-shot fusion, tree budget) over the replayed drafters
+(replay.py), the engines' greedy verification rule, and the autoscaler's `ReplicaPlanner` fed the signals the
+replicas would report. What is modelled: time (hardware.py),
 queueing at the drafter GPUs and the verifier, and replicas' start-up. Not modelled: KV-cache limits beyond
 max_batch, a rehomed request's cache rebuild on its new drafter replica, stragglers and failures.
 """
