@@ -234,8 +234,7 @@ class VerifyLoop:
             return
         for r in rids:
             self.grouping.leave(r)
-        if self.controller:
-            for r in rids:
+            if self.controller:
                 self.controller.release(r)
         if self.drafting is not None:
             self.drafting.release(rids)

@@ -118,22 +118,24 @@ def test_greedy_best_chain_of_each_tree_equals_target(target, drafter_models, mi
     assert _accepted_share(out) > 0.2
 
 
-def test_pipeline_halves_take_turns_and_stay_lossless(target, drafter_models, mixed_prompts, reference):
-    """CoSine's pipeline (speculation/stepping.py, which the simulator runs too): with drafting on hardware of its
-    own, each step verifies one half of the pool (requests join the halves in turn) while the other half's next
-    round is drafted; the output is still the target's, and the drafts are accepted."""
-    steps: list[set[str]] = []
+def _record_steps(monkeypatch, record) -> None:
+    """Every verify step of the torch engine first calls `record(engine, the step's members)`."""
     step = TorchVerifierEngine.step
 
     def recording(self, drafts, members=None):
-        steps.append((set(members), set(self.running)))
+        record(self, members)
         return step(self, drafts, members)
 
-    TorchVerifierEngine.step = recording
-    try:
-        out, _ = _run(target, [drafter_models["generic"]], mixed_prompts[:8], k=4, batch=8, pipelined=True)
-    finally:
-        TorchVerifierEngine.step = step
+    monkeypatch.setattr(TorchVerifierEngine, "step", recording)
+
+
+def test_pipeline_halves_take_turns_and_stay_lossless(target, drafter_models, mixed_prompts, reference, monkeypatch):
+    """CoSine's pipeline (speculation/stepping.py, which the simulator runs too): with drafting on hardware of its
+    own, each step verifies one half of the pool (requests join the halves in turn) while the other half's next
+    round is drafted; the output is still the target's, and the drafts are accepted."""
+    steps: list[tuple[set[str], set[str]]] = []  # (the step's members, the running pool)
+    _record_steps(monkeypatch, lambda engine, members: steps.append((set(members), set(engine.running))))
+    out, _ = _run(target, [drafter_models["generic"]], mixed_prompts[:8], k=4, batch=8, pipelined=True)
     assert [o.token_ids for o in out] == reference[:8]
     assert _accepted_share(out) > 0.2
     halves = [{int(r.split("-")[1]) % 2 for r in members} for members, _ in steps]
@@ -141,7 +143,8 @@ def test_pipeline_halves_take_turns_and_stay_lossless(target, drafter_models, mi
     assert sum(members < running for members, running in steps) > len(steps) // 2  # halves, not the whole pool
 
 
-def test_verify_steps_keep_the_loops_torch_threads_beside_in_process_drafters(target, drafter_models, mixed_prompts):
+def test_verify_steps_keep_the_loops_torch_threads_beside_in_process_drafters(target, drafter_models, mixed_prompts,
+                                                                              monkeypatch):
     """In-process drafters step on threads set to their own torch thread count (1), and a thread started after that
     starts with it: the loop's verify steps must still run with the count of the thread that built the loop (they
     ran on one core of two, at half speed, in every in-process run before this was pinned)."""
@@ -149,17 +152,8 @@ def test_verify_steps_keep_the_loops_torch_threads_beside_in_process_drafters(ta
     if want < 2:
         pytest.skip("one torch thread here: nothing to lose")
     seen: list[int] = []
-    step = TorchVerifierEngine.step
-
-    def recording(self, drafts, members=None):
-        seen.append(torch.get_num_threads())
-        return step(self, drafts, members)
-
-    TorchVerifierEngine.step = recording
-    try:
-        _run(target, [drafter_models["generic"]], mixed_prompts[:4], k=4, batch=4)
-    finally:
-        TorchVerifierEngine.step = step
+    _record_steps(monkeypatch, lambda engine, members: seen.append(torch.get_num_threads()))
+    _run(target, [drafter_models["generic"]], mixed_prompts[:4], k=4, batch=4)
     assert seen and set(seen) == {want}
 
 
