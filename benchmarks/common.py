@@ -19,14 +19,15 @@ import httpx
 from model_family import DOMAINS
 
 
-def load_model(path: Path, packed: bool = False, device: str = "cpu"):
-    """A model in fp32 for inference; `packed`: its linear layers in the CPU kernels' packed layout."""
+def load_model(path: Path, packed: bool = False, device: str = "cpu", dtype=None):
+    """A model for inference, in fp32 unless `dtype` says otherwise; `packed`: its linear layers in the CPU kernels'
+    packed layout."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from engines.cpu_kernels import pack_linear_modules
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).eval().to(device)
     return pack_linear_modules(model) if packed else model
 
 

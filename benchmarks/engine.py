@@ -26,7 +26,7 @@ from engines.drafter import DrafterEngine
 from engines.runner import step_seconds
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
-from model_family.bench_target import ensure_bench_target
+from model_family.bench_target import ensure_bench_target, realistic_target
 from speculation.goodput import SpeculationController
 from speculation.profiling import fit_draft_latency, fit_verify_latency
 from speculation.inprocess import build_loop, generate_all
@@ -82,18 +82,29 @@ def _methods(k: int) -> list[Method]:
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
         prompt_len: int = 64, include_hf: bool = True, repeats: int = 3, device: str = "cpu", log=print,
-        only: list[str] | None = None, pool: tuple[str, ...] = ("off",)) -> dict:
+        only: list[str] | None = None, pool: tuple[str, ...] = ("off",), target_scale: tuple[int, int] | None = None,
+        dtype: str = "float32") -> dict:
     """Every method at every batch size, warmed up, then `repeats` times round-robin; the median run counts.
     `device`: where every model runs ("cuda" on a GPU). `only`: the methods whose names contain one of these
     (target-only always runs: it is the reference; "HF" selects HF assisted generation). `pool`: the
     `speculation.pool_drafters` settings to run each of our speculative methods with (several: side by side, the
-    setting in the method's name)."""
+    setting in the method's name). `target_scale` (factor, layers): the trained target widened and deepened to
+    that on the device instead of the bench target (model_family/bench_target.py `realistic_target`; HF assisted
+    generation is left out then). `dtype`: every model's weights."""
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
-    bench_dir = ensure_bench_target(models_dir, log)
-    target = load_model(bench_dir, device=device)
+    torch_dtype = getattr(torch, dtype)
+    if target_scale:
+        bench_dir = models_dir / "target"  # the verifier's name in the config; the model is built here
+        target = realistic_target(models_dir, *target_scale, device, torch_dtype)
+        include_hf = False
+    else:
+        bench_dir = ensure_bench_target(models_dir, log)
+        target = load_model(bench_dir, device=device, dtype=torch_dtype)
+    target_params = sum(p.numel() for p in target.parameters())
+    log(f"target: {target_params / 1e9:.2f}B parameters, {target.config.num_hidden_layers} layers, {dtype}")
     names = list(DOMAINS) + ["generic"]
-    drafters = {d: load_model(models_dir / f"drafter-{d}", device=device) for d in names}
-    drafters["original"] = load_model(models_dir / "target", device=device)
+    drafters = {d: load_model(models_dir / f"drafter-{d}", device=device, dtype=torch_dtype) for d in names}
+    drafters["original"] = load_model(models_dir / "target", device=device, dtype=torch_dtype)
     levels = [{"name": "original", "model": "target"}] + [
         {"name": f"3level-{d}", "model": "target", "assistant": str(models_dir / f"drafter-{d}")} for d in DOMAINS]
     drafters |= {f"3level-{d}": drafters["original"] for d in DOMAINS}
@@ -165,8 +176,9 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
 
     def hf(packed: bool, warmup: bool = False) -> Row:
         if packed not in hf_models:  # HF runs the model's own forward: give it the same packed kernels as ours
-            hf_models[packed] = (load_model(bench_dir, packed, device),
-                                 {d: load_model(models_dir / f"drafter-{d}", packed, device) for d in DOMAINS})
+            hf_models[packed] = (load_model(bench_dir, packed, device, torch_dtype),
+                                 {d: load_model(models_dir / f"drafter-{d}", packed, device, torch_dtype)
+                                  for d in DOMAINS})
         name = "HF assisted generation" + (" (same packed kernels)" if packed else " (stock kernels)")
         return _hf_assisted(name, *hf_models[packed], prompts[:2] if warmup else prompts, new_tokens, outputs)
 
@@ -215,7 +227,10 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     return {"config": {"new_tokens": new_tokens, "k": k, "prompts": len(prompts), "prompt_len": prompt_len,
                        "threads": torch.get_num_threads(), "repeats": repeats,
                        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-                       "prepacked_cpu_linears": packing_available(next(target.parameters()))},
+                       "prepacked_cpu_linears": packing_available(next(target.parameters())), "dtype": dtype,
+                       "target": {"params": target_params, "layers": target.config.num_hidden_layers,
+                                  "hidden": target.config.hidden_size,
+                                  "scale": list(target_scale) if target_scale else "bench-target"}},
             "step_costs_ms": {str(b): {n: round(v, 2) for n, v in c.items()} for b, c in costs.items()},
             "rows": [asdict(r) for r in rows], "tokens_per_s_per_run": per_run}
 
@@ -281,7 +296,8 @@ def main(args) -> int:
 
     result = run(models_dir(), per_domain=args.per_domain, new_tokens=args.new_tokens, k=args.k,
                  batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device,
-                 only=args.methods, pool=tuple(args.pool))
+                 only=args.methods, pool=tuple(args.pool),
+                 target_scale=tuple(args.target_scale) if args.target_scale else None, dtype=args.dtype)
     print(format_table(result))
     if len(args.pool) > 1:
         print("\n" + pool_table(result))

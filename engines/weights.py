@@ -2,7 +2,8 @@
 
 The Hugging Face Llama modules stay the source of truth (the model is not modified, so callers can still run it
 through transformers); this class holds what the runner calls per layer, resolved once:
-- q/k/v and gate/up projections fused into one matrix each (one matmul instead of three or two);
+- q/k/v and gate/up projections fused into one matrix each (one matmul instead of three or two), the modules'
+  own weights then views of it, shared by every runner of the model;
 - each matrix prepacked for oneDNN where that is faster (engines/cpu_kernels.py), plain otherwise;
 - RMSNorm as one fused op, and the rotary embedding's cos/sin as a table indexed by position;
 - Qwen3's per-head q/k RMSNorms where the model has them (`qk_norms`, None for the others: no work per step).
@@ -21,6 +22,20 @@ from torch import nn
 from engines.cpu_kernels import Linear
 
 
+def _fuse(mods: tuple[nn.Linear, ...]) -> torch.Tensor:
+    """The modules' weights as one matrix, the modules' own weights then views of it (no second copy of them: a
+    32B model's weights would not fit twice on one 80 GB GPU); the matrix an earlier runner of the same model made,
+    where the weights are still its views."""
+    weight = getattr(mods[0], "_fused_weight", None)
+    offsets = [sum(m.out_features for m in mods[:i]) for i in range(len(mods))]
+    if weight is None or any(m.weight.data_ptr() != weight[o:].data_ptr() for m, o in zip(mods, offsets)):
+        weight = torch.cat([m.weight.detach() for m in mods])
+        for m, o in zip(mods, offsets):
+            m.weight.data = weight[o:o + m.out_features]
+        object.__setattr__(mods[0], "_fused_weight", weight)  # not a parameter or buffer of the module
+    return weight
+
+
 class LlamaWeights:
     def __init__(self, model: nn.Module, prepack: bool = True, max_len: int | None = None):
         cfg = model.config
@@ -32,7 +47,7 @@ class LlamaWeights:
         self.inter = m0.gate_proj.out_features
 
         def fused(*mods: nn.Linear) -> Linear:
-            weight = torch.cat([m.weight.detach() for m in mods])
+            weight = mods[0].weight.detach() if len(mods) == 1 else _fuse(mods)
             biases = [m.bias for m in mods]
             bias = None if all(b is None for b in biases) else torch.cat(
                 [b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype, device=weight.device)

@@ -7,6 +7,12 @@ duplicated units is divided by k. RMSNorm statistics are unchanged by exact dupl
 computes the same next-token distribution (up to float rounding) at roughly k^2 times the cost per token. The LM
 head is untied (the widened embedding and head differ by the 1/k factor). It is not a better model, only a
 slower one with identical behaviour: a stand-in for a real large target.
+
+On a GPU a 4x widening is still far cheaper than any target anyone speculates for (a step of 0.56 ms on an H200),
+so `widen` can also deepen: layers appended whose attention output and MLP down projections are zero add nothing
+to the residual stream (each is the identity, exactly, in any dtype) but cost a full layer's reads and FLOPs.
+`realistic_target` builds such a model directly on the device, in the dtype asked for, without writing it to disk:
+16x wider and 16 layers deep is 7.3B parameters, a 7B-class model's step.
 """
 
 from __future__ import annotations
@@ -23,19 +29,30 @@ def _grid(w: torch.Tensor, k: int) -> torch.Tensor:
     return w.repeat(k, k) / k
 
 
-def widen(model: LlamaForCausalLM, k: int) -> LlamaForCausalLM:
+def widen(model: LlamaForCausalLM, k: int, layers: int | None = None, device: str = "cpu",
+          dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """The model widened k times, computing the same function; `layers` (at least the model's): deepened to that
+    many layers with identity layers appended. Built on `device` in `dtype`."""
     c = model.config
     head_dim = c.hidden_size // c.num_attention_heads
+    depth = layers or c.num_hidden_layers
+    if depth < c.num_hidden_layers:
+        raise ValueError(f"cannot deepen a {c.num_hidden_layers}-layer model to {depth} layers")
     cfg = LlamaConfig(**{**c.to_dict(), "hidden_size": c.hidden_size * k,
                          "intermediate_size": c.intermediate_size * k,
                          "num_attention_heads": c.num_attention_heads * k,
                          "num_key_value_heads": c.num_key_value_heads * k,
-                         "head_dim": head_dim, "tie_word_embeddings": False})
-    wide = LlamaForCausalLM(cfg).to(torch.float32)
-    src = {n: p.detach().float() for n, p in model.named_parameters()}
+                         "num_hidden_layers": depth, "head_dim": head_dim, "tie_word_embeddings": False})
+    with torch.device(device):
+        wide = LlamaForCausalLM(cfg).to(dtype)
+    src = {n: p.detach().to(device, torch.float32) for n, p in model.named_parameters()}
     src.setdefault("lm_head.weight", src["model.embed_tokens.weight"])
     with torch.no_grad():
         for name, p in wide.named_parameters():
+            if name not in src:  # an appended layer: zero output projections make it the identity
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.zero_()
+                continue
             w = src[name]
             if name == "model.embed_tokens.weight":
                 p.copy_(w.repeat(1, k))
@@ -48,6 +65,13 @@ def widen(model: LlamaForCausalLM, k: int) -> LlamaForCausalLM:
             else:
                 raise ValueError(f"unexpected parameter {name}")
     return wide.eval()
+
+
+def realistic_target(models_dir: Path, factor: int, layers: int, device: str, dtype: torch.dtype):
+    """The trained target widened `factor` times and deepened to `layers`, built on `device` in `dtype` (not saved):
+    the bench target at the cost of a real one."""
+    model = LlamaForCausalLM.from_pretrained(models_dir / "target", dtype=torch.float32)
+    return widen(model, factor, layers, device, dtype)
 
 
 def build_bench_target(target_dir: Path, out_dir: Path, factor: int = 4) -> Path:

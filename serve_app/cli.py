@@ -324,8 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "target-only, the reference), e.g. 'Minions' 'chain, generic'; 'HF' for HF assisted generation")
     e.add_argument("--pool", nargs="+", choices=["auto", "off"], default=["off"], help="speculation.pool_drafters "
                    "for our methods; both: side by side, with the pool's ratio per batch")
+    e.add_argument("--target-scale", type=int, nargs=2, metavar=("FACTOR", "LAYERS"), help="instead of the bench "
+                   "target, the trained target widened FACTOR times and deepened to LAYERS (identity layers), built "
+                   "on the device: a target of realistic cost on a GPU (16 16: 7.3B parameters); no HF rows then")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="every model's weights (bfloat16 on a GPU, as served)")
     e.add_argument("--json", default="bench_results/engine.json")
     e.set_defaults(func=_bench_engine)
+    from benchmarks.steps import add_arguments as add_steps
+
+    st = bsub.add_parser("steps", help="step costs of the paper's models (random weights of their real configs) "
+                         "through our engine, eager and with CUDA graphs, on this machine's GPU")
+    add_steps(st)
+    st.set_defaults(func=_bench_steps)
     co = bsub.add_parser("collaborative", help="CoS vs token-by-token collaborative decoding (ensemble, "
                          "contrastive)")
     co.add_argument("--per-domain", type=int, default=1, help="held-out prompts per domain")
@@ -516,6 +527,12 @@ def _bench_collaborative(args) -> int:
     from benchmarks.collaborative import main as bench_main
 
     return bench_main(args)
+
+
+def _bench_steps(args) -> int:
+    from benchmarks.steps import main as steps_main
+
+    return steps_main(args)
 
 
 def _bench_engine(args) -> int:

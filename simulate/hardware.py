@@ -34,9 +34,9 @@ from pydantic import BaseModel, Field
 from model_family.paths import REPO_ROOT
 
 GPU_STEPS = REPO_ROOT / "bench_results" / "gpu-steps.json"
+# `cosine bench steps` on one H100: the paper's own models (random weights of their configs), bf16
+MEASURED_STEPS = REPO_ROOT / "bench_results" / "steps-h100.json"
 PRICES = {"A100-80GB": 1.80, "RTX3090": 0.25, "RTX2080Ti": 0.15, "CPU": 0.0}  # USD per GPU-hour (inputs)
-BW_EFFICIENCY = 0.6  # share of peak memory bandwidth a step's weight read reaches (assumption)
-FLOPS_EFFICIENCY = 0.5  # share of dense peak FLOPS a step's matmuls reach (assumption)
 ALLREDUCE_MS = 0.015  # one tensor-parallel all-reduce of a decode step's activations over NVLink (assumption)
 
 
@@ -89,7 +89,11 @@ class Shape(BaseModel):
     @property
     def read_params(self) -> int:
         """The weights a step reads: every layer and the LM head (an embedding row is gathered, not read whole)."""
-        return self.layers * self.layer_params + self.vocab * self.hidden
+        return self.read_params_at(self.layers)
+
+    def read_params_at(self, layers: int) -> int:
+        """The weights a step of the model's first `layers` layers reads (a measured slice)."""
+        return layers * self.layer_params + self.vocab * self.hidden
 
 
 # the models the paper ran (their config.json on the Hugging Face Hub) and the two this project measured on GPUs
@@ -106,6 +110,29 @@ SHAPES = {
 }
 
 
+def measured_efficiencies(path: Path = MEASURED_STEPS) -> tuple[float, float]:
+    """(share of peak bandwidth, share of peak 16-bit FLOPS) that the paper's verifiers' steps reach on the device
+    they were measured on: their graphed steps with the logits left on the device (what vLLM pays), fitted as
+    weight bytes / (bandwidth * e_bw) + 2 * params * tokens / (FLOPS * e_flops) by least squares on relative
+    error. Their slices' weight reads are bandwidth-bound, so e_bw is the read's; e_flops is the marginal cost of a
+    token, which the read partly hides (it can exceed 1)."""
+    data = json.loads(Path(path).read_text())
+    gpu = GPUS[_GPU_OF[data["device"]]]
+    rows = [s for s in data["steps"] if s["graphs"] and s.get("layers_run") and ROLES.get(s["model"]) == "verifier"]
+    feats, ms = [], []
+    for s in rows:
+        read = SHAPES[s["model"]].read_params_at(s["layers_run"])
+        feats.append([2 * read / (gpu.bandwidth_gbs * 1e6), 2 * read * s["tokens"] / (gpu.half_tflops * 1e9)])
+        ms.append(s["device_ms"])
+    inv_bw, inv_flops = _nnls(feats, ms, ms)
+    return round(1 / inv_bw, 3), round(1 / inv_flops, 3)
+
+
+_GPU_OF = {"NVIDIA H100 80GB HBM3": "H100-SXM", "NVIDIA H200": "H200"}  # device name -> datasheet entry
+ROLES = {"r1-distill-qwen-32b": "verifier", "r1-distill-llama-70b": "verifier", "qwen2.5-0.5b": "drafter",
+         "llama-68m": "drafter"}
+
+
 class EngineCosts(BaseModel):
     """The torch engine's own step costs on one device and mode, fitted on measured steps (ms)."""
 
@@ -114,8 +141,27 @@ class EngineCosts(BaseModel):
     fixed: float
     per_layer: float
     per_request: float
+    per_vocab_row: float = 0.0  # per request per 8,192 logits (computed and copied to the host); fitted only where
+    # the measured models' vocabularies differ (the paper's drafters: 152k and 32k; the bench models share 8,192)
     per_token: float  # per token beyond a request's first (verify steps)
     points: list[dict] = Field(default_factory=list, description="the measured steps with the model's prediction")
+
+
+def _steps(gpu_steps: Path, measured: Path) -> list[dict]:
+    """Every measured step the engine costs are fitted on, with its weights' bytes: the bench models' steps
+    (gpu-steps.json, float32) and the paper's drafters' graphed steps (steps-h100.json, bf16, the whole step as a
+    drafter pays it, logits copied to the host). The latter's eager rows are left out: their `device_ms` was timed
+    with autograd on (the file's `defects`), and a drafter on a GPU runs graphed."""
+    rows = [s | {"dtype_bytes": 4} for s in json.loads(Path(gpu_steps).read_text())["steps"]]
+    data = json.loads(Path(measured).read_text())
+    rows += [s | {"gpu": _GPU_OF[data["device"]], "dtype_bytes": 2} for s in data["steps"]
+             if s["graphs"] and ROLES[s["model"]] == "drafter"]
+    return rows
+
+
+def _rows(step: dict) -> float:
+    """A step's requests in rows of 8,192 logits."""
+    return step["batch"] * SHAPES[step["model"]].vocab / 8192
 
 
 def _datasheet_ms(gpu: GPU, shape: Shape, dtype_bytes: int, tokens: int, tp: int = 1) -> float:
@@ -136,30 +182,34 @@ def _nnls(features: list[list[float]], y: list[float], ms: list[float]) -> np.nd
     return nnls(np.array(features, float) * w[:, None], np.array(y, float) * w)[0]
 
 
-def calibrate(path: Path = GPU_STEPS) -> dict[tuple[str, bool], EngineCosts]:
+def calibrate(path: Path = GPU_STEPS, measured: Path = MEASURED_STEPS) -> dict[tuple[str, bool], EngineCosts]:
     """Engine costs per (GPU, graphs) from the measured steps, minus their datasheet bandwidth and FLOPS terms.
     One-token steps (a drafter's kind) fit fixed, per-layer and per-request costs; the multi-token verify steps then
     fit the per-token cost on what those leave."""
-    data = json.loads(Path(path).read_text())
+    every = _steps(path, measured)
     out = {}
-    for key in sorted({(s["gpu"], s["graphs"]) for s in data["steps"]}):
-        steps = [s for s in data["steps"] if (s["gpu"], s["graphs"]) == key]
+    for key in sorted({(s["gpu"], s["graphs"]) for s in every}):
+        steps = [s for s in every if (s["gpu"], s["graphs"]) == key]
         gpu = GPUS[key[0]]
 
         def engine_ms(s):  # the step's time beyond its datasheet terms
-            return s["ms"] - _datasheet_ms(gpu, SHAPES[s["model"]], 4, s["tokens"])
+            return s["ms"] - _datasheet_ms(gpu, SHAPES[s["model"]], s["dtype_bytes"], s["tokens"])
 
         one = [s for s in steps if s["new_tokens"] == 1]
-        fixed, per_layer, per_request = _nnls([[1, SHAPES[s["model"]].layers, s["batch"]] for s in one],
-                                              [engine_ms(s) for s in one], [s["ms"] for s in one])
-        base = {id(s): fixed + per_layer * SHAPES[s["model"]].layers + per_request * s["batch"] for s in steps}
+        vocabs = len({SHAPES[s["model"]].vocab for s in one}) > 1
+        feats = [[1, SHAPES[s["model"]].layers, s["batch"]] + ([_rows(s)] if vocabs else []) for s in one]
+        fixed, per_layer, per_request, *rest = _nnls(feats, [engine_ms(s) for s in one], [s["ms"] for s in one])
+        per_vocab_row = rest[0] if rest else 0.0
+        base = {id(s): fixed + per_layer * SHAPES[s["model"]].layers + per_request * s["batch"]
+                + per_vocab_row * _rows(s) for s in steps}
         more = [s for s in steps if s["new_tokens"] > 1]
         per_token = _nnls([[s["tokens"] - s["batch"]] for s in more], [engine_ms(s) - base[id(s)] for s in more],
                           [s["ms"] for s in more])[0] if more else 0.0
         costs = EngineCosts(gpu=key[0], graphs=key[1], fixed=fixed, per_layer=per_layer, per_request=per_request,
-                            per_token=per_token)
+                            per_vocab_row=per_vocab_row, per_token=per_token)
         costs.points = [{k: s[k] for k in ("model", "batch", "new_tokens", "ms")}
-                        | {"model_ms": round(engine_step_ms(costs, key[0], s["model"], s["batch"], s["tokens"], 4), 3)}
+                        | {"model_ms": round(engine_step_ms(costs, key[0], s["model"], s["batch"], s["tokens"],
+                                                            s["dtype_bytes"]), 3)}
                         for s in steps]
         out[key] = costs
     return out
@@ -169,6 +219,7 @@ def engine_step_ms(costs: EngineCosts, gpu: str, model: str, requests: int, toke
     """A torch-engine step of `model` on `gpu`: the engine costs of `costs` plus the datasheet terms."""
     shape = SHAPES[model]
     return (costs.fixed + costs.per_layer * shape.layers + costs.per_request * requests
+            + costs.per_vocab_row * requests * shape.vocab / 8192
             + costs.per_token * (tokens - requests) + _datasheet_ms(GPUS[gpu], shape, dtype_bytes, tokens))
 
 
@@ -220,8 +271,11 @@ class Hardware(BaseModel):
                 + self.prices.get(self.drafter_gpu, 0.0) * drafter_gpu_seconds) / 3600
 
 
+BW_EFFICIENCY, FLOPS_EFFICIENCY = measured_efficiencies()
 ENGINE_COSTS = calibrate()
-REFERENCE = {False: ("H200", False), True: ("H200", True)}  # the newest engine's fits, eager and with CUDA graphs
+# the fits the profiles use: eager, the newest engine's (H200, 2026-11-26); with CUDA graphs, the paper's own
+# drafters' steps (H100, bf16, 2026-11-27)
+REFERENCE = {False: ("H200", False), True: ("H100-SXM", True)}
 
 
 def drafter_step(model: str, gpu: str, graphs: bool = True) -> Linear:

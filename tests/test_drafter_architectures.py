@@ -247,3 +247,31 @@ def test_kv_budget_sizes_the_request_slots(models, arch, caplog):
     with pytest.raises(ValueError, match=rf"budget of {per_request - 1} bytes holds no request: one request at "
                                          rf"max_len {MAX_LEN} needs {per_request} bytes.*lower max_len or raise"):
         DrafterEngine(model, max_len=MAX_LEN, kv_cache_bytes=per_request - 1)
+
+
+def test_runners_share_the_models_fused_weights_and_transformers_still_agrees():
+    """q/k/v and gate/up are fused once per model: the modules' own weights become views of the fused matrices
+    (no second copy: a 32B model's weights would not fit twice on one 80 GB GPU), a second runner of the same model
+    reuses them, and the model's own forward still computes what it computed before."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**GQA)).eval()
+    ids = torch.tensor([_context(12, 1)])
+    with torch.no_grad():
+        before = model(ids).logits
+    weights = {id(p) for p in model.parameters()}
+    bytes_before = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    first, second = (LlamaRunner(model, max_slots=1, max_len=MAX_LEN) for _ in range(2))
+    for a, b in zip(first.w.gate_up + first.w.qkv, second.w.gate_up + second.w.qkv):
+        assert a.weight.data_ptr() == b.weight.data_ptr()  # one fused matrix per layer, whatever the runners
+    layer = model.model.layers[0]
+    fused = first.w.qkv[0].weight
+    assert layer.self_attn.q_proj.weight.data_ptr() == fused.data_ptr()
+    assert layer.self_attn.k_proj.weight.data_ptr() == fused[layer.self_attn.q_proj.out_features:].data_ptr()
+    assert layer.mlp.up_proj.weight.data_ptr() == first.w.gate_up[0].weight[layer.mlp.gate_proj.out_features:].data_ptr()
+    assert {id(p) for p in model.parameters()} == weights  # the same parameters, now views
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert sum(storages.values()) == bytes_before  # the fused matrices replaced the weights, none is held twice
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    first.add("r")
+    assert torch.allclose(first.forward(["r"], [ids[0].tolist()])[0], before[0], atol=1e-4, rtol=0)

@@ -96,6 +96,23 @@ def test_bench_target_greedy_equals_target(bench_target, target, domain_prompt_i
         assert torch.equal(a, b), domain
 
 
+def test_deepened_target_computes_the_same_function(target, domain_prompt_ids, models):
+    """`widen` with more layers than the model's: the appended layers are the identity (zero output projections),
+    so the wider, deeper model predicts what the target predicts while costing a full layer each."""
+    from model_family.bench_target import realistic_target
+
+    deep = realistic_target(models, 2, 7, "cpu", torch.float32)
+    assert deep.config.num_hidden_layers == 7 and deep.config.hidden_size == 2 * target.config.hidden_size
+    extra = deep.model.layers[5]
+    assert extra.self_attn.q_proj.weight.abs().sum() > 0 and extra.mlp.down_proj.weight.abs().sum() == 0
+    for domain, prompts in domain_prompt_ids.items():
+        ids = torch.tensor(prompts)
+        with torch.no_grad():
+            p = torch.softmax(target(input_ids=ids).logits, -1)
+            q = torch.softmax(deep(input_ids=ids).logits, -1)
+        assert (p - q).abs().max().item() < BENCH_TOLERANCE, domain
+
+
 @pytest.mark.slow
 def test_vllm_greedy_equals_transformers(models, target, domain_prompt_ids):
     prompts = [p for d in DOMAINS for p in domain_prompt_ids[d][:1]]
