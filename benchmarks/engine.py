@@ -83,14 +83,15 @@ def _methods(k: int) -> list[Method]:
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
         prompt_len: int = 64, include_hf: bool = True, repeats: int = 3, device: str = "cpu", log=print,
         only: list[str] | None = None, pool: tuple[str, ...] = ("off",), target_scale: tuple[int, int] | None = None,
-        dtype: str = "float32") -> dict:
+        dtype: str = "float32", on_repeat: Callable[[dict], None] | None = None) -> dict:
     """Every method at every batch size, warmed up, then `repeats` times round-robin; the median run counts.
     `device`: where every model runs ("cuda" on a GPU). `only`: the methods whose names contain one of these
     (target-only always runs: it is the reference; "HF" selects HF assisted generation). `pool`: the
     `speculation.pool_drafters` settings to run each of our speculative methods with (several: side by side, the
     setting in the method's name). `target_scale` (factor, layers): the trained target widened and deepened to
     that on the device instead of the bench target (model_family/bench_target.py `realistic_target`; HF assisted
-    generation is left out then). `dtype`: every model's weights."""
+    generation is left out then). `dtype`: every model's weights. `on_repeat`: given the result so far after every
+    repeat but the last (its `config.repeats_done` says how many)."""
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
     torch_dtype = getattr(torch, dtype)
     if target_scale:
@@ -198,24 +199,19 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         log(f"[warm-up] [{i + 1}/{len(plan)}] batch {batch}: {method}")
         fn(batch, True)
     runs: dict[tuple[str, int], list[Row]] = {}
+    config = {"new_tokens": new_tokens, "k": k, "prompts": len(prompts), "prompt_len": prompt_len,
+              "threads": torch.get_num_threads(), "repeats": repeats,
+              "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+              "prepacked_cpu_linears": packing_available(next(target.parameters())), "dtype": dtype,
+              "target": {"params": target_params, "layers": target.config.num_hidden_layers,
+                         "hidden": target.config.hidden_size,
+                         "scale": list(target_scale) if target_scale else "bench-target"}}
     for rep in range(repeats):
         for i, (method, batch, fn) in enumerate(plan):
             log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(plan)}] batch {batch}: {method}")
             runs.setdefault((method, batch), []).append(fn(batch, False))
-    per_run = {f"{m} | batch {b}": [r.tokens_per_s for r in rs] for (m, b), rs in runs.items()}  # in run order
-    rows = [median_row(runs[(m, b)]) for m, b, _ in plan]
-    best = {(r.method, r.batch): r for r in rows}
-
-    # speed-up, output identity and the limit with free drafting: target-only's verify forward time over this
-    # run's (its measured acceptance at the step costs measured in the run itself, no drafting, no overhead)
-    ref = {b: outputs[("target-only (our engine)", b)] for b in batches}
-    for row in rows:
-        base = best[("target-only (our engine)", row.batch)]
-        row.speedup_vs_target = round(row.tokens_per_s / base.tokens_per_s, 3)
-        row.identical_to_target = outputs[(row.method, row.batch)] == ref[row.batch]
-        if row.mean_accepted_length and row.forward_seconds:
-            row.limit_speedup = round(base.forward_seconds / row.forward_seconds, 3)
-            row.efficiency = round(row.speedup_vs_target / row.limit_speedup, 3)
+        if on_repeat and rep + 1 < repeats:  # what is measured so far, should the run be cut off
+            on_repeat(_summary(runs, plan, outputs, batches, config | {"repeats_done": rep + 1}))
 
     # step costs, for reading the results (what one verify of k+1 tokens costs against one token)
     ctx = prompt_len + new_tokens // 2
@@ -224,15 +220,26 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         costs[b] = {"verify_1": _step_cost_ms(target, b, ctx, 1), f"verify_{k + 1}": _step_cost_ms(target, b, ctx, k + 1),
                     f"verify_{2 * k + 1}": _step_cost_ms(target, b, ctx, 2 * k + 1),
                     "draft_1": _step_cost_ms(drafters["generic"], b, ctx, 1)}
-    return {"config": {"new_tokens": new_tokens, "k": k, "prompts": len(prompts), "prompt_len": prompt_len,
-                       "threads": torch.get_num_threads(), "repeats": repeats,
-                       "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-                       "prepacked_cpu_linears": packing_available(next(target.parameters())), "dtype": dtype,
-                       "target": {"params": target_params, "layers": target.config.num_hidden_layers,
-                                  "hidden": target.config.hidden_size,
-                                  "scale": list(target_scale) if target_scale else "bench-target"}},
-            "step_costs_ms": {str(b): {n: round(v, 2) for n, v in c.items()} for b, c in costs.items()},
-            "rows": [asdict(r) for r in rows], "tokens_per_s_per_run": per_run}
+    return _summary(runs, plan, outputs, batches, config) | {
+        "step_costs_ms": {str(b): {n: round(v, 2) for n, v in c.items()} for b, c in costs.items()}}
+
+
+def _summary(runs: dict, plan: list, outputs: dict, batches, config: dict) -> dict:
+    """The median row of every method's runs so far, with its speed-up, output identity and the limit with free
+    drafting: target-only's verify forward time over the row's (its measured acceptance at the step costs measured
+    in the run itself, no drafting, no overhead)."""
+    per_run = {f"{m} | batch {b}": [r.tokens_per_s for r in rs] for (m, b), rs in runs.items()}  # in run order
+    rows = [median_row(runs[(m, b)]) for m, b, _ in plan if (m, b) in runs]
+    best = {(r.method, r.batch): r for r in rows}
+    ref = {b: outputs[("target-only (our engine)", b)] for b in batches}
+    for row in rows:
+        base = best[("target-only (our engine)", row.batch)]
+        row.speedup_vs_target = round(row.tokens_per_s / base.tokens_per_s, 3)
+        row.identical_to_target = outputs[(row.method, row.batch)] == ref[row.batch]
+        if row.mean_accepted_length and row.forward_seconds:
+            row.limit_speedup = round(base.forward_seconds / row.forward_seconds, 3)
+            row.efficiency = round(row.speedup_vs_target / row.limit_speedup, 3)
+    return {"config": config, "rows": [asdict(r) for r in rows], "tokens_per_s_per_run": per_run}
 
 
 @torch.no_grad()
@@ -266,7 +273,7 @@ def format_table(result: dict) -> str:
                      f"| {'yes' if r['identical_to_target'] else 'NO'} | {f(r['limit_speedup'], '{:.2f}x')} "
                      f"| {f(r['efficiency'])} |")
     costs = "; ".join(f"batch {b}: " + ", ".join(f"{n} {v} ms" for n, v in c.items())
-                      for b, c in result["step_costs_ms"].items())
+                      for b, c in result.get("step_costs_ms", {}).items())
     return "\n".join(lines) + f"\n\nstep costs (median): {costs}"
 
 
@@ -297,7 +304,8 @@ def main(args) -> int:
     result = run(models_dir(), per_domain=args.per_domain, new_tokens=args.new_tokens, k=args.k,
                  batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device,
                  only=args.methods, pool=tuple(args.pool),
-                 target_scale=tuple(args.target_scale) if args.target_scale else None, dtype=args.dtype)
+                 target_scale=tuple(args.target_scale) if args.target_scale else None, dtype=args.dtype,
+                 on_repeat=lambda partial: save_json(partial, args.json))
     print(format_table(result))
     if len(args.pool) > 1:
         print("\n" + pool_table(result))
