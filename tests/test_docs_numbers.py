@@ -41,6 +41,7 @@ PRINTED = [("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_
            ("docs/benchmarks.md", "engine.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "collaborative.json", "benchmarks.collaborative:format_table"),
            ("docs/benchmarks.md", "drafter-pool.json", "benchmarks.engine:pool_table"),
+           ("docs/benchmarks.md", "steps-h100.json", "benchmarks.steps:summary_table"),
            ("docs/simulation.md", "steps-h100.json", "benchmarks.steps:summary_table"),
            ("docs/simulation.md", "simulate-remote.json", "simulate.report:remote_pays_table"),
            ("docs/simulation.md", "simulate-tiers.json", "simulate.report:tiers_table"),

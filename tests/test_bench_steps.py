@@ -1,0 +1,53 @@
+"""`cosine bench steps` (benchmarks/steps.py): the paper's models' step costs through our engine. On this CPU the
+same code runs on tiny stand-ins of the same architectures; the GPU run's JSON is committed
+(bench_results/steps-h100.json) and the simulator is calibrated on it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import steps
+
+
+def test_a_models_full_depth_is_the_line_through_its_slices():
+    """Two slices (12 and 24 layers) of a step that costs 1 ms plus 0.5 ms a layer: 80 layers cost 41 ms, for every
+    shape and mode; a shape with one slice only (the other failed) gets no extrapolated row."""
+    rows = [{"model": "m", "graphs": g, "batch": b, "new_tokens": 1, "tokens": b, "context": 8, "layers_run": layers,
+             "ms": 1 + 0.5 * layers + b, "device_ms": 0.5 + 0.5 * layers}
+            for g in (False, True) for b in (1, 4) for layers in (12, 24)]
+    rows.append(dict(rows[0], batch=8, layers_run=12))
+    out = steps._extrapolate(rows, 80)
+    assert len(out) == 4 and all(r["extrapolated"] and r["from_layers"] == [12, 24] for r in out)
+    for r in out:
+        assert r["ms"] == pytest.approx(41 + r["batch"]) and r["device_ms"] == pytest.approx(40.5)
+        assert "layers_run" not in r
+
+
+def test_the_command_measures_tiny_stand_ins_on_this_cpu(tmp_path):
+    """The whole command on a CPU: each model in a process of its own, the JSON written with every model's shape, the
+    step grid of its role, and the summary table the docs print."""
+    out = tmp_path / "steps.json"
+    result = steps.run(["llama-68m"], out, device="cpu", context=16, repeats=1, budget_s=300, scale=0.01)
+    assert json.loads(out.read_text()) == result
+    assert result["models"]["llama-68m"]["role"] == "drafter" and "errors" not in result["models"]["llama-68m"]
+    grid = {(s["batch"], s["new_tokens"]) for s in result["steps"]}
+    assert grid == {(b, 1) for b in steps.DRAFT_GRID["batch"]}
+    assert all(s["ms"] > 0 and s["device_ms"] > 0 and s["graphs"] is False for s in result["steps"])
+    assert "| llama-68m | 1 |" in steps.summary_table(result | {"steps": result["steps"] + [
+        dict(s, graphs=True) for s in result["steps"]]})
+
+
+def test_the_committed_gpu_run_covers_the_papers_models():
+    """bench_results/steps-h100.json: every model of the paper's pairs, graphed steps for each, the 70B extrapolated
+    from two slices, and its known defects stated."""
+    from model_family.paths import REPO_ROOT
+
+    data = json.loads((REPO_ROOT / "bench_results" / "steps-h100.json").read_text())
+    assert data["device"].startswith("NVIDIA H100") and data["dtype"] == "bfloat16"
+    assert set(data["models"]) == set(steps.MODELS)
+    graphed = {s["model"] for s in data["steps"] if s["graphs"]}
+    assert graphed == set(steps.MODELS)
+    assert any(s.get("extrapolated") and s["model"] == "r1-distill-llama-70b" for s in data["steps"])
+    assert "autograd" in data["defects"]
