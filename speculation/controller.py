@@ -18,8 +18,10 @@ class DraftLengthController(ABC):
     predicted_goodput: float | None = None  # tokens per second the last choice expects, where it predicts one
 
     @abstractmethod
-    def choose(self, rids: list[str], k_caps: dict[str, int] | None = None, overlap_s: float = 0.0) -> dict[str, int]:
-        """Each request's draft length, within its cap; `overlap_s` of verification runs beside the drafting."""
+    def choose(self, rids: list[str], k_caps: dict[str, int] | None = None, overlap_s: float = 0.0,
+               ahead: bool = False) -> dict[str, int]:
+        """Each request's draft length, within its cap; `overlap_s` of verification runs beside the drafting.
+        `ahead`: the round is drafted ahead, one token deeper than the length chosen (the planner adds it)."""
 
     def observe_round(self, requests: int, depth: int, modes: set[Participation | None], seconds: float) -> None:
         """A drafting round of `requests` drafting up to `depth` took `seconds`; `modes`: the participations it

@@ -197,21 +197,23 @@ class SpeculationController(DraftLengthController):
         self.mode_of.pop(rid, None)
 
     def _time(self, ks: list[int], groups: list | None = None, mode: Participation | None = None,
-              overlap: float = 0.0) -> float:
+              overlap: float = 0.0, ahead: bool = False) -> float:
         """Seconds per round. `overlap`: verify work of other requests that the drafting runs alongside (the
-        serving graph's pipeline), so only drafting beyond it costs time."""
+        serving graph's pipeline), so only drafting beyond it costs time. `ahead`: a round drafted ahead drafts
+        one token deeper than it verifies, and the loop awaits it whether or not its chains are accepted."""
         n = mode.drafters_per_request if mode else self.drafters_per_request
         verify = self.verify(sum(1 + k * n for k in ks))
+        drafted = [k + ahead if k > 0 else 0 for k in ks]
         if mode is not None:  # measured per mode, the hops included
-            depth, drafting = max(ks, default=0), sum(1 for k in ks if k > 0)
+            depth, drafting = max(drafted, default=0), sum(1 for k in ks if k > 0)
             return verify + (max(0.0, self.draft_model(mode)(depth, drafting) - overlap) if depth else 0.0)
         groups = groups or [0] * len(ks)
         combine = max if self.parallel_groups else sum
         model = self.draft
         draft = 0.0
-        for depth in range(1, max(ks, default=0) + 1):
+        for depth in range(1, max(drafted, default=0) + 1):
             per_group: dict = {}
-            for k, g in zip(ks, groups):
+            for k, g in zip(drafted, groups):
                 if k >= depth:
                     per_group[g] = per_group.get(g, 0) + 1
             draft += combine(model(m) for m in per_group.values())
@@ -220,14 +222,14 @@ class SpeculationController(DraftLengthController):
         return verify + max(0.0, draft - overlap)
 
     def choose(self, rids: list[str], k_caps: dict[str, int] | None = None,
-               groups: dict[str, object] | None = None, overlap_s: float = 0.0) -> dict[str, int]:
+               groups: dict[str, object] | None = None, overlap_s: float = 0.0, ahead: bool = False) -> dict[str, int]:
         """Greedy allocation: repeatedly set the one draft length (to any longer value) that raises goodput
         most, while any does. Jumps, not unit steps, because a drafter's fixed per-step cost can make k = 1
         worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s). Given `modes`,
         the allocation is made for every mode and the best plan is kept; the mode is left in `self.mode`."""
         # one request drafts with one drafter either way: the generalist would share nothing, only draft worse
         modes = [m for m in self.modes if len(rids) > 1 or not m.generalist]
-        plans = {mode: self._allocate(rids, k_caps, groups, mode, overlap_s) for mode in modes or [None]}
+        plans = {mode: self._allocate(rids, k_caps, groups, mode, overlap_s, ahead) for mode in modes or [None]}
         best = max(plans, key=lambda m: plans[m][1])  # ties: the first listed
         # modes that measure alike (a routed round whose drafters are parked routes to the generalist) must not
         # alternate: the autoscaler reads the modes chosen
@@ -272,7 +274,7 @@ class SpeculationController(DraftLengthController):
         return min(max(a + here - there, 0.0), 0.999)
 
     def _allocate(self, rids, k_caps, groups, mode: Participation | None = None,
-                  overlap: float = 0.0) -> tuple[dict[str, int], float]:
+                  overlap: float = 0.0, ahead: bool = False) -> tuple[dict[str, int], float]:
         caps = {r: min(self.k_max, (k_caps or {}).get(r, self.k_max)) for r in rids}
         ks = {r: 0 for r in rids}
         if not rids:
@@ -281,7 +283,7 @@ class SpeculationController(DraftLengthController):
         group_list = [(groups or {}).get(r, 0) for r in rids]
 
         def goodput(kv: dict[str, int]) -> float:
-            t = self._time(list(kv.values()), group_list, mode, overlap)
+            t = self._time(list(kv.values()), group_list, mode, overlap, ahead)
             return sum(expected_tokens(acc[r], k) for r, k in kv.items()) / max(t, 1e-9)
 
         best = goodput(ks)

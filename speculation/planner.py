@@ -36,7 +36,7 @@ class DraftPlanner:
         spec, rids = self.cfg.speculation, list(contexts)
         caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
                 for r, o in overrides.items()}
-        ks = self.controller.choose(rids, caps, overlap_s=overlap_s) if self.controller else caps
+        ks = self.controller.choose(rids, caps, overlap_s=overlap_s, ahead=ahead) if self.controller else caps
         self.chosen = [ks[r] for r in rids if caps[r] > 0]  # the requests that may speculate
         self.recent_k.extend(self.chosen)
         while sum(ks.values()) > spec.gamma_max:  # Gamma_max: shorten the longest drafts (CoSine Alg. 2)

@@ -13,8 +13,8 @@ E is the goodput controller's expected tokens per verification (speculation/good
 per-token acceptance, and T_round the verify step of n (1 + k) tokens plus what of the tier's drafting round
 (depth k, n requests, hops included) is not hidden behind verification: nothing on the verifier's own hardware; on
 hardware of its own, drafting ahead (vLLM) hides a round only where every chain of the step was accepted whole
-(probability a^(k n)), and otherwise costs a fresh round after the one drafted ahead, which the loop awaits (a round
-longer than the step delays the next), and the pipeline halves (the torch engine) hide it behind the other half's step. Each tier's
+(probability a^(k n)), and otherwise costs a fresh round after the one drafted ahead (k + 1 deep), which the loop
+awaits (a round longer than the step delays the next), and the pipeline halves (the torch engine) hide it behind the other half's step. Each tier's
 round time is measured, not assumed: fitted on its own rounds (`RoundLatency`, t = a + depth (b + c requests)),
 each tier drafting in turn at startup until it has `WARMUP` measured rounds (or seeded from a startup profile,
 `seed`), and a round on the tier not in use every `PROBE_EVERY` rounds as it runs (never a round drafted ahead; `FAR` times as seldom while it
@@ -93,10 +93,11 @@ def round_seconds(verify_s: Callable[[float], float], cost: TierCost, batch: int
     if cost.overlap == "pipelined":
         return verify + max(0.0, draft - verify)
     if cost.overlap == "ahead":
-        # the round drafted ahead starts with the step and holds the drafters until it ends (the loop awaits it
-        # before drafting afresh): a step whose chains were not all accepted waits for it, then for a fresh round
+        # the round drafted ahead starts with the step, one token deeper (k + 1: the target's bonus token comes
+        # first), and holds the drafters until it ends (the loop awaits it before drafting afresh): a step whose
+        # chains were not all accepted waits for it, then for a fresh round of k
         whole = min(max(cost.acceptance, 0.0), 0.999) ** (k * batch)
-        return max(verify, draft) + (1 - whole) * draft
+        return max(verify, cost.draft_s(k + 1, batch)) + (1 - whole) * draft
     return verify + draft
 
 

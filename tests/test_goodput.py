@@ -239,3 +239,16 @@ def test_round_latency_keeps_its_coefficients_non_negative():
         m.observe(depth, n, s)
     m.refit()
     assert min(m.a, m.b, m.c) >= 0 and m(4, 1) == pytest.approx(0.013, abs=0.002)
+
+
+def test_a_round_drafted_ahead_is_priced_one_token_deeper():
+    """Drafted ahead, a round drafts k + 1 tokens beside the step being verified (the planner adds the target's
+    bonus token), and the loop awaits it whatever is accepted: the controller prices the deeper round. With a
+    13.5 ms verify step, 19 ms drafter steps (eager, remote) and acceptance 0.95: one token ahead is priced
+    19 ms beside the step (5.5 ms beyond it: 1.95 tokens in 19 ms beat 1 in 13.5), two tokens 38 ms (24.5 ms
+    beyond it: a loss), so the controller drafts without the extra depth and not with it."""
+    c = _ctrl(0.0135, 0.0, 0.019, 0.0, acc=0.95)
+    assert c.choose(["a"], {"a": 1}, overlap_s=0.0135)["a"] == 1
+    assert c.choose(["a"], {"a": 1}, overlap_s=0.0135, ahead=True)["a"] == 0
+    assert c._time([1], overlap=0.0135, ahead=True) == pytest.approx(0.0135 + 2 * 0.019 - 0.0135)
+    assert c._time([0], overlap=0.0135, ahead=True) == pytest.approx(0.0135)  # nothing drafted, nothing deeper

@@ -102,15 +102,15 @@ def test_the_choice_follows_the_load():
 
 
 def test_a_round_drafted_ahead_that_outlasts_the_step_delays_the_fresh_one():
-    """The loop awaits the round drafted ahead before drafting afresh: where that round is longer than the step, a
-    step whose chains were not all accepted pays the rest of it and a whole fresh round (the simulator's eager
-    Qwen pair at one request: 4 x 17 ms steps on a 3090 behind a 15 ms verify)."""
+    """The loop awaits the round drafted ahead (one token deeper: k + 1) before drafting afresh: where that round is
+    longer than the step, a step whose chains were not all accepted pays the rest of it and a whole fresh round of
+    k (the simulator's eager Qwen pair at one request: 17 ms steps on a 3090 behind a 15 ms verify)."""
     verify = _verify(15.0, 0.05)
     slow = TierCost(_round(1.5, 17.0), 0.8, "ahead")
     k, whole = 4, 0.8 ** 4
-    draft = slow.draft_s(k, 1)
-    assert draft > verify(5)
-    assert round_seconds(verify, slow, 1, k) == pytest.approx(draft + (1 - whole) * draft)
+    draft, ahead = slow.draft_s(k, 1), slow.draft_s(k + 1, 1)
+    assert draft > verify(5) and ahead > draft
+    assert round_seconds(verify, slow, 1, k) == pytest.approx(ahead + (1 - whole) * draft)
     # at that depth colocated drafting of the same steps on the verifier's faster GPU is the shorter round
     near = TierCost(_round(0.0, 16.0), 0.8)
     assert round_seconds(verify, near, 1, k) < round_seconds(verify, slow, 1, k)
