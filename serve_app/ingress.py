@@ -482,39 +482,48 @@ class IngressDeployment:
             self._admit(req.n)
         except P.APIError as e:
             return _error(e)
-        return await self._respond(req, prompt_ids, params, chat=True, vreq=vreq)
+        return await self._respond(req, [(prompt_ids, params)], chat=True, vreq=vreq)
 
     @app.post("/v1/completions", openapi_extra=P.openapi_body(P.CompletionRequest),
               responses=P.openapi_responses(400, 401, 404, 413, 429, 500, stream=True))
     async def completions(self, request: Request):
         try:
             req = P.parse(P.CompletionRequest, await self._body(request))
-            prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else \
-                await self._tokenize(self._text_ids, req.prompt, req.add_special_tokens)
-            if isinstance(req.prompt, list) and any(t >= len(self.tokenizer) for t in prompt_ids):
-                raise P.APIError(400, "prompt token ids out of the vocabulary", param="prompt")
-            params = self._prepare(req, prompt_ids, self._constraints(req, chat=False))
-            self._admit(req.n)
+            prompts = req.prompts()
+            if len(prompts) * req.n > self.cfg.ingress.max_queued_requests:
+                raise P.APIError(400, f"{len(prompts)} prompts x n={req.n} exceed the requests this server queues "
+                                 f"({self.cfg.ingress.max_queued_requests})", param="prompt")
+            vreq = self._constraints(req, chat=False)
+            items = []
+            for prompt in prompts:
+                prompt_ids = list(prompt) if isinstance(prompt, list) else \
+                    await self._tokenize(self._text_ids, prompt, req.add_special_tokens)
+                if isinstance(prompt, list) and any(t >= len(self.tokenizer) for t in prompt_ids):
+                    raise P.APIError(400, "prompt token ids out of the vocabulary", param="prompt")
+                items.append((prompt_ids, self._prepare(req, prompt_ids, vreq)))
+            self._admit(len(items) * req.n)
         except P.APIError as e:
             return _error(e)
-        return await self._respond(req, prompt_ids, params, chat=False)
+        return await self._respond(req, items, chat=False)
 
     # ------------------------------------------------------------------ generation
-    async def _respond(self, req, prompt_ids: list[int], params: SamplingParams, chat: bool, vreq=None):
+    async def _respond(self, req, items: list[tuple[list[int], SamplingParams]], chat: bool, vreq=None):
+        """`items`: each prompt's token ids and sampling parameters (chat: one prompt; completions: its batch)."""
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         created = P.now()
         headers = _ignored(req, rid)
-        n = req.n
-        # vLLM's n: n requests of the prompt, choice i seeded seed + i
-        choices = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]
+        # vLLM's n: n requests of each prompt, choice j seeded seed + j; choice index = prompt * n + j
+        picks = [(ids, p if p.seed is None else replace(p, seed=p.seed + j)) for ids, p in items for j in range(req.n)]
+        n = len(picks)
+        prompt_tokens = sum(len(ids) for ids, _ in items)  # each prompt counted once, whatever n
         ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         self.in_flight += n
         overrides = SpeculationOverrides(**req.speculation.fields()) if req.speculation else None
-        detoks = [_Detokenizer(self.tokenizer, params.stop, params.min_tokens) for _ in range(n)]
-        top = params.logprobs  # None: no logprobs
+        detoks = [_Detokenizer(self.tokenizer, p.stop, p.min_tokens) for _, p in picks]
+        top = items[0][1].logprobs  # None: no logprobs
         name = _token_id_name if req.return_tokens_as_token_ids else self.token_names
         offsets = [0] * n  # completions' text_offset of each choice's next token
-        replies = [_ChatReply(self.vllm_api, vreq, prompt_ids) for _ in range(n)] if chat else None
+        replies = [_ChatReply(self.vllm_api, vreq, prompt_ids) for prompt_ids, _ in picks] if chat else None
 
         def logprobs(i: int, chunk) -> dict | None:
             if top is None or not chunk.token_ids:
@@ -526,8 +535,9 @@ class IngressDeployment:
             return out
 
         if req.stream:
-            gens = [self.verifier.generate.remote(prompt_ids, p, cid, overrides) for p, cid in zip(choices, ids)]
-            if params.structured_outputs is not None:  # a constraint vLLM refuses is a 400, before the stream starts
+            gens = [self.verifier.generate.remote(prompt_ids, p, cid, overrides)
+                    for (prompt_ids, p), cid in zip(picks, ids)]
+            if items[0][1].structured_outputs is not None:  # a constraint vLLM refuses is a 400, before the stream
                 try:
                     gens = [_Primed(g, first) for g, first in zip(gens, await asyncio.gather(*map(anext, gens)))]
                 except Exception as e:  # noqa: BLE001 - what vLLM refused, or a failure
@@ -535,13 +545,13 @@ class IngressDeployment:
                     for g in gens:
                         g.cancel()
                     return _error(_failure(e, rid, req))
-            return StreamingResponse(self._events(rid, created, chat, gens, detoks, logprobs, len(prompt_ids),
+            return StreamingResponse(self._events(rid, created, chat, gens, detoks, logprobs, prompt_tokens,
                                                   bool(req.stream_options and req.stream_options.include_usage),
                                                   replies),
                                      media_type="text/event-stream", headers=headers)
         try:  # one reply per choice (a client hanging up cancels the calls, and the requests with them)
             wholes = await _all([self.verifier_calls.complete.remote(prompt_ids, p, cid, overrides)
-                                 for p, cid in zip(choices, ids)])
+                                 for (prompt_ids, p), cid in zip(picks, ids)])
         except Exception as e:  # noqa: BLE001 - details stay in the log, not in the response
             return _error(_failure(e, rid, req))
         finally:
@@ -552,7 +562,7 @@ class IngressDeployment:
             body = {"message": replies[i].whole(text, whole.token_ids)} if chat else {"text": text}
             reason = replies[i].finish_reason(whole.finish_reason) if chat else whole.finish_reason
             out.append({"index": i, **body, "logprobs": logprobs(i, whole), "finish_reason": reason})
-        u = P.usage(len(prompt_ids), sum(len(w.token_ids) for w in wholes), P.spec_usage([w.usage for w in wholes]))
+        u = P.usage(prompt_tokens, sum(len(w.token_ids) for w in wholes), P.spec_usage([w.usage for w in wholes]))
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                              "model": self.model_name, "choices": out, "usage": u}, headers=headers)
 

@@ -247,7 +247,9 @@ class CompletionRequest(_Common):
         "prompt_embeds": ((None,), "prompt embeddings are not accepted"),
     }
 
-    prompt: str | list[Annotated[int, Field(ge=0)]]
+    prompt: (str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]) = Field(
+        ..., description="a text, token ids, or a batch of either (one choice per prompt and n, indexed prompt * n + "
+        "choice, as OpenAI and vLLM index them)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the target's log-probability of each "
                                  "token, and of this many top tokens")
     add_special_tokens: bool = Field(False, description="vLLM's extension (its default there: true): the tokenizer's "
@@ -255,6 +257,13 @@ class CompletionRequest(_Common):
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the batch it sends (a list of texts or of token-id lists)."""
+        batch = isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int)
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return list(self.prompt) if batch else [self.prompt]
 
 
 class TokenizeCompletionRequest(_Fields):

@@ -94,6 +94,18 @@ def test_logprobs_asked_as_vllm_reads_them():
     assert _refusal(_completion, logprobs=True).param == "logprobs"  # an integer there
 
 
+def test_a_completions_prompt_is_one_or_a_batch_of_texts_or_token_ids():
+    """OpenAI's completions take a batch of prompts in `prompt`: texts or token-id lists, never mixed."""
+    assert _completion(prompt="hi").prompts() == ["hi"]
+    assert _completion(prompt=[5, 6]).prompts() == [[5, 6]]
+    assert _completion(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert _completion(prompt=[[5], [6, 7]]).prompts() == [[5], [6, 7]]
+    assert _refusal(_completion, prompt=["a", 3]).param.startswith("prompt")
+    assert _refusal(_completion, prompt=[[5], "a"]).param.startswith("prompt")
+    with pytest.raises(P.APIError, match="empty"):
+        _completion(prompt=[]).prompts()
+
+
 class _NoVerifier:
     """A Serve handle's place for an ingress that only prepares requests."""
 

@@ -256,6 +256,45 @@ def test_n_with_speculation_streamed_and_whole(client, server):
     assert usage["completion_tokens"] == 32
 
 
+def test_a_batch_of_prompts_gives_one_choice_per_prompt_and_n(server, client, cases, reference, tokenizer, target):
+    """`prompt` as a batch, as OpenAI's completions take it (lm-eval's default sends token-id lists so): choice
+    i * n + j is prompt i's j-th; greedy, each is vLLM target-only's continuation of its own prompt, whole and
+    streamed, with speculation on; usage counts each prompt once. A batch of texts too, through the SDK."""
+    names = ("plain", "eos_ignored")
+    body = {"model": MODEL, "prompt": [cases[n][0] for n in names], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    want = [tokenizer.decode(reference[n][0][:24], skip_special_tokens=True) for n in names]
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=180).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    assert [c["text"] for c in whole["choices"]] == want
+    assert whole["usage"]["prompt_tokens"] == sum(len(cases[n][0]) for n in names)
+    assert whole["usage"]["completion_tokens"] == 48 and whole["usage"]["num_drafts"] > 0
+    texts = {0: "", 1: ""}
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=180) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] += c["text"]
+    assert [texts[0], texts[1]] == want
+    prompts = ["The court held that the contract", "The patient presented with"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0.8, n=2, seed=5,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and all(c.text for c in r.choices)
+    greedy = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    for text, c in zip(prompts, greedy.choices):
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert c.text == tokenizer.decode(greedy_continue(target, torch.tensor([ids]), 12)[0, len(ids):].tolist(),
+                                          skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("body,needle", [({"prompt": ["a", "b", "c", "d"], "n": 2, "temperature": 1}, "queues"),
+                                         ({"prompt": ["a", 3]}, "prompt"), ({"prompt": [[]]}, "empty")])
+def test_a_batch_the_server_cannot_serve_is_a_400(server, body, needle):
+    r = httpx.post(f"{server}/v1/completions", timeout=60, json={"model": MODEL, "max_tokens": 4, **body})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("body,needle", [({"n": 2, "temperature": 0}, "temperature > 0"),
                                          ({"n": 9, "temperature": 1}, "queues")])
 def test_n_refused_where_it_cannot_be_served(server, body, needle):
