@@ -47,6 +47,19 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port below the ephemeral range")
 
 
+def one_machine_app(drafting_tier: str, domains, draft_timeout_ms: int, model_name: str = "cosine-target") -> dict:
+    """The application args of a one-machine graph: the small target in vLLM, the `domains`' drafters and the
+    generalist, drafting on `drafting_tier`."""
+    return {
+        "ingress": {"model_name": model_name},
+        "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 512, "kv_cache_gib": 1},
+        "speculation": {"mode": "cosine", "k": 4, "draft_timeout_ms": draft_timeout_ms,
+                        "drafting_tier": drafting_tier},
+        "drafters": [{"name": d, "model": f"drafter-{d}"} for d in domains]
+        + [{"name": "generic", "model": "drafter-generic", "generalist": True}],
+    }
+
+
 @contextmanager
 def local_serve(app_args: dict, **ray_init):
     """The application on a local Ray cluster, its actors run as under `cosine serve`; yields its URL and shuts

@@ -79,13 +79,17 @@ def test_bench_target_is_far_more_expensive(bench_target, models):
 BENCH_TOLERANCE = 1e-4  # max |p_bench - p_target| over the vocabulary, fp32
 
 
-def test_bench_target_preserves_next_token_distribution(bench_target, target, domain_prompt_ids):
+def _assert_same_distribution(a, b, domain_prompt_ids) -> None:
     for domain, prompts in domain_prompt_ids.items():
         ids = torch.tensor(prompts)
         with torch.no_grad():
-            p = torch.softmax(target(input_ids=ids).logits, -1)
-            q = torch.softmax(bench_target(input_ids=ids).logits, -1)
+            p = torch.softmax(a(input_ids=ids).logits, -1)
+            q = torch.softmax(b(input_ids=ids).logits, -1)
         assert (p - q).abs().max().item() < BENCH_TOLERANCE, domain
+
+
+def test_bench_target_preserves_next_token_distribution(bench_target, target, domain_prompt_ids):
+    _assert_same_distribution(target, bench_target, domain_prompt_ids)
 
 
 def test_bench_target_greedy_equals_target(bench_target, target, domain_prompt_ids):
@@ -105,12 +109,7 @@ def test_deepened_target_computes_the_same_function(target, domain_prompt_ids, m
     assert deep.config.num_hidden_layers == 7 and deep.config.hidden_size == 2 * target.config.hidden_size
     extra = deep.model.layers[5]
     assert extra.self_attn.q_proj.weight.abs().sum() > 0 and extra.mlp.down_proj.weight.abs().sum() == 0
-    for domain, prompts in domain_prompt_ids.items():
-        ids = torch.tensor(prompts)
-        with torch.no_grad():
-            p = torch.softmax(target(input_ids=ids).logits, -1)
-            q = torch.softmax(deep(input_ids=ids).logits, -1)
-        assert (p - q).abs().max().item() < BENCH_TOLERANCE, domain
+    _assert_same_distribution(target, deep, domain_prompt_ids)
 
 
 @pytest.mark.slow

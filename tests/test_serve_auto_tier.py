@@ -22,15 +22,9 @@ DOMAINS_SERVED = ("code", "legal", "biomedical")
 
 @pytest.fixture(scope="module")
 def server():
-    from tests.conftest import local_serve
+    from tests.conftest import local_serve, one_machine_app
 
-    cfg = {
-        "ingress": {"model_name": MODEL},
-        "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 512, "kv_cache_gib": 1},
-        "speculation": {"mode": "cosine", "k": 4, "draft_timeout_ms": 5000, "drafting_tier": "auto"},
-        "drafters": [{"name": d, "model": f"drafter-{d}"} for d in DOMAINS_SERVED]
-        + [{"name": "generic", "model": "drafter-generic", "generalist": True}],
-    }
+    cfg = one_machine_app("auto", DOMAINS_SERVED, draft_timeout_ms=5000, model_name=MODEL)
     with local_serve(cfg) as url:
         yield url
 
