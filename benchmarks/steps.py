@@ -69,12 +69,12 @@ def _config(name: str, layers: int | None = None, scale: float = 1.0):
 
 
 def _params(cfg) -> int:
-    h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    kv = 2 * cfg.num_key_value_heads * hd
-    bias = (h + kv) if cfg.model_type == "qwen2" else 0
-    layer = h * (h + kv) + bias + h * h + 3 * h * i + 2 * h
-    return L * layer + cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
+    """The model's parameter count, from an instance without storage (no 32B allocated to count it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
 
 
 def _median_ms(fn, repeats: int) -> float:

@@ -260,10 +260,10 @@ class CompletionRequest(_Common):
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or the batch it sends (a list of texts or of token-id lists)."""
-        batch = isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int)
-        if isinstance(self.prompt, list) and not self.prompt:
+        if self.prompt == []:
             raise APIError(400, "the prompt is empty", param="prompt")
-        return list(self.prompt) if batch else [self.prompt]
+        return list(self.prompt) if isinstance(self.prompt, list) and not isinstance(self.prompt[0], int) \
+            else [self.prompt]
 
 
 class TokenizeCompletionRequest(_Fields):

@@ -118,7 +118,8 @@ def measured_efficiencies(path: Path = MEASURED_STEPS) -> tuple[float, float]:
     token, which the read partly hides (it can exceed 1)."""
     data = json.loads(Path(path).read_text())
     gpu = GPUS[_GPU_OF[data["device"]]]
-    rows = [s for s in data["steps"] if s["graphs"] and s.get("layers_run") and ROLES.get(s["model"]) == "verifier"]
+    rows = [s for s in data["steps"]
+            if s["graphs"] and s.get("layers_run") and data["models"][s["model"]]["role"] == "verifier"]
     feats, ms = [], []
     for s in rows:
         read = SHAPES[s["model"]].read_params_at(s["layers_run"])
@@ -129,8 +130,6 @@ def measured_efficiencies(path: Path = MEASURED_STEPS) -> tuple[float, float]:
 
 
 _GPU_OF = {"NVIDIA H100 80GB HBM3": "H100-SXM", "NVIDIA H200": "H200"}  # device name -> datasheet entry
-ROLES = {"r1-distill-qwen-32b": "verifier", "r1-distill-llama-70b": "verifier", "qwen2.5-0.5b": "drafter",
-         "llama-68m": "drafter"}
 
 
 class EngineCosts(BaseModel):
@@ -155,13 +154,13 @@ def _steps(gpu_steps: Path, measured: Path) -> list[dict]:
     rows = [s | {"dtype_bytes": 4} for s in json.loads(Path(gpu_steps).read_text())["steps"]]
     data = json.loads(Path(measured).read_text())
     rows += [s | {"gpu": _GPU_OF[data["device"]], "dtype_bytes": 2} for s in data["steps"]
-             if s["graphs"] and ROLES[s["model"]] == "drafter"]
+             if s["graphs"] and data["models"][s["model"]]["role"] == "drafter"]
     return rows
 
 
-def _rows(step: dict) -> float:
+def _rows(model: str, requests: float) -> float:
     """A step's requests in rows of 8,192 logits."""
-    return step["batch"] * SHAPES[step["model"]].vocab / 8192
+    return requests * SHAPES[model].vocab / 8192
 
 
 def _datasheet_ms(gpu: GPU, shape: Shape, dtype_bytes: int, tokens: int, tp: int = 1) -> float:
@@ -197,11 +196,11 @@ def calibrate(path: Path = GPU_STEPS, measured: Path = MEASURED_STEPS) -> dict[t
 
         one = [s for s in steps if s["new_tokens"] == 1]
         vocabs = len({SHAPES[s["model"]].vocab for s in one}) > 1
-        feats = [[1, SHAPES[s["model"]].layers, s["batch"]] + ([_rows(s)] if vocabs else []) for s in one]
+        feats = [[1, SHAPES[s["model"]].layers, s["batch"]] + ([_rows(s["model"], s["batch"])] if vocabs else []) for s in one]
         fixed, per_layer, per_request, *rest = _nnls(feats, [engine_ms(s) for s in one], [s["ms"] for s in one])
         per_vocab_row = rest[0] if rest else 0.0
         base = {id(s): fixed + per_layer * SHAPES[s["model"]].layers + per_request * s["batch"]
-                + per_vocab_row * _rows(s) for s in steps}
+                + per_vocab_row * _rows(s["model"], s["batch"]) for s in steps}
         more = [s for s in steps if s["new_tokens"] > 1]
         per_token = _nnls([[s["tokens"] - s["batch"]] for s in more], [engine_ms(s) - base[id(s)] for s in more],
                           [s["ms"] for s in more])[0] if more else 0.0
@@ -219,7 +218,7 @@ def engine_step_ms(costs: EngineCosts, gpu: str, model: str, requests: int, toke
     """A torch-engine step of `model` on `gpu`: the engine costs of `costs` plus the datasheet terms."""
     shape = SHAPES[model]
     return (costs.fixed + costs.per_layer * shape.layers + costs.per_request * requests
-            + costs.per_vocab_row * requests * shape.vocab / 8192
+            + costs.per_vocab_row * _rows(model, requests)
             + costs.per_token * (tokens - requests) + _datasheet_ms(GPUS[gpu], shape, dtype_bytes, tokens))
 
 
