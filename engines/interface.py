@@ -188,6 +188,9 @@ class StepOutput:
     # per emitted token, where the request asked for logprobs (the vLLM engine only): {token id: the target's
     # log-probability}, the emitted token first, then the top ones (vLLM's order)
     logprobs: list[dict[int, float]] | None = None
+    # with the request's first tokens, where it asked for prompt_logprobs (the vLLM engine only): per prompt token,
+    # None for the first, then {token id: (the target's log-probability, its rank)}, the prompt token first
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
 
 @dataclass

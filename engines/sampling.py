@@ -8,7 +8,8 @@ import torch
 
 # parameters only vLLM's sampler applies, at the value that turns each off
 SAMPLER_ONLY = {"min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                "logprobs": None, "structured_outputs": None}
+                "logprobs": None, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
+                "structured_outputs": None}
 
 
 @dataclass
@@ -29,6 +30,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # the target's log-probability of each token, and of this many top tokens
+    prompt_logprobs: int | None = None  # the same of each prompt token (from its second), computed in the prefill
+    allowed_token_ids: list[int] | None = None  # the target samples among these only (drafts outside are rejected)
+    bad_words: list[str] = field(default_factory=list)  # never emitted; vLLM tokenizes them (with and without space)
     # vLLM's StructuredOutputsParams as keyword arguments (json, json_object, regex, choice, grammar, ...): the
     # grammar masks the target's distribution at every position, drafts' included
     structured_outputs: dict | None = None
@@ -48,8 +52,10 @@ class SamplingParams:
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if not 0 < self.repetition_penalty < float("inf"):
             raise ValueError("repetition_penalty must be > 0")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError("logprobs must be >= 0")
+        if any(n is not None and n < 0 for n in (self.logprobs, self.prompt_logprobs)):
+            raise ValueError("logprobs and prompt_logprobs must be >= 0")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
 
     def sampler_only(self) -> list[str]:
         """The parameters set that only vLLM's sampler applies (the torch verifier refuses them)."""

@@ -5,7 +5,8 @@ requests' KV cache across steps (paged, no prefix recomputation), batches them c
 step's drafts with its own forward pass and rejection sampler; engines/vllm_hooks.py writes the drafts in. vLLM
 verifies chains: a fused tree is sent as its most confident chain. Stops (EOS, stop ids, stop strings) stay ours,
 so both engines end requests the same way; a request we stop is aborted in vLLM, which frees its KV blocks. The
-penalties, min_tokens, logprobs and structured outputs are vLLM's sampler's, which only this engine has.
+penalties, min_tokens, logprobs (the prompt's too), allowed_token_ids, bad_words and structured outputs are vLLM's
+sampler's, which only this engine has.
 """
 
 from __future__ import annotations
@@ -140,8 +141,12 @@ class VllmVerifierEngine:
             # vLLM's logprobs of the target's raw distribution (its default logprobs_mode), the emitted ones
             logprobs = None if completion.logprobs is None else [
                 {t: lp.logprob for t, lp in d.items()} for d in completion.logprobs[:len(emitted)]]
+            # the whole prompt's at once, with the first output (vLLM's DELTA outputs; empty afterwards)
+            prompt_logprobs = [None if d is None else {t: (lp.logprob, lp.rank) for t, lp in d.items()}
+                               for d in o.prompt_logprobs] if o.prompt_logprobs else None
             results.append(StepOutput(o.request_id, emitted, drafted, accepted, by, finished, reason,
-                                      req.stop.text if req.stop.params.stop else None, drafted, logprobs))
+                                      req.stop.text if req.stop.params.stop else None, drafted, logprobs,
+                                      prompt_logprobs))
             if finished:
                 self.requests.pop(o.request_id)
                 if not o.finished:  # stopped by us (EOS, a stop id or string): vLLM would go on

@@ -264,7 +264,8 @@ def platform_device() -> str:
 
 def sampling_params(params, request_id: str, eos_token_ids=()):
     """Our sampling parameters as vLLM's: stops stay ours (engines/stopping.py), token ids in and out. vLLM's sampler
-    applies the penalties, min_tokens, logprobs and structured outputs, with drafts as with its own."""
+    applies the penalties, min_tokens, logprobs, allowed_token_ids, bad_words (tokenized by vLLM's input processor)
+    and structured outputs, with drafts as with its own (its rejection sampler masks the draft positions alike)."""
     from vllm.sampling_params import (
         RequestOutputKind,
         SamplingParams,
@@ -275,7 +276,9 @@ def sampling_params(params, request_id: str, eos_token_ids=()):
                         top_k=params.top_k or 0, seed=params.seed, ignore_eos=True, detokenize=False,
                         min_tokens=params.min_tokens, presence_penalty=params.presence_penalty,
                         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-                        logprobs=params.logprobs, output_kind=RequestOutputKind.DELTA,
+                        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
+                        allowed_token_ids=params.allowed_token_ids, bad_words=params.bad_words or None,
+                        output_kind=RequestOutputKind.DELTA,
                         structured_outputs=StructuredOutputsParams(**params.structured_outputs)
                         if params.structured_outputs else None, extra_args={DRAFT_KEY: request_id})
     # min_tokens holds back vLLM's `all_stop_token_ids`, its stop ids and EOS (whatever ignore_eos says), which it

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from importlib import metadata
 from urllib.parse import quote
 
@@ -87,8 +87,10 @@ class _Detokenizer:
     """Incremental text from token ids: holds back a trailing partial UTF-8 character, and the stop strings (a stop
     string counts only where it ends after the text of the first `min_tokens` tokens, as in vLLM)."""
 
-    def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0):
+    def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0, keep_stop: bool = False,
+                 skip_special: bool = True):
         self.tok, self.stops, self.min_tokens = tokenizer, stops, min_tokens
+        self.keep_stop, self.skip_special = keep_stop, skip_special  # vLLM's include_stop_str_in_output, ...
         self.ids: list[int] = []
         self.sent = 0
         self.hold = max((len(s) for s in stops), default=1) - 1
@@ -96,14 +98,14 @@ class _Detokenizer:
 
     def push(self, ids: list[int], final: bool) -> str:
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        text = self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
         if self.floor is None and len(self.ids) >= self.min_tokens:
-            self.floor = len(self.tok.decode(self.ids[:self.min_tokens], skip_special_tokens=True))
+            self.floor = len(self.tok.decode(self.ids[:self.min_tokens], skip_special_tokens=self.skip_special))
         if self.floor is not None:
-            cut = min((i for i in (text.find(s, max(0, self.floor - len(s) + 1)) for s in self.stops) if i >= 0),
-                      default=-1)
-            if cut >= 0:
-                text, final = text[:cut], True
+            found = [(i, len(s)) for s in self.stops if (i := text.find(s, max(0, self.floor - len(s) + 1))) >= 0]
+            if found:
+                cut, length = min(found)
+                text, final = text[:cut + length if self.keep_stop else cut], True
         if not final:
             end = len(text) - self.hold
             while end > self.sent and text[end - 1] == "\ufffd":
@@ -169,8 +171,8 @@ def _failure(e: BaseException, rid: str, req) -> P.APIError:
     ValueError), a 500 otherwise (details in the log)."""
     cause = getattr(e, "cause", e)  # Ray's RayTaskError carries the verifier's exception
     if isinstance(cause, ValueError):
-        return P.APIError(400, str(cause), param=next((f for f in ("tool_choice", "structured_outputs",
-                                                                   "response_format") if getattr(req, f, None)), None))
+        fields = ("tool_choice", "structured_outputs", "response_format", "bad_words")
+        return P.APIError(400, str(cause), param=next((f for f in fields if getattr(req, f, None)), None))
     logger.error("request %s failed (%s)", rid, type(e).__name__, exc_info=e)
     return P.APIError(500, f"generation failed (request {rid})", type_="server_error")
 
@@ -270,6 +272,53 @@ async def _all(calls):
         raise
 
 
+@dataclass
+class _Prompt:
+    """One prompt of a request: its token ids (truncated as asked), its sampling parameters, and the text an echo
+    shows before each choice's ("" without echo)."""
+
+    ids: list[int]
+    params: SamplingParams
+    echo: str = ""
+
+
+class _Shown:
+    """What one completion choice shows of its chunks, as vLLM's server shows it: with echo, the prompt's text and
+    tokens before the first (their logprobs from the prompt's, the first None); echo with max_tokens 0 shows only
+    the prompt; text_offset runs on across chunks; token ids and prompt_logprobs where asked."""
+
+    def __init__(self, prompt: _Prompt, req, name):
+        self.prompt, self.req, self.name = prompt, req, name
+        self.top = prompt.params.logprobs
+        self.offset = 0
+        self.fresh = True
+
+    def choice(self, chunk, text: str, reason: str | None, whole: bool = False) -> dict:
+        req, echo_only = self.req, self.req.echo_only()
+        ids, lps = ([], []) if echo_only else (chunk.token_ids, chunk.logprobs or [])
+        text = "" if echo_only else text
+        out: dict = {}
+        if self.fresh:
+            self.fresh = False
+            if req.echo:
+                prompt_lps = [None if d is None else {t: x for t, (x, _) in d.items()}
+                              for d in chunk.prompt_logprobs or [None] * len(self.prompt.ids)]
+                ids, lps, text = self.prompt.ids + ids, prompt_lps + lps, self.prompt.echo + text
+            if req.return_token_ids:
+                out["prompt_token_ids"] = self.prompt.ids
+        logprobs = None
+        if self.top is not None and ids:
+            logprobs = P.completion_logprobs(ids, lps, self.top, self.name, self.offset)
+            self.offset += sum(len(t) for t in logprobs["tokens"])
+        out = {"text": text, "logprobs": logprobs, "finish_reason": "length" if echo_only and reason else reason,
+               **out}
+        if req.return_token_ids:
+            out["token_ids"] = chunk.token_ids
+        if whole and req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = P.prompt_logprobs(chunk.prompt_logprobs or [], self.name)
+        return out
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class IngressDeployment:
@@ -342,6 +391,8 @@ class IngressDeployment:
             raise P.APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_len}",
                              param="messages", code="context_length_exceeded")
         max_tokens = req.completion_limit()
+        if max_tokens == 0:  # echo alone: vLLM generates one token and returns the prompt
+            max_tokens = 1
         room = self.max_len - len(prompt_ids)
         if max_tokens is None:
             max_tokens = room
@@ -350,8 +401,9 @@ class IngressDeployment:
                              f"context of {self.max_len}", param="max_tokens", code="context_length_exceeded")
         if req.min_tokens > max_tokens:
             raise P.APIError(400, f"min_tokens={req.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
-        if any(t >= len(self.tokenizer) for t in req.stop_token_ids or ()):
-            raise P.APIError(400, "stop_token_ids out of the vocabulary", param="stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(t >= len(self.tokenizer) for t in getattr(req, name) or ()):
+                raise P.APIError(400, f"{name} out of the vocabulary", param=name)
         if req.n > 1 and req.temperature == 0:
             raise P.APIError(400, "n > 1 needs temperature > 0: greedy choices would all be the same (vLLM refuses "
                              "it too)", param="n")
@@ -369,11 +421,15 @@ class IngressDeployment:
             min_tokens=req.min_tokens, presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logprobs=req.logprobs_asked(),
+            logprobs=req.logprobs_asked(), prompt_logprobs=req.prompt_logprobs_asked(),
+            allowed_token_ids=req.allowed_token_ids, bad_words=list(req.bad_words or ()),
             structured_outputs=self.vllm_api.structured_outputs(vreq) if vreq is not None else None)
         if self.cfg.verifier.engine != "vllm" and (only := params.sampler_only()):
-            param = only[0] if only[0] != "structured_outputs" else next(
-                k for k in ("response_format", "tool_choice", "structured_outputs") if getattr(req, k, None))
+            param = only[0]
+            if param == "structured_outputs":
+                param = next(k for k in ("response_format", "tool_choice", "structured_outputs") if getattr(req, k, None))
+            elif param == "prompt_logprobs" and req.prompt_logprobs is None:
+                param = "echo"  # an echoed prompt's logprobs
             raise P.APIError(400, f"{param} is applied by vLLM's sampler, and this server's verifier is the torch "
                              f"engine (verifier.engine: torch), which does not", param=param)
         return params
@@ -394,6 +450,16 @@ class IngressDeployment:
 
     def _text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def _truncated(self, req, ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last (truncation_side left, the default) or first tokens."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        keep = self.max_len if keep == -1 else keep
+        if keep == 0:
+            raise P.APIError(400, "truncate_prompt_tokens=0 leaves no prompt", param="truncate_prompt_tokens")
+        return ids[:keep] if req.truncation_side == "right" else ids[-keep:]
 
     @staticmethod
     def _messages(req) -> list[dict]:
@@ -475,14 +541,17 @@ class IngressDeployment:
         try:
             req = P.parse(P.ChatCompletionRequest, await self._body(request))
             vreq = self._constraints(req, chat=True)
-            prompt_ids = await self._tokenize(self._chat_ids, self._messages(req), req.add_generation_prompt,
-                                              req.continue_final_message, req.add_special_tokens, req.tools,
-                                              req.chat_template_kwargs)
+            prompt_ids = self._truncated(req, await self._tokenize(
+                self._chat_ids, self._messages(req), req.add_generation_prompt, req.continue_final_message,
+                req.add_special_tokens, req.tools, req.chat_template_kwargs))
             params = self._prepare(req, prompt_ids, vreq)
             self._admit(req.n)
         except P.APIError as e:
             return _error(e)
-        return await self._respond(req, [(prompt_ids, params)], chat=True, vreq=vreq)
+        # vLLM's echo: the reply continues the last message where it is the assistant's
+        last = req.messages[-1]
+        echo = last.text() if req.echo and last.role == "assistant" else ""
+        return await self._respond(req, [_Prompt(prompt_ids, params, echo)], chat=True, vreq=vreq)
 
     @app.post("/v1/completions", openapi_extra=P.openapi_body(P.CompletionRequest),
               responses=P.openapi_responses(400, 401, 404, 413, 429, 500, stream=True))
@@ -496,62 +565,63 @@ class IngressDeployment:
             vreq = self._constraints(req, chat=False)
             items = []
             for prompt in prompts:
-                prompt_ids = list(prompt) if isinstance(prompt, list) else \
+                given = list(prompt) if isinstance(prompt, list) else \
                     await self._tokenize(self._text_ids, prompt, req.add_special_tokens)
-                if isinstance(prompt, list) and any(t >= len(self.tokenizer) for t in prompt_ids):
+                if isinstance(prompt, list) and any(t >= len(self.tokenizer) for t in given):
                     raise P.APIError(400, "prompt token ids out of the vocabulary", param="prompt")
-                items.append((prompt_ids, self._prepare(req, prompt_ids, vreq)))
+                prompt_ids = self._truncated(req, given)
+                # the echoed text: the prompt as sent, or the text of its token ids (truncated: of what is kept)
+                echo = "" if not req.echo or req.return_token_ids else \
+                    prompt if isinstance(prompt, str) and prompt_ids == given else self.tokenizer.decode(prompt_ids)
+                items.append(_Prompt(prompt_ids, self._prepare(req, prompt_ids, vreq), echo))
             self._admit(len(items) * req.n)
         except P.APIError as e:
             return _error(e)
         return await self._respond(req, items, chat=False)
 
     # ------------------------------------------------------------------ generation
-    async def _respond(self, req, items: list[tuple[list[int], SamplingParams]], chat: bool, vreq=None):
-        """`items`: each prompt's token ids and sampling parameters (chat: one prompt; completions: its batch)."""
+    async def _respond(self, req, items: list[_Prompt], chat: bool, vreq=None):
+        """`items`: each prompt of the request (chat: one; completions: its batch)."""
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         created = P.now()
         headers = _ignored(req, rid)
         # vLLM's n: n requests of each prompt, choice j seeded seed + j; choice index = prompt * n + j
-        picks = [(ids, p if p.seed is None else replace(p, seed=p.seed + j)) for ids, p in items for j in range(req.n)]
+        picks = [(it, it.params if it.params.seed is None else replace(it.params, seed=it.params.seed + j))
+                 for it in items for j in range(req.n)]
         n = len(picks)
-        prompt_tokens = sum(len(ids) for ids, _ in items)  # each prompt counted once, whatever n
+        prompt_tokens = sum(len(it.ids) for it in items)  # each prompt counted once, whatever n
         ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         self.in_flight += n
         overrides = SpeculationOverrides(**req.speculation.fields()) if req.speculation else None
-        detoks = [_Detokenizer(self.tokenizer, p.stop, p.min_tokens) for _, p in picks]
-        top = items[0][1].logprobs  # None: no logprobs
+        detoks = [_Detokenizer(self.tokenizer, p.stop, p.min_tokens, req.include_stop_str_in_output,
+                               req.skip_special_tokens) for _, p in picks]
         name = _token_id_name if req.return_tokens_as_token_ids else self.token_names
-        offsets = [0] * n  # completions' text_offset of each choice's next token
-        replies = [_ChatReply(self.vllm_api, vreq, prompt_ids) for prompt_ids, _ in picks] if chat else None
+        replies = [_ChatReply(self.vllm_api, vreq, it.ids) for it, _ in picks] if chat else None
+        shown = [_Shown(it, req, name) for it, _ in picks] if not chat else None
+        top = items[0].params.logprobs  # None: no logprobs
 
-        def logprobs(i: int, chunk) -> dict | None:
-            if top is None or not chunk.token_ids:
-                return None
-            if chat:
-                return P.chat_logprobs(chunk.token_ids, chunk.logprobs or [], top, name)
-            out = P.completion_logprobs(chunk.token_ids, chunk.logprobs or [], top, name, offsets[i])
-            offsets[i] += sum(len(t) for t in out["tokens"])
-            return out
+        def chat_logprobs(chunk) -> dict | None:
+            return None if top is None or not chunk.token_ids else \
+                P.chat_logprobs(chunk.token_ids, chunk.logprobs or [], top, name)
 
         if req.stream:
-            gens = [self.verifier.generate.remote(prompt_ids, p, cid, overrides)
-                    for (prompt_ids, p), cid in zip(picks, ids)]
-            if items[0][1].structured_outputs is not None:  # a constraint vLLM refuses is a 400, before the stream
-                try:
+            gens = [self.verifier.generate.remote(it.ids, p, cid, overrides) for (it, p), cid in zip(picks, ids)]
+            if items[0].params.structured_outputs is not None or items[0].params.bad_words:
+                try:  # what vLLM's validation refuses (a constraint, bad words) is a 400, before the stream
                     gens = [_Primed(g, first) for g, first in zip(gens, await asyncio.gather(*map(anext, gens)))]
                 except Exception as e:  # noqa: BLE001 - what vLLM refused, or a failure
                     self.in_flight -= n
                     for g in gens:
                         g.cancel()
                     return _error(_failure(e, rid, req))
-            return StreamingResponse(self._events(rid, created, chat, gens, detoks, logprobs, prompt_tokens,
-                                                  bool(req.stream_options and req.stream_options.include_usage),
-                                                  replies),
+            events = self._chat_events(rid, created, gens, detoks, chat_logprobs, replies, req, items[0]) if chat \
+                else self._completion_events(rid, created, gens, detoks, shown)
+            return StreamingResponse(self._with_usage(rid, created, chat, gens, events, prompt_tokens,
+                                                      bool(req.stream_options and req.stream_options.include_usage)),
                                      media_type="text/event-stream", headers=headers)
         try:  # one reply per choice (a client hanging up cancels the calls, and the requests with them)
-            wholes = await _all([self.verifier_calls.complete.remote(prompt_ids, p, cid, overrides)
-                                 for (prompt_ids, p), cid in zip(picks, ids)])
+            wholes = await _all([self.verifier_calls.complete.remote(it.ids, p, cid, overrides)
+                                 for (it, p), cid in zip(picks, ids)])
         except Exception as e:  # noqa: BLE001 - details stay in the log, not in the response
             return _error(_failure(e, rid, req))
         finally:
@@ -559,37 +629,77 @@ class IngressDeployment:
         out = []
         for i, whole in enumerate(wholes):
             text = detoks[i].push(whole.token_ids, True)
-            body = {"message": replies[i].whole(text, whole.token_ids)} if chat else {"text": text}
-            reason = replies[i].finish_reason(whole.finish_reason) if chat else whole.finish_reason
-            out.append({"index": i, **body, "logprobs": logprobs(i, whole), "finish_reason": reason})
+            if chat:
+                message = replies[i].whole(text, whole.token_ids)
+                if items[0].echo:
+                    message["content"] = items[0].echo + (message["content"] or "")
+                out.append({"index": i, "message": message, "logprobs": chat_logprobs(whole),
+                            "finish_reason": replies[i].finish_reason(whole.finish_reason)})
+                if req.return_token_ids:
+                    out[-1]["token_ids"] = whole.token_ids
+            else:
+                out.append({"index": i, **shown[i].choice(whole, text, whole.finish_reason, whole=True)})
         u = P.usage(prompt_tokens, sum(len(w.token_ids) for w in wholes), P.spec_usage([w.usage for w in wholes]))
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                             "model": self.model_name, "choices": out, "usage": u}, headers=headers)
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.model_name, "choices": out, "usage": u}
+        if chat and req.prompt_logprobs is not None:  # vLLM's chat response carries the prompt's once
+            body["prompt_logprobs"] = P.prompt_logprobs(wholes[0].prompt_logprobs or [], name)
+        if chat and req.return_token_ids:
+            body["prompt_token_ids"] = items[0].ids
+        return JSONResponse(body, headers=headers)
 
-    async def _events(self, rid: str, created: int, chat: bool, gens: list, detoks: list, logprobs, prompt_tokens: int,
-                      include_usage: bool, replies: list | None):
-        """The Server-Sent Events of a streamed request: a chunk per choice and verify step that committed tokens."""
+    async def _chat_events(self, rid: str, created: int, gens: list, detoks: list, chat_logprobs, replies: list,
+                           req, prompt: _Prompt):
+        """A streamed chat's chunks: the role of each choice (the first with the prompt's ids where asked), the
+        echoed last message, then a chunk per choice and verify step that committed tokens."""
+        for i in range(len(gens)):
+            first = P.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None, i)
+            if req.return_token_ids and i == 0:
+                first["prompt_token_ids"] = prompt.ids
+            yield i, first, None
+        if prompt.echo:
+            for i in range(len(gens)):
+                yield i, P.chat_chunk(rid, self.model_name, created, {"content": prompt.echo}, None, i), None
+        async for i, chunk in _merged(gens):
+            text = detoks[i].push(chunk.token_ids, chunk.finished)
+            reason = chunk.finish_reason if chunk.finished else None
+            lp = chat_logprobs(chunk)
+            delta = replies[i].delta(text, chunk.token_ids, chunk.finished)
+            if delta or reason or lp or (req.return_token_ids and chunk.token_ids):
+                event = P.chat_chunk(rid, self.model_name, created, delta, replies[i].finish_reason(reason), i, lp)
+                if req.return_token_ids:
+                    event["choices"][0]["token_ids"] = chunk.token_ids
+                yield i, event, chunk
+            else:
+                yield i, None, chunk
+
+    async def _completion_events(self, rid: str, created: int, gens: list, detoks: list, shown: list):
+        """A streamed completion's chunks: one per choice and verify step that committed tokens (the echoed
+        prompt with the first)."""
+        async for i, chunk in _merged(gens):
+            text = detoks[i].push(chunk.token_ids, chunk.finished)
+            choice = shown[i].choice(chunk, text, chunk.finish_reason if chunk.finished else None)
+            if choice["text"] or choice["finish_reason"] or choice["logprobs"] or choice.get("token_ids") \
+                    or "prompt_token_ids" in choice:
+                yield i, {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                          "choices": [{"index": i, **choice}]}, chunk
+            else:
+                yield i, None, chunk
+
+    async def _with_usage(self, rid: str, created: int, chat: bool, gens: list, events, prompt_tokens: int,
+                          include_usage: bool):
+        """The Server-Sent Events of a streamed request: its chunks, the usage where asked, [DONE]; an error event
+        where generation fails."""
         n = len(gens)
         counts, stats = [0] * n, [None] * n
         try:
-            if chat:
-                for i in range(n):
-                    yield P.sse(P.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None,
-                                             i))
-            async for i, chunk in _merged(gens):
-                counts[i] += len(chunk.token_ids)
-                text = detoks[i].push(chunk.token_ids, chunk.finished)
-                reason = chunk.finish_reason if chunk.finished else None
-                lp = logprobs(i, chunk)
-                if chat:
-                    delta = replies[i].delta(text, chunk.token_ids, chunk.finished)
-                    if delta or reason or lp:
-                        yield P.sse(P.chat_chunk(rid, self.model_name, created, delta, replies[i].finish_reason(reason),
-                                                 i, lp))
-                elif text or reason or lp:
-                    yield P.sse(P.completion_chunk(rid, self.model_name, created, text, reason, i, lp))
-                if chunk.finished:
-                    stats[i] = chunk.usage
+            async for i, event, chunk in events:
+                if chunk is not None:
+                    counts[i] += len(chunk.token_ids)
+                    if chunk.finished:
+                        stats[i] = chunk.usage
+                if event is not None:
+                    yield P.sse(event)
             if include_usage:
                 u = P.usage(prompt_tokens, sum(counts), P.spec_usage(stats))
                 yield P.sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -137,16 +137,8 @@ COMMON_UNSUPPORTED = {
     "min_p": ((0, 0.0, None), NOT_WITH_SPECULATION),
     "use_beam_search": ((False, None), "beam search is not served (speculation verifies one sequence)"),
     "length_penalty": ((1, 1.0, None), "beam search is not served"),
-    "prompt_logprobs": ((None,), "prompt log-probabilities are not returned"),
     "logprob_token_ids": ((None, []), "log-probabilities of chosen ids are not returned: use the top ones"),
-    "allowed_token_ids": ((None,), "not passed to the verifier"),
-    "bad_words": (([], None), "vLLM needs its tokenizer for them, and the verifier runs it on token ids"),
-    "include_stop_str_in_output": ((False, None), "stop strings are always cut from the output"),
-    "skip_special_tokens": ((True, None), "special tokens are always left out of the text"),
-    "spaces_between_special_tokens": ((True, None), "special tokens are always left out of the text"),
-    "truncate_prompt_tokens": ((None,), "prompts are not truncated: a prompt past the context is a 400"),
-    "truncation_side": ((None,), "prompts are not truncated"),
-    "return_token_ids": ((False, None), "token ids are not returned: use return_tokens_as_token_ids with logprobs"),
+    "spaces_between_special_tokens": ((True, None), "a slow tokenizer's option; the fast tokenizers decode without it"),
     "repetition_detection": ((None,), "not passed to the verifier"),
 }
 
@@ -176,6 +168,20 @@ class _Common(_Fields):
     min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids are held back until this many tokens")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     return_tokens_as_token_ids: bool | None = Field(None, description="logprobs name tokens `token_id:<id>`")
+    return_token_ids: bool | None = Field(None, description="vLLM's: the prompt's token ids (`prompt_token_ids`, "
+                                          "streamed once) and each choice's (`token_ids`, streamed as deltas)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's: the target's log-"
+                                        "probability of each prompt token and of this many top tokens (not streamed)")
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="vLLM's: the target samples among these tokens only (vLLM's sampler)")
+    bad_words: list[str] | None = Field(None, description="vLLM's: words never generated (vLLM's sampler, over its "
+                                        "tokenization of each word with and without a leading space)")
+    include_stop_str_in_output: bool = Field(False, description="vLLM's: the stop string that ended the text is kept")
+    skip_special_tokens: bool = Field(True, description="vLLM's: false keeps special tokens in the text")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="vLLM's: keep this many of the prompt's "
+                                               "tokens (-1: the context length), from truncation_side")
+    truncation_side: Literal["left", "right"] | None = Field(None, description="vLLM's: where tokens are cut "
+                                                             "(default left: the prompt's end is kept)")
     # structured output, validated and converted by vLLM's protocol models (serve_app/vllm_api.py)
     response_format: dict | None = Field(None, description="OpenAI's: text, json_object, json_schema (vLLM's "
                                          "structural_tag too); applied by vLLM's structured-output backend")
@@ -200,6 +206,12 @@ class _Common(_Fields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+def _check_prompt_logprobs(req) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs are not available when stream is true (as in vLLM)",
+                       param="prompt_logprobs")
+
+
 class ChatCompletionRequest(_Common):
     UNSUPPORTED = COMMON_UNSUPPORTED | {
         "functions": (([], None), FUNCTIONS), "function_call": (("none", "auto", None), FUNCTIONS),
@@ -207,10 +219,11 @@ class ChatCompletionRequest(_Common):
         "prediction": ((None,), "predicted outputs are not served"),
         "web_search_options": ((None,), "web search is not served"),
         "chat_template": ((None,), CHAT_TEMPLATE), "documents": ((None,), CHAT_TEMPLATE),
-        "echo": ((False, None), "the reply is never prefixed with the last message"),
     }
 
     messages: list[ChatMessage] = Field(..., min_length=1)
+    echo: bool = Field(False, description="vLLM's: the reply is prefixed with the last message where that is the "
+                       "assistant's (the reply continues it)")
     logprobs: bool | None = Field(None, description="the target's log-probability of each token (vLLM's logprobs)")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="and of this many top tokens")
     tools: list[dict] | None = Field(None, description="function tools, passed to the chat template")
@@ -233,15 +246,18 @@ class ChatCompletionRequest(_Common):
         if self.add_generation_prompt and self.continue_final_message:
             raise APIError(400, "continue_final_message needs add_generation_prompt: false",
                            param="continue_final_message")
+        _check_prompt_logprobs(self)
         return self
 
     def logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.prompt_logprobs
+
 
 class CompletionRequest(_Common):
     UNSUPPORTED = COMMON_UNSUPPORTED | {
-        "echo": ((False, None), "the prompt is never echoed"),
         "best_of": ((1, None), "one sequence per choice: use n"),
         "suffix": ((None, ""), "fill-in-the-middle is not served"),
         "prompt_embeds": ((None,), "prompt embeddings are not accepted"),
@@ -250,13 +266,31 @@ class CompletionRequest(_Common):
     prompt: (str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]) = Field(
         ..., description="a text, token ids, or a batch of either (one choice per prompt and n, indexed prompt * n + "
         "choice, as OpenAI and vLLM index them)")
+    max_tokens: int | None = Field(None, ge=0, description="0 with echo: the prompt alone (and its logprobs)")
+    echo: bool = Field(False, description="the prompt before each choice's text (and its tokens' logprobs, the first "
+                       "None, with logprobs)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the target's log-probability of each "
                                  "token, and of this many top tokens")
     add_special_tokens: bool = Field(False, description="vLLM's extension (its default there: true): the tokenizer's "
                                      "special tokens around a text prompt")
 
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens=0 needs echo: true (it returns the prompt alone)", param="max_tokens")
+        _check_prompt_logprobs(self)
+        return self
+
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """vLLM's rule: prompt_logprobs where given, else the logprobs of an echoed prompt."""
+        return self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if self.echo else None
+
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: one token is generated (vLLM's way) and only the prompt is returned."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or the batch it sends (a list of texts or of token-id lists)."""
@@ -406,18 +440,26 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: i
         for t, d in zip(token_ids, logprobs)]}
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: int, name,
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None], top: int, name,
                         offset: int = 0) -> dict:
     """OpenAI's completions `logprobs` of these tokens, as vLLM's server writes them (`top_logprobs`: up to top + 1
-    entries, the token's own among them); `offset`: the text offset of the first one."""
+    entries, the token's own among them; None for an echoed prompt's first token); `offset`: the text offset of the
+    first one."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, d in zip(token_ids, logprobs):
         out["tokens"].append(name(t))
-        out["token_logprobs"].append(_lp(d[t]))
-        out["top_logprobs"].append({name(u): _lp(x) for u, x in list(d.items())[:top + 1]})
+        out["token_logprobs"].append(None if d is None else _lp(d[t]))
+        out["top_logprobs"].append(None if d is None else {name(u): _lp(x) for u, x in list(d.items())[:top + 1]})
         out["text_offset"].append(offset)
         offset += len(name(t))
     return out
+
+
+def prompt_logprobs(entries: list[dict[int, tuple[float, int]] | None], name) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a response: per prompt token, None for the first, then {token id: {logprob, rank,
+    decoded_token}} of the token and the most likely ones, as vLLM gave them."""
+    return [None if d is None else {str(t): {"logprob": _lp(x), "rank": r, "decoded_token": name(t)}
+                                    for t, (x, r) in d.items()} for d in entries]
 
 
 def now() -> int:

@@ -387,7 +387,8 @@ class VerifyLoop:
             self.planner.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens,
                                             req.participation if req else None)
             chunk = TokenChunk(o.new_token_ids, o.finished, o.finish_reason, o.num_draft_tokens,
-                               o.num_accepted_tokens, o.accepted_drafters, logprobs=o.logprobs)
+                               o.num_accepted_tokens, o.accepted_drafters, logprobs=o.logprobs,
+                               prompt_logprobs=o.prompt_logprobs)
             if o.finished:
                 finished.append(o.request_id)
                 chunk.usage = self.engine.finished_stats(o.request_id) or {}

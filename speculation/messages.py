@@ -109,12 +109,17 @@ class TokenChunk:
     usage: dict | None = None  # with the last chunk: the request's speculation statistics
     # when asked for (vLLM verifier): per token, {token id: the target's log-probability}, the token's own first
     logprobs: list[dict[int, float]] | None = None
+    # once, with the first tokens, when asked for (vLLM verifier): per prompt token, None for the first, then
+    # {token id: (the target's log-probability, its rank)}, the prompt token first (vLLM's prompt_logprobs)
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
     def extend(self, later: TokenChunk) -> None:
         """Append a later chunk of the same request (a whole request's chunks become one reply)."""
         self.token_ids += later.token_ids
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         self.finished, self.finish_reason, self.usage = later.finished, later.finish_reason, later.usage
         self.num_draft_tokens += later.num_draft_tokens
         self.num_accepted_tokens += later.num_accepted_tokens

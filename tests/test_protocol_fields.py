@@ -57,11 +57,8 @@ def test_known_fields_keep_strict_types(fields, param):
 @pytest.mark.parametrize("parse,field,value,needle", [
     (_chat, "logit_bias", {"5": 1.0}, "speculative decoding"), (_chat, "min_p", 0.05, "speculative decoding"),
     (_chat, "functions", [{"name": "f"}], "use tools"), (_chat, "use_beam_search", True, "beam search"),
-    (_chat, "prompt_logprobs", 1, "prompt log-probabilities"), (_chat, "bad_words", ["x"], "tokenizer"),
-    (_chat, "chat_template", "{{x}}", "chat template"), (_chat, "echo", True, "prefixed"),
-    (_completion, "echo", True, "echoed"), (_completion, "best_of", 2, "use n"), (_completion, "suffix", "}", "middle"),
-    (_completion, "include_stop_str_in_output", True, "stop strings"),
-    (_completion, "skip_special_tokens", False, "special tokens")])
+    (_chat, "chat_template", "{{x}}", "chat template"), (_completion, "best_of", 2, "use n"),
+    (_completion, "suffix", "}", "middle"), (_completion, "spaces_between_special_tokens", False, "slow tokenizer")])
 def test_known_fields_not_served_are_refused_saying_why(parse, field, value, needle):
     e = _refusal(parse, **{field: value})
     assert e.param == field and field in e.message and needle in e.message
@@ -69,7 +66,7 @@ def test_known_fields_not_served_are_refused_saying_why(parse, field, value, nee
 
 def test_their_no_op_values_pass_and_are_not_reported():
     req = _chat(logit_bias={}, min_p=0, functions=[], function_call="none", use_beam_search=False,
-                skip_special_tokens=True, echo=False)
+                spaces_between_special_tokens=True)
     assert P.ignored_fields(req) == []
     assert P.ignored_fields(_completion(echo=False, best_of=1, suffix=None)) == []
     assert _refusal(_chat, logit_bias={"5": 0}).param == "logit_bias"  # any bias, even 0: vLLM refuses it
@@ -81,9 +78,25 @@ def test_their_no_op_values_pass_and_are_not_reported():
     ({"min_tokens": -1}, "min_tokens"), ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": 1}, "logprobs"), ({"add_generation_prompt": True, "continue_final_message": True},
-                                    "continue_final_message")])
+                                    "continue_final_message"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncation_side": "middle"}, "truncation_side"), ({"bad_words": "x"}, "bad_words")])
 def test_new_chat_fields_are_validated(fields, param):
     assert _refusal(_chat, **fields).param == param
+
+
+def test_echo_and_prompt_logprobs_as_vllm_reads_them():
+    """vLLM's rules: an echoed prompt gets the logprobs' count of prompt logprobs unless prompt_logprobs is given;
+    max_tokens 0 is the prompt alone, with echo only."""
+    assert _completion(echo=True, logprobs=2).prompt_logprobs_asked() == 2
+    assert _completion(echo=True, logprobs=2, prompt_logprobs=0).prompt_logprobs_asked() == 0
+    assert _completion(logprobs=2).prompt_logprobs_asked() is None
+    assert _completion(echo=True, max_tokens=0).echo_only() and not _completion(echo=True).echo_only()
+    e = _refusal(_completion, max_tokens=0)
+    assert e.param == "max_tokens" and "echo" in e.message
+    assert _refusal(_chat, max_tokens=0).param == "max_tokens"
+    assert _chat(prompt_logprobs=3).prompt_logprobs_asked() == 3 and _chat(echo=True).prompt_logprobs_asked() is None
 
 
 def test_logprobs_asked_as_vllm_reads_them():
@@ -139,6 +152,7 @@ def test_the_ingress_turns_the_fields_into_sampling_params():
 @pytest.mark.parametrize("fields,param,needle", [
     ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", "exceeds max_tokens"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids", "vocabulary"),
+    ({"allowed_token_ids": [3, 10**6]}, "allowed_token_ids", "vocabulary"),
     ({"n": 2, "temperature": 0}, "n", "temperature > 0"), ({"n": 5}, "n", "queues")])
 def test_the_ingress_refuses_what_cannot_be_served(fields, param, needle):
     with pytest.raises(P.APIError) as e:
@@ -146,11 +160,15 @@ def test_the_ingress_refuses_what_cannot_be_served(fields, param, needle):
     assert (e.value.status, e.value.param) == (400, param) and needle in e.value.message
 
 
-@pytest.mark.parametrize("fields,param", [({"presence_penalty": 0.1}, "presence_penalty"), ({"min_tokens": 1},
-                                          "min_tokens"), ({"logprobs": True}, "logprobs")])
-def test_behind_the_torch_verifier_what_only_vllm_applies_is_refused(fields, param):
+@pytest.mark.parametrize("parse,fields,param", [
+    (_chat, {"presence_penalty": 0.1}, "presence_penalty"), (_chat, {"min_tokens": 1}, "min_tokens"),
+    (_chat, {"logprobs": True}, "logprobs"), (_chat, {"prompt_logprobs": 0}, "prompt_logprobs"),
+    (_chat, {"allowed_token_ids": [5]}, "allowed_token_ids"), (_chat, {"bad_words": ["x"]}, "bad_words"),
+    (_completion, {"echo": True, "logprobs": 1}, "logprobs"), (_completion, {"echo": True, "prompt_logprobs": 1,
+                                                                              "logprobs": None}, "prompt_logprobs")])
+def test_behind_the_torch_verifier_what_only_vllm_applies_is_refused(parse, fields, param):
     with pytest.raises(P.APIError) as e:
-        _ingress("torch")._prepare(_chat(model="cosine-target", **fields), [1, 2, 3])
+        _ingress("torch")._prepare(parse(model="cosine-target", **fields), [1, 2, 3])
     assert e.value.param == param and "verifier.engine: torch" in e.value.message
     _ingress("torch")._prepare(_chat(model="cosine-target", stop_token_ids=[5], ignore_eos=True), [1, 2, 3])
 
@@ -166,7 +184,7 @@ def test_the_torch_verifier_refuses_them_itself(target, tokenizer):
 
 def test_sampling_params_check_the_new_fields():
     for bad in ({"min_tokens": 5, "max_tokens": 4}, {"presence_penalty": 2.1}, {"repetition_penalty": 0.0},
-                {"logprobs": -1}):
+                {"logprobs": -1}, {"prompt_logprobs": -1}, {"allowed_token_ids": []}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 
@@ -205,9 +223,83 @@ def test_logprobs_written_as_vllms_server_writes_them():
     comp = P.completion_logprobs([7, 5], lps, 1, name, offset=4)
     assert comp == {"tokens": ["g", "e"], "token_logprobs": [-0.1, -9999.0], "text_offset": [4, 5],
                     "top_logprobs": [{"g": -0.1, "c": -2.0}, {"e": -9999.0, "f": -0.01}]}
-    whole = TokenChunk([7], False, logprobs=lps[:1])
+    whole = TokenChunk([7], False, logprobs=lps[:1], prompt_logprobs=[None, {3: (-1.0, 1)}])
     whole.extend(TokenChunk([5], True, logprobs=lps[1:]))
-    assert whole.token_ids == [7, 5] and whole.logprobs == lps
+    assert whole.token_ids == [7, 5] and whole.logprobs == lps and whole.prompt_logprobs == [None, {3: (-1.0, 1)}]
+    echoed = P.completion_logprobs([3, 7], [None, lps[0]], 1, name)  # an echoed prompt's first token has none
+    assert echoed["token_logprobs"] == [None, -0.1] and echoed["top_logprobs"] == [None, {"g": -0.1, "c": -2.0}]
+    assert echoed["text_offset"] == [0, 1]
+    assert P.prompt_logprobs([None, {4: (-math.inf, 9), 3: (-0.5, 1)}], name) == [
+        None, {"4": {"logprob": -9999.0, "rank": 9, "decoded_token": "d"},
+               "3": {"logprob": -0.5, "rank": 1, "decoded_token": "c"}}]
+
+
+def _shown(req, prompt_ids=(3, 4), echo="cd"):
+    from serve_app.ingress import _Prompt, _Shown
+
+    name = {3: "c", 4: "d", 5: "e", 7: "g"}.get
+    return _Shown(_Prompt(list(prompt_ids), SamplingParams(logprobs=req.logprobs), echo), req, name)
+
+
+PROMPT_LPS = [None, {4: (-1.5, 2), 3: (-0.2, 1)}]
+
+
+def test_an_echoed_completion_shows_the_prompt_and_its_logprobs_first():
+    """vLLM's echo: the prompt's text, then the choice's; logprobs of the prompt's tokens (None for the first) then
+    the choice's, text offsets running on across chunks."""
+    shown = _shown(_completion(echo=True, logprobs=1))
+    first = shown.choice(TokenChunk([7], False, logprobs=[{7: -0.1, 3: -2.0}], prompt_logprobs=PROMPT_LPS), "g",
+                         None)
+    assert first["text"] == "cdg" and first["finish_reason"] is None
+    assert first["logprobs"] == {"tokens": ["c", "d", "g"], "token_logprobs": [None, -1.5, -0.1],
+                                 "top_logprobs": [None, {"d": -1.5, "c": -0.2}, {"g": -0.1, "c": -2.0}],
+                                 "text_offset": [0, 1, 2]}
+    later = shown.choice(TokenChunk([5], True, logprobs=[{5: -0.3}]), "e", "length")
+    assert later["text"] == "e" and later["logprobs"]["text_offset"] == [3] and later["finish_reason"] == "length"
+
+
+def test_echo_with_max_tokens_0_is_the_prompt_alone_and_token_ids_where_asked():
+    shown = _shown(_completion(echo=True, max_tokens=0, logprobs=0, return_token_ids=True, prompt_logprobs=1))
+    whole = shown.choice(TokenChunk([7], True, logprobs=[{7: -0.1}], prompt_logprobs=PROMPT_LPS), "g", "length",
+                         whole=True)
+    assert (whole["text"], whole["finish_reason"]) == ("cd", "length")
+    assert whole["logprobs"]["tokens"] == ["c", "d"] and whole["logprobs"]["token_logprobs"] == [None, -1.5]
+    assert (whole["prompt_token_ids"], whole["token_ids"]) == ([3, 4], [7])  # the one token vLLM generates too
+    assert whole["prompt_logprobs"][1]["4"] == {"logprob": -1.5, "rank": 2, "decoded_token": "d"}
+    plain = _shown(_completion(return_token_ids=True), echo="")
+    assert plain.choice(TokenChunk([7], False), "g", None) == {"text": "g", "logprobs": None, "finish_reason": None,
+                                                               "prompt_token_ids": [3, 4], "token_ids": [7]}
+    assert "prompt_token_ids" not in plain.choice(TokenChunk([5], True), "e", "stop")
+
+
+def test_prompts_truncated_as_vllm_truncates_them():
+    ingress = _ingress("vllm")
+    ids = list(range(10, 20))
+    assert ingress._truncated(_completion(), ids) == ids
+    assert ingress._truncated(_completion(truncate_prompt_tokens=3), ids) == [17, 18, 19]
+    assert ingress._truncated(_completion(truncate_prompt_tokens=3, truncation_side="right"), ids) == [10, 11, 12]
+    assert ingress._truncated(_completion(truncate_prompt_tokens=-1), list(range(100))) == list(range(36, 100))
+    with pytest.raises(P.APIError):
+        ingress._truncated(_completion(truncate_prompt_tokens=0), ids)
+
+
+def test_the_detokenizer_keeps_the_stop_string_and_special_tokens_where_asked(tokenizer):
+    ids = tokenizer("ab cd ef", add_special_tokens=False).input_ids
+    assert _Detokenizer(tokenizer, [" cd"]).push(ids, True) == "ab"
+    assert _Detokenizer(tokenizer, [" cd"], keep_stop=True).push(ids, True) == "ab cd"
+    eos = tokenizer.eos_token_id
+    assert _Detokenizer(tokenizer, []).push(ids + [eos], True) == "ab cd ef"
+    assert _Detokenizer(tokenizer, [], skip_special=False).push(ids + [eos], True) == \
+        "ab cd ef" + tokenizer.eos_token
+
+
+def test_the_ingress_passes_allowed_token_ids_bad_words_and_prompt_logprobs():
+    p = _ingress("vllm")._prepare(_completion(model="cosine-target", allowed_token_ids=[5, 6], bad_words=["x y"],
+                                              echo=True, logprobs=2), [1, 2, 3])
+    assert (p.allowed_token_ids, p.bad_words, p.prompt_logprobs, p.logprobs) == ([5, 6], ["x y"], 2, 2)
+    assert p.sampler_only() == ["logprobs", "prompt_logprobs", "allowed_token_ids", "bad_words"]
+    p = _ingress("vllm")._prepare(_completion(model="cosine-target", echo=True, max_tokens=0), [1, 2, 3])
+    assert p.max_tokens == 1  # vLLM generates one token and shows the prompt alone
 
 
 def test_speculation_usage_over_choices():

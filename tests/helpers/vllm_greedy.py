@@ -3,7 +3,8 @@
 Reads {"model": dir, "prompts": [[ids]], "max_tokens": n} as JSON on stdin, prints {"outputs": [[ids]]}. Optional
 "params": more vLLM SamplingParams over the defaults (greedy, ignore_eos), one dict for every prompt or a list of one
 per prompt; where they ask for `logprobs`, the result has "logprobs" too: per prompt, per token, [[id, logprob], ...]
-in vLLM's order (the token's own first, then the top ones). A param's "structured_outputs" are vLLM's
+in vLLM's order (the token's own first, then the top ones); where they ask for `prompt_logprobs`, "prompt_logprobs"
+the same of each prompt token (None for the first). A param's "structured_outputs" are vLLM's
 StructuredOutputsParams as keyword arguments; "structured_outputs_config" (optional) the engine's.
 """
 
@@ -33,4 +34,8 @@ if __name__ == "__main__":
     if any(p.get("logprobs") is not None for p in per_prompt):
         result["logprobs"] = [None if o.outputs[0].logprobs is None else
                               [[[t, lp.logprob] for t, lp in d.items()] for d in o.outputs[0].logprobs] for o in outs]
+    if any(p.get("prompt_logprobs") is not None for p in per_prompt):
+        result["prompt_logprobs"] = [None if o.prompt_logprobs is None else
+                                     [None if d is None else [[t, lp.logprob] for t, lp in d.items()]
+                                      for d in o.prompt_logprobs] for o in outs]
     print("VLLM_RESULT " + json.dumps(result), flush=True)

@@ -61,7 +61,13 @@ def cases(tokenizer, heldout, target) -> dict:
     hello, hi = _chat_ids(tokenizer, "Hello"), _chat_ids(tokenizer, "Hi!")
     out = greedy_continue(target, torch.tensor([hello]), 12)[0, len(hello):].tolist()
     stop_id = next(t for i, t in enumerate(out) if i >= 3 and t not in out[:i] and t not in EOS)
+    # a word the plain greedy continuation writes, for bad_words; and a vocabulary of the prompt's own tokens
+    plain = tokenizer.decode(greedy_continue(target, torch.tensor([legal2]), 32)[0, len(legal2):])
+    bad = next(w for w in plain.split() if w.isalpha() and len(w) >= 3)
     return {
+        "echo": (legal2, 16, {"logprobs": 2, "prompt_logprobs": 2}),
+        "allowed": (legal2, 24, {"allowed_token_ids": sorted(set(legal2))}),
+        "bad_words": (legal2, 32, {"bad_words": [bad]}),
         "logprobs": (legal, 24, {"logprobs": 5}),
         "chat_logprobs": (_chat_ids(tokenizer, "Tell me about the law."), 16, {"logprobs": 3}),
         "plain": (legal2, 32, {}),
@@ -106,6 +112,7 @@ def reference(models, cases) -> dict:
         cut = next((j for j, t in enumerate(ids) if t in stops and j >= params.get("min_tokens", 0)), len(ids))
         logprobs = result.get("logprobs", [None] * len(names))[i]
         out[n] = (ids[:cut], logprobs[:cut] if logprobs else None, "stop" if cut < len(ids) else "length")
+    out["prompt_logprobs"] = result["prompt_logprobs"][names.index("echo")]
     return out
 
 
@@ -155,6 +162,96 @@ def test_chat_logprobs_and_top_logprobs_with_the_sdk(client, tokenizer, cases, r
         # vLLM's first three entries: the token's own, then the most likely ones
         assert [x.token for x in c.top_logprobs] == [tokenizer.decode([u]) for u, _ in want[:3]]
         assert [x.logprob for x in c.top_logprobs] == pytest.approx([x for _, x in want[:3]], abs=TOL)
+
+
+def _close(got: dict, want: list) -> bool:
+    return set(got) == {t for t, _ in want} and all(got[t] == pytest.approx(x, abs=TOL) for t, x in want)
+
+
+def test_an_echoed_prompt_and_its_logprobs_are_vllm_target_only_ones(client, server, tokenizer, cases, reference):
+    """echo: the prompt's text and tokens before the choice's, each prompt token's logprob and top 2 (vLLM's
+    prompt_logprobs) from the target's prefill, the first None; the same as vLLM's `prompt_logprobs` field; with
+    max_tokens 0 the prompt alone (lm-eval's loglikelihood reads it so); streamed, the prompt comes first."""
+    prompt, _, _ = cases["echo"]
+    want_ids, want_lps, _ = reference["echo"]
+    want_prompt = reference["prompt_logprobs"]
+    assert want_prompt[0] is None and len(want_prompt) == len(prompt)
+    r = _served(client, cases, "echo", echo=True, extra_body={"return_tokens_as_token_ids": True,
+                                                              "speculation": {"drafters": ["legal"]}})
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert choice.text == tokenizer.decode(prompt) + tokenizer.decode(want_ids, skip_special_tokens=True)
+    assert _ids(lp.tokens) == prompt + want_ids and r.usage.model_extra["num_accepted_tokens"] > 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i, (t, want) in enumerate(zip(prompt + want_ids, want_prompt + want_lps)):
+        if want is not None:
+            assert lp.token_logprobs[i] == pytest.approx(dict(want)[t], abs=TOL)
+            assert _close({int(k.removeprefix("token_id:")): v for k, v in lp.top_logprobs[i].items()}, want)
+    field = choice.model_extra["prompt_logprobs"]
+    assert field[0] is None and all(_close({int(k): v["logprob"] for k, v in got.items()}, want)
+                                    for got, want in zip(field[1:], want_prompt[1:]))
+    only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert only.choices[0].text == tokenizer.decode(prompt) and len(only.choices[0].logprobs.tokens) == len(prompt)
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        [dict(w)[t] for t, w in zip(prompt[1:], want_prompt[1:])], abs=TOL)
+    chunks = _stream(server, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0, "echo": True,
+                                                 "ignore_eos": True})
+    assert chunks[0]["text"].startswith(tokenizer.decode(prompt)) and "".join(c["text"] for c in chunks) == \
+        choice.text
+
+
+@pytest.mark.parametrize("name", ["allowed", "bad_words"])
+def test_allowed_token_ids_and_bad_words_equal_vllm_target_only(client, tokenizer, cases, reference, name):
+    """vLLM's sampler masks the target's distribution at every position, drafts' included: the output is vLLM
+    target-only's with the same field, and differs from the plain one."""
+    want, _, _ = reference[name]
+    r = _served(client, cases, name)
+    assert r.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    plain = _served(client, cases, name, extra_body={"allowed_token_ids": None, "bad_words": None}).choices[0].text
+    field = cases[name][2]
+    if name == "allowed":
+        assert set(want) <= set(field["allowed_token_ids"]) and r.choices[0].text != plain
+    else:
+        assert field["bad_words"][0] in plain.split() and field["bad_words"][0] not in r.choices[0].text.split()
+
+
+def test_chat_echo_continues_the_last_assistant_message(client, server):
+    """vLLM's chat echo: where the last message is the assistant's, the reply is prefixed with it."""
+    messages = [{"role": "user", "content": "Tell me about the law."}, {"role": "assistant", "content": "The court"}]
+    kw = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+    cont = {"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True}
+    plain = client.chat.completions.create(**kw, extra_body=cont).choices[0].message.content
+    echoed = client.chat.completions.create(**kw, extra_body={**cont, "echo": True}).choices[0].message.content
+    assert echoed == "The court" + plain
+    streamed = _stream(server, "/v1/chat/completions", {**kw, **cont, "echo": True})
+    assert "".join(c["delta"].get("content") or "" for c in streamed) == echoed
+    user_last = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4, temperature=0,
+                                               extra_body={"echo": True})  # a user's message is not echoed
+    assert not user_last.choices[0].message.content.startswith("Tell me")
+
+
+def test_token_ids_truncation_and_stop_strings_kept(client, server, tokenizer, cases, reference):
+    """vLLM's return_token_ids (whole and streamed), truncate_prompt_tokens (the prompt's last tokens kept, the
+    output that of the kept ones) and include_stop_str_in_output."""
+    prompt, _, _ = cases["plain"]
+    want, _, _ = reference["plain"]
+    r = _served(client, cases, "plain", extra_body={"return_token_ids": True})
+    assert (r.choices[0].model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]) == (prompt, want)
+    chunks = _stream(server, "/v1/completions", {"prompt": prompt, "max_tokens": 32, "temperature": 0,
+                                                 "ignore_eos": True, "return_token_ids": True})
+    assert chunks[0]["prompt_token_ids"] == prompt and [t for c in chunks for t in c["token_ids"]] == want
+    text = tokenizer.decode(prompt)
+    cut = client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 20, "return_token_ids": True,
+                                                "ignore_eos": True})
+    kept = tokenizer(text, add_special_tokens=False).input_ids[-20:]
+    assert cut.choices[0].model_extra["prompt_token_ids"] == kept and cut.usage.prompt_tokens == 20
+    assert cut.choices[0].text == client.completions.create(
+        model=MODEL, prompt=kept, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    full = tokenizer.decode(want, skip_special_tokens=True)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    for keep in (False, True):
+        got = _served(client, cases, "plain", stop=[stop], extra_body={"include_stop_str_in_output": keep})
+        assert got.choices[0].text == full[:full.index(stop) + (len(stop) if keep else 0)]
 
 
 def test_streamed_logprobs_are_the_whole_ones(server, cases, reference):
@@ -322,8 +419,7 @@ def test_unknown_fields_are_ignored_with_a_header(client, server):
 
 @pytest.mark.parametrize("field,value,needle", [
     ("logit_bias", {"5": 10}, "speculative decoding"), ("min_p", 0.1, "speculative decoding"),
-    ("use_beam_search", True, "beam search"),
-    ("include_stop_str_in_output", True, "stop strings")])
+    ("use_beam_search", True, "beam search")])
 def test_known_fields_not_served_are_400_saying_why(client, field, value, needle):
     from openai import BadRequestError
 
@@ -537,3 +633,60 @@ def test_lm_eval_harness_scores_the_served_answers_against_the_targets_own(serve
     assert [s["exact_match"] for s in sorted(logged, key=lambda s: s["doc_id"])] == [1.0] * 4 + [0.0], \
         [(s["target"], s["filtered_resps"]) for s in logged]
     assert out["results"]["cosine_continuation"]["exact_match,none"] == pytest.approx(0.8)
+
+
+def test_lm_eval_multiple_choice_loglikelihoods_are_the_targets_own(server, tokenizer, target, heldout, tmp_path,
+                                                                    monkeypatch):
+    """lm-eval's `local-completions` on a multiple-choice task from a local JSON file: its loglikelihood requests
+    (token ids, `echo`, `logprobs: 1`, `max_tokens: 1`) score each choice from the echoed prompt's logprobs. Each
+    choice's loglikelihood and is-greedy flag equal the target's own (HF, no speculation), and so does the
+    accuracy; one label is deliberately wrong, so the harness's comparison is shown to count."""
+    import yaml as _yaml
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    def enc(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    def loglikelihood(context: str, continuation: str) -> tuple[float, bool]:
+        """lm-eval's split (context and context + continuation encoded, the difference scored), scored by HF."""
+        whole, n = enc(context + continuation), len(enc(context))
+        with torch.no_grad():
+            lp = target(torch.tensor([whole])).logits[0].float().log_softmax(-1)
+        rows = lp[n - 1:len(whole) - 1]
+        cont = torch.tensor(whole[n:])
+        return rows.gather(1, cont[:, None]).sum().item(), bool((rows.argmax(-1) == cont).all())
+
+    docs = []
+    for i, domain in enumerate(("code", "legal", "biomedical", "dialogue")):
+        ids = enc(heldout[domain][2])[:30]
+        with torch.no_grad():
+            new = greedy_continue(target, torch.tensor([ids]), 6)[0, len(ids):].tolist()
+        other = tokenizer.decode(enc(heldout["literature"][i])[:6])
+        choices = [tokenizer.decode(new).strip(), other.strip(), " ".join(reversed(other.split()))]
+        docs.append({"question": tokenizer.decode(ids), "choices": choices, "label": 1 if i == 3 else 0})
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    (tmp_path / "task.yaml").write_text(_yaml.safe_dump({
+        "task": "cosine_choice", "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(tmp_path / "docs.json")}}, "test_split": "test",
+        "output_type": "multiple_choice", "doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{label}}", "metric_list": [{"metric": "acc"}]}))
+    out = simple_evaluate(model="local-completions", tasks=["cosine_choice"],
+                          task_manager=TaskManager(include_path=str(tmp_path)),
+                          model_args={"base_url": f"{server}/v1/completions", "model": MODEL,
+                                      "tokenizer_backend": "huggingface", "tokenizer": str(tokenizer.name_or_path),
+                                      "max_retries": 1, "timeout": 300})
+    hits = []
+    for s in sorted(out["samples"]["cosine_choice"], key=lambda s: s["doc_id"]):
+        doc = docs[s["doc_id"]]
+        want = [loglikelihood(s["arguments"][j][0], s["arguments"][j][1]) for j in range(len(doc["choices"]))]
+        got = [r[0] for r in s["resps"]]
+        assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-2)
+        assert [bool(g[1]) for g in got] == [w[1] for w in want]
+        hits.append(float(max(range(len(want)), key=lambda j: want[j][0]) == doc["label"]))
+        assert s["acc"] == hits[-1]
+    assert 0 < sum(hits) < len(hits)  # the wrong label counts as a miss
+    assert out["results"]["cosine_choice"]["acc,none"] == pytest.approx(sum(hits) / len(hits))
