@@ -40,6 +40,7 @@ def _assert_rows_in(rel: str, rows: list[str], source: str) -> None:
 PRINTED = [("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "engine.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "engine-modes.json", "benchmarks.engine:format_table"),
+           ("docs/benchmarks.md", "engine-chain-choice.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "collaborative.json", "benchmarks.collaborative:format_table"),
            ("docs/benchmarks.md", "drafter-pool.json", "benchmarks.engine:pool_table"),
            ("docs/benchmarks.md", "steps-h100.json", "benchmarks.steps:summary_table"),
