@@ -666,10 +666,9 @@ class IngressDeployment:
             lp = chat_logprobs(chunk)
             delta = replies[i].delta(text, chunk.token_ids, chunk.finished)
             if delta or reason or lp or (req.return_token_ids and chunk.token_ids):
-                event = P.chat_chunk(rid, self.model_name, created, delta, replies[i].finish_reason(reason), i, lp)
-                if req.return_token_ids:
-                    event["choices"][0]["token_ids"] = chunk.token_ids
-                yield i, event, chunk
+                ids = {"token_ids": chunk.token_ids} if req.return_token_ids else {}
+                yield i, P.chat_chunk(rid, self.model_name, created, delta, replies[i].finish_reason(reason), i, lp,
+                                      **ids), chunk
             else:
                 yield i, None, chunk
 
@@ -681,8 +680,7 @@ class IngressDeployment:
             choice = shown[i].choice(chunk, text, chunk.finish_reason if chunk.finished else None)
             if choice["text"] or choice["finish_reason"] or choice["logprobs"] or choice.get("token_ids") \
                     or "prompt_token_ids" in choice:
-                yield i, {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                          "choices": [{"index": i, **choice}]}, chunk
+                yield i, P.completion_chunk(rid, self.model_name, created, index=i, **choice), chunk
             else:
                 yield i, None, chunk
 

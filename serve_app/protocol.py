@@ -411,15 +411,19 @@ def usage(prompt_tokens: int, completion_tokens: int, spec: dict | None) -> dict
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None, index: int = 0,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, **fields) -> dict:
+    """A streamed chat chunk of one choice; `fields`: more of the choice's (vLLM's token_ids)."""
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                         **fields}]}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None, index: int = 0,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, **fields) -> dict:
+    """A streamed completion chunk of one choice; `fields`: more of the choice's (vLLM's token ids)."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                         **fields}]}
 
 
 def _lp(x: float) -> float:
