@@ -63,7 +63,7 @@ def one_machine_app(drafting_tier: str, domains, draft_timeout_ms: int, model_na
 @contextmanager
 def local_serve(app_args: dict, **ray_init):
     """The application on a local Ray cluster, its actors run as under `cosine serve`; yields its URL and shuts
-    Serve and Ray down after. `ray_init`: more `ray.init` arguments."""
+    the cluster down after. `ray_init`: more `ray.init` arguments."""
     import ray
     from ray import serve
 
@@ -78,7 +78,8 @@ def local_serve(app_args: dict, **ray_init):
         serve.run(build_app(app_args), name="cosine", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
+        # ray.shutdown() stops the local cluster this driver started, Serve's actors with it (nothing is left: no
+        # process, no shared memory); serve.shutdown() before it would only wait for every replica's graceful stop
         ray.shutdown()
 
 

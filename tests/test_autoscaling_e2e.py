@@ -157,13 +157,11 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster():
     import ray
-    from ray import serve
 
     try:
         yield Cluster()
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        ray.shutdown()  # the local cluster and Serve's actors with it (tests/conftest.py `local_serve`)
 
 
 async def _complete(client: httpx.AsyncClient, base: str, prompt: list[int], stream: bool) -> tuple[int, str]:
