@@ -326,7 +326,9 @@ class SpeculationSpec(_Strict):
         "steps' tokens/s at batch 1 and 8 (bench_results/drafter-pool.json)")
     record_trace: str | None = Field(None, description="a JSON-lines file (absolute path on the verifier's node) "
                                      "the verify loop appends to: every finished request's prompt and output, "
-                                     "every verify step's and drafting round's timing; `cosine simulate` replays it")
+                                     "every verify step's and drafting round's timing, each request's draft depth "
+                                     "and accepted tokens per step; `cosine simulate` replays it, `cosine bench "
+                                     "rounds` reads it")
     # the speculation cluster's central node keeps per-request state (routing scores, last round, which drafters
     # hold a cache), so it runs as one replica; place it next to the verifier
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")

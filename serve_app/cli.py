@@ -383,6 +383,18 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--json", default="bench_results/anchors.json")
     an.set_defaults(func=_bench_anchors)
 
+    rd = bsub.add_parser("rounds", help="ours in process with the goodput controller's draft lengths against fixed "
+                         "ones: tokens/s and, from the loop's trace, draft depth and acceptance round by round")
+    rd.add_argument("--config", default="examples/bench.yaml", help="our configuration")
+    rd.add_argument("--per-domain", type=int, default=2, help="held-out prompts per domain")
+    rd.add_argument("--new-tokens", type=int, default=128)
+    rd.add_argument("--concurrency", type=int, default=1)
+    rd.add_argument("--k", type=int, default=8, help="the controller's maximum and the longer fixed length (the "
+                                                     "shorter: k / 2)")
+    rd.add_argument("--repeats", type=int, default=3, help="timed runs of every system, interleaved")
+    rd.add_argument("--json", default="bench_results/rounds.json")
+    rd.set_defaults(func=_bench_rounds)
+
     ld = bsub.add_parser("load", help="Poisson arrivals light load to saturation through HTTP: fixed k, "
                          "the controllers, the autoscaler (goodput, TPOT, drafter replica-seconds per rate)")
     ld.add_argument("--config", default=str(REPO_ROOT / "examples" / "bench.yaml"))
@@ -507,6 +519,12 @@ def _serve(args) -> int:
 
 def _bench_anchors(args) -> int:
     from benchmarks.anchors import main as bench_main
+
+    return bench_main(args)
+
+
+def _bench_rounds(args) -> int:
+    from benchmarks.rounds import main as bench_main
 
     return bench_main(args)
 

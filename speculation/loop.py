@@ -386,6 +386,8 @@ class VerifyLoop:
             req = self.requests.get(o.request_id)
             self.planner.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens,
                                             req.participation if req else None)
+            if self.trace:
+                self.trace.verified(o.request_id, o.draft_depth, o.num_accepted_tokens)
             chunk = TokenChunk(o.new_token_ids, o.finished, o.finish_reason, o.num_draft_tokens,
                                o.num_accepted_tokens, o.accepted_drafters, logprobs=o.logprobs,
                                prompt_logprobs=o.prompt_logprobs)

@@ -1,6 +1,7 @@
 """Traces of real runs for `cosine simulate`: JSON lines the verify loop appends when `speculation.record_trace`
 is set. One line per finished request (its prompt and the target's output, which the simulator replays drafters
-against), per verify step and per drafting round (the timings its latency models are fitted on). Times are the
+against), per verify step and per drafting round (the timings its latency models are fitted on), and per request
+and verify step its draft's depth and accepted tokens (`cosine bench rounds` reads them). Times are the
 verifier process's `time.perf_counter`, so only differences within one trace mean anything."""
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class TraceRecorder:
         (every drafter reads the prompt to score it for routing)."""
         self._write({"kind": "draft", "requests": requests, "depth": depth, "scored": scored, "seconds": seconds})
 
+    def verified(self, rid: str, depth: int, accepted: int) -> None:
+        """A request's draft verified in a step: its depth (0: decoded without one) and the tokens accepted."""
+        self._write({"kind": "verified", "id": rid, "depth": depth, "accepted": accepted})
+
     def close(self) -> None:
         self._file.close()
 
@@ -47,6 +52,7 @@ class Trace:
     requests: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     drafts: list[dict] = field(default_factory=list)
+    verified: list[dict] = field(default_factory=list)
 
     @classmethod
     def load(cls, *paths: str | Path) -> Trace:
@@ -55,5 +61,6 @@ class Trace:
             for line in Path(path).read_text().splitlines():
                 if line.strip():
                     rec = json.loads(line)
-                    {"request": t.requests, "step": t.steps, "draft": t.drafts}[rec.pop("kind")].append(rec)
+                    {"request": t.requests, "step": t.steps, "draft": t.drafts,
+                     "verified": t.verified}[rec.pop("kind")].append(rec)
         return t

@@ -39,6 +39,8 @@ def _assert_rows_in(rel: str, rows: list[str], source: str) -> None:
 # (doc, JSON, the formatter the command prints it with)
 PRINTED = [("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-c1-per-domain-1.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "rounds-c1.json", "benchmarks.rounds:format_table"),
+           ("docs/benchmarks.md", "rounds-c8.json", "benchmarks.rounds:format_table"),
            ("docs/benchmarks.md", "engine.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "engine-modes.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "engine-chain-choice.json", "benchmarks.engine:format_table"),

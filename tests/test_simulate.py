@@ -58,6 +58,14 @@ def test_trace_holds_requests_steps_and_drafting_rounds(cosine_trace, prompts):
     assert sum(d["scored"] > 0 for d in trace.drafts) >= 1  # the first round scores the prompts
     hw = fit(trace)
     assert hw.verify.a > 0 and hw.draft_round(4, 6, 0) > 0
+    # per request and step, the draft's depth and what of it was accepted: the request's own counts add up
+    assert {v["id"] for v in trace.verified} == {r["id"] for r in trace.requests}
+    assert all(0 <= v["accepted"] <= v["depth"] <= 4 for v in trace.verified)
+    assert any(v["depth"] == 4 and 0 < v["accepted"] < 4 for v in trace.verified)
+    for r in trace.requests:
+        mine = [v for v in trace.verified if v["id"] == r["id"]]
+        assert sum(v["accepted"] for v in mine) == r["accepted"]
+        assert sum(1 + v["accepted"] for v in mine) >= len(r["output"])  # the last step's tokens may be cut
 
 
 def test_replay_of_one_drafters_chains_is_exact(tmp_path, prompts):
