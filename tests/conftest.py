@@ -78,9 +78,22 @@ def local_serve(app_args: dict, **ray_init):
         serve.run(build_app(app_args), name="cosine", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        # ray.shutdown() stops the local cluster this driver started, Serve's actors with it (nothing is left: no
-        # process, no shared memory); serve.shutdown() before it would only wait for every replica's graceful stop
-        ray.shutdown()
+        stop_ray()
+
+
+def stop_ray() -> None:
+    """Stop the local Ray cluster this driver started, Serve's actors with it (nothing is left: no process, no shared
+    memory); `serve.shutdown()` before it would only wait for every replica's graceful stop (6-11 s a graph).
+
+    Serve's driver-side client to its controller outlives the cluster, and Serve takes it for the next cluster's
+    when the job ids match, which they do: every local cluster's first driver is job 01000000. `serve.status()` on
+    the next cluster would then call a dead controller, so the cached client is dropped here (Serve's own
+    `_disconnect`, which `serve.shutdown()` calls last)."""
+    import ray
+    from ray.serve import context
+
+    ray.shutdown()
+    context._disconnect()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -156,12 +156,12 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
+    from tests.conftest import stop_ray
 
     try:
         yield Cluster()
     finally:
-        ray.shutdown()  # the local cluster and Serve's actors with it (tests/conftest.py `local_serve`)
+        stop_ray()
 
 
 async def _complete(client: httpx.AsyncClient, base: str, prompt: list[int], stream: bool) -> tuple[int, str]:

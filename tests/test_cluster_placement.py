@@ -55,7 +55,7 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path, monkeyp
     from ray.util.state import list_actors
 
     from model_family.paths import models_dir
-    from tests.conftest import RAY_TMP, free_port
+    from tests.conftest import RAY_TMP, free_port, stop_ray
 
     dash, http_port = free_port(), free_port()
     cache = tmp_path / "hub"
@@ -109,5 +109,5 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path, monkeyp
                        json={"model": "deepseek-r1-distill-qwen-32b", "prompt": "def main():", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
     finally:
-        ray.shutdown()
+        stop_ray()
         cluster.shutdown()  # every node, Serve's actors with them
