@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from model_family import DOMAINS
-from benchmarks.common import ServedApp, heldout_prompts
+from benchmarks.common import ServedApp, cell, heldout_prompts, tps_cell
 from benchmarks.metrics import save_json
 
 TARGET_ONLY = "vLLM target-only"
@@ -403,12 +403,9 @@ def format_table(result: dict) -> str:
               "| speed-up vs vLLM target-only | output = vLLM target-only |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-        tpt = "-" if r["target_passes_per_token"] is None else f"{r['target_passes_per_token']:.3f}"
-        per_token, per_round = (f"{r[k]:.2f}" if r.get(k) is not None else "-"
-                                for k in ("draft_ms_per_drafted_token", "draft_ms_per_round"))
-        lines.append(f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}-"
-                     f"{r['tokens_per_s_max']:.1f}) | {r['tpot_ms']:.1f} | {mal} | {tpt} | {per_token} | {per_round} "
+        lines.append(f"| {r['system']} | {r['concurrency']} | {tps_cell(r)} | {r['tpot_ms']:.1f} "
+                     f"| {cell(r['mean_accepted_length'])} | {cell(r['target_passes_per_token'], '{:.3f}')} "
+                     f"| {cell(r.get('draft_ms_per_drafted_token'))} | {cell(r.get('draft_ms_per_round'))} "
                      f"| {r['speedup_vs_vllm_target_only']:.2f}x | {'yes' if r['identical_to_vllm_target_only'] else 'NO'} |")
     lines.append("")
     lines += [f"- {k}: {v:.2f}x" for k, v in result["goals"].items()]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.common import heldout_prompts, load_model, median_row
+from benchmarks.common import cell, heldout_prompts, load_model, median_row, tps_cell
 from benchmarks.metrics import save_json
 from engines.collaborative import CollaborativeEngine, Combination
 from engines.sampling import SamplingParams
@@ -111,11 +111,9 @@ def format_table(result: dict) -> str:
     for r in result["rows"]:
         same = "-" if r["identical_to_token_by_token"] is None else ("yes" if r["identical_to_token_by_token"]
                                                                       else "NO")
-        mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-        lines.append(f"| {r['case']} | {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} "
-                     f"({r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}) | "
+        lines.append(f"| {r['case']} | {r['method']} | {r['batch']} | {tps_cell(r)} | "
                      f"{r['speedup_vs_token_by_token']:.2f}x | {r['target_passes_per_token']:.3f} | "
-                     f"{r['partner_passes_per_token']:.3f} | {mal} | {same} |")
+                     f"{r['partner_passes_per_token']:.3f} | {cell(r['mean_accepted_length'])} | {same} |")
     return "\n".join(lines)
 
 

@@ -43,6 +43,16 @@ def heldout_prompts(tokenizer, per_domain: int, length: int) -> list[tuple[str, 
     return out
 
 
+def cell(value, fmt: str = "{:.2f}") -> str:
+    """A table cell: `value` formatted, or "-" where a system has no such figure."""
+    return "-" if value is None else fmt.format(value)
+
+
+def tps_cell(row: dict) -> str:
+    """A row's tokens/s cell: the median run's, with the min-max over the repeats."""
+    return f"{row['tokens_per_s']:.1f} ({row['tokens_per_s_min']:.1f}-{row['tokens_per_s_max']:.1f})"
+
+
 @dataclass
 class Row:
     method: str

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.anchors import _Worker
-from benchmarks.common import heldout_prompts
+from benchmarks.common import cell, heldout_prompts, tps_cell
 from benchmarks.metrics import save_json
 
 CONTROLLER = "goodput controller, k <= {k}"
@@ -147,11 +147,9 @@ def format_table(result: dict) -> str:
               "| output = the controller's |"),
              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        cond = " ".join("-" if c is None else f"{c:.2f}" for c in r["conditional_acceptance_at_k"])
-        lag = "-" if r["lag1_accepted_share_correlation"] is None else f"{r['lag1_accepted_share_correlation']:.2f}"
-        lines.append(f"| {r['system']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}-"
-                     f"{r['tokens_per_s_max']:.1f}) | {r['mean_draft_depth']:.2f} | {100 * r['share_at_k']:.0f}% "
-                     f"| {r['tokens_per_drafted_round']:.2f} | {cond} | {lag} "
+        cond = " ".join(cell(c) for c in r["conditional_acceptance_at_k"])
+        lines.append(f"| {r['system']} | {tps_cell(r)} | {r['mean_draft_depth']:.2f} | {100 * r['share_at_k']:.0f}% "
+                     f"| {r['tokens_per_drafted_round']:.2f} | {cond} | {cell(r['lag1_accepted_share_correlation'])} "
                      f"| {'yes' if r['identical_to_controller'] else 'NO'} |")
     return "\n".join(lines)
 
