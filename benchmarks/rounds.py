@@ -4,7 +4,9 @@ Ours in process (examples/bench.yaml: the vLLM verifier, the bench target, the d
 and greedy 128 new tokens as `cosine bench anchors`, with three draft-length policies: the goodput controller
 choosing 0..k (the configuration as shipped), and k always, and k / 2 always, each of the fixed two with one drafter
 per request (lockstep fusion of two drafters costs more than it buys on a CPU). Every system is its own worker
-process, warmed up, the systems interleaved over the repeats; tokens/s is the median run with min and max.
+process, warmed up, the systems interleaved over the repeats; tokens/s is the median run with min and max; the
+drafting cost (as in `cosine bench anchors`: the drafting tier's own time, routing, the drafters' steps and fusion,
+per drafted token sent to verification and per round) is over all timed runs.
 
 The round figures come from the verify loop's trace (`speculation.record_trace`: per request and verify step, the
 draft's depth and the tokens accepted), pooled over the timed runs, and need no clock: the mean draft depth, the
@@ -132,7 +134,12 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     rows = []
     for name in names:
         tps = sorted(sum(len(o) for o in r["outputs"]) / r["wall"] for r in runs[name])
+        # the drafting tier's own time (routing, the drafters' steps, fusion) over all timed runs
+        draft_s = sum(r["draft_s"] for r in runs[name])
+        drafted, rounds = (sum(r[key] for r in runs[name]) for key in ("draft_tokens", "draft_rounds"))
         rows.append({"system": name, "k": ks[name], "tokens_per_s": round(statistics.median(tps), 1),
+                     "draft_ms_per_drafted_token": round(1000 * draft_s / drafted, 3) if drafted else None,
+                     "draft_ms_per_round": round(1000 * draft_s / rounds, 3) if rounds else None,
                      "tokens_per_s_min": round(tps[0], 1), "tokens_per_s_max": round(tps[-1], 1),
                      "runs": len(tps), **round_stats([v for r in runs[name] for v in r["verified"]], ks[name]),
                      "identical_to_controller": all(r["outputs"] == reference for r in runs[name])})
@@ -142,13 +149,15 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
 
 
 def format_table(result: dict) -> str:
-    lines = [("| system | tok/s median (min-max) | mean draft depth | drafts at k | tokens per drafted round "
+    lines = [("| system | tok/s median (min-max) | drafting ms per drafted token | drafting ms per round "
+              "| mean draft depth | drafts at k | tokens per drafted round "
               "| conditional acceptance by depth, drafts at k | lag-1 correlation of accepted share "
               "| output = the controller's |"),
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         cond = " ".join(cell(c) for c in r["conditional_acceptance_at_k"])
-        lines.append(f"| {r['system']} | {tps_cell(r)} | {r['mean_draft_depth']:.2f} | {100 * r['share_at_k']:.0f}% "
+        lines.append(f"| {r['system']} | {tps_cell(r)} | {cell(r.get('draft_ms_per_drafted_token'))} "
+                     f"| {cell(r.get('draft_ms_per_round'))} | {r['mean_draft_depth']:.2f} | {100 * r['share_at_k']:.0f}% "
                      f"| {r['tokens_per_drafted_round']:.2f} | {cond} | {cell(r['lag1_accepted_share_correlation'])} "
                      f"| {'yes' if r['identical_to_controller'] else 'NO'} |")
     return "\n".join(lines)

@@ -30,4 +30,4 @@ def test_a_system_that_never_drafted_still_renders():
     assert empty["rounds"] == 0 and empty["conditional_acceptance_at_k"] == [None] * 4
     row = {"system": "off", "tokens_per_s": 1.0, "tokens_per_s_min": 1.0, "tokens_per_s_max": 1.0,
            "identical_to_controller": True, **empty}
-    assert "| off | 1.0 (1.0-1.0) | 0.00 | 0% |" in format_table({"rows": [row]})
+    assert "| off | 1.0 (1.0-1.0) | - | - | 0.00 | 0% |" in format_table({"rows": [row]})
