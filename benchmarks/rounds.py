@@ -59,13 +59,12 @@ def _config(config: str, k: int, overrides: dict, trace: Path, work: Path, name:
     return str(path), k
 
 
-def _records(trace: Path, offset: int) -> tuple[list[dict], int]:
-    """The `verified` records appended to `trace` since byte `offset`, and the new offset."""
+def _records(trace: Path, offset: int) -> list[dict]:
+    """The `verified` records `trace` holds after byte `offset` (request ids are unique, so the timed runs pool)."""
     with open(trace, "rb") as f:
         f.seek(offset)
-        data = f.read()
-    recs = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
-    return [r for r in recs if r["kind"] == "verified"], offset + len(data)
+        recs = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+    return [r for r in recs if r["kind"] == "verified"]
 
 
 def round_stats(records: list[dict], k: int) -> dict:
@@ -108,7 +107,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     work = Path(tempfile.mkdtemp(prefix="cosine-rounds-"))
     log(f"worker logs and traces: {work}")
     names = list(systems(k))
-    workers, traces, ks, offsets = {}, {}, {}, {}
+    workers, traces, ks, timed_from = {}, {}, {}, {}
     runs: dict[str, list[dict]] = {n: [] for n in names}
     try:
         for i, (name, overrides) in enumerate(systems(k).items()):
@@ -120,13 +119,12 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
         for name in names:
             log(f"[warm-up] {name}")
             workers[name].run([p for _, p in prompts[:2]], min(2, concurrency), 16, [d for d, _ in prompts[:2]])
-            offsets[name] = traces[name].stat().st_size
+            timed_from[name] = traces[name].stat().st_size  # the warm-up's records are left out
         for rep in range(repeats):
             for i, name in enumerate(names):
                 log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(names)}] {name}")
-                res = workers[name].run([p for _, p in prompts], concurrency, new_tokens, [d for d, _ in prompts])
-                res["verified"], offsets[name] = _records(traces[name], offsets[name])
-                runs[name].append(res)
+                runs[name].append(workers[name].run([p for _, p in prompts], concurrency, new_tokens,
+                                                    [d for d, _ in prompts]))
     finally:
         for w in workers.values():
             w.stop()
@@ -141,7 +139,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
                      "draft_ms_per_drafted_token": round(1000 * draft_s / drafted, 3) if drafted else None,
                      "draft_ms_per_round": round(1000 * draft_s / rounds, 3) if rounds else None,
                      "tokens_per_s_min": round(tps[0], 1), "tokens_per_s_max": round(tps[-1], 1),
-                     "runs": len(tps), **round_stats([v for r in runs[name] for v in r["verified"]], ks[name]),
+                     "runs": len(tps), **round_stats(_records(traces[name], timed_from[name]), ks[name]),
                      "identical_to_controller": all(r["outputs"] == reference for r in runs[name])})
     return {"config": {"prompts": len(prompts), "new_tokens": new_tokens, "concurrency": concurrency, "k": k,
                        "repeats": repeats, "ours": config},
