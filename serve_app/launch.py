@@ -15,6 +15,9 @@ from pathlib import Path
 import httpx
 import yaml
 
+from serve_app.ray_start import start_with_retry
+
+
 def load_config(path: Path, http_port: int | None = None) -> dict:
     cfg = yaml.safe_load(Path(path).read_text()) or {}
     if not cfg.get("applications"):
@@ -94,8 +97,8 @@ def serve_forever(config_path: Path, http_port: int | None = None, dashboard_por
     base = f"http://{http['host']}:{http['port']}"
     t0 = time.time()
     os.environ.update(serve_env())  # inherited by every Ray process of this head, Serve's controller included
-    ctx = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
-                   log_to_driver=False)
+    ctx = start_with_retry(lambda: ray.init(include_dashboard=True, dashboard_host="127.0.0.1",
+                                            dashboard_port=dashboard_port, log_to_driver=False))
     # a plain flag: a handler that sets a threading.Event can interrupt the main thread inside Event.wait while it
     # holds the event's lock, and then waits for that lock forever (seen with SIGINT followed by SIGTERM)
     stop: list[int] = []

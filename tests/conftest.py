@@ -69,10 +69,11 @@ def local_serve(app_args: dict, **ray_init):
 
     from serve_app.graph import build_app
     from serve_app.launch import serve_env
+    from serve_app.ray_start import start_with_retry
 
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP,
-             runtime_env={"env_vars": serve_env()}, **ray_init)
+    start_with_retry(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP,
+                                      runtime_env={"env_vars": serve_env()}, **ray_init))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_args), name="cosine", route_prefix="/")

@@ -55,6 +55,7 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path, monkeyp
     from ray.util.state import list_actors
 
     from model_family.paths import models_dir
+    from serve_app.ray_start import start_with_retry
     from tests.conftest import RAY_TMP, free_port, stop_ray
 
     dash, http_port = free_port(), free_port()
@@ -71,11 +72,15 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path, monkeyp
     for key, value in offline_env(cache).items():  # every node (started below) inherits them
         monkeypatch.setenv(key, value)
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"verifier_node": 1}, "include_dashboard": True, "dashboard_port": dash,
-        "temp_dir": RAY_TMP})
-    drafter_nodes = [cluster.add_node(num_cpus=2, resources={"drafter_node": 1}) for _ in range(2)]
-    cluster.wait_for_nodes()
+    def start() -> tuple[Cluster, list]:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "resources": {"verifier_node": 1}, "include_dashboard": True, "dashboard_port": dash,
+            "temp_dir": RAY_TMP})
+        drafter_nodes = [cluster.add_node(num_cpus=2, resources={"drafter_node": 1}) for _ in range(2)]
+        cluster.wait_for_nodes()
+        return cluster, drafter_nodes
+
+    cluster, drafter_nodes = start_with_retry(start)
     cfg = tmp_path / "cluster-local.yaml"
     cfg.write_text(yaml.safe_dump(config))
     try:
