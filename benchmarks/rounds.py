@@ -1,9 +1,12 @@
 """`cosine bench rounds`: what the goodput controller's draft lengths buy, round by round, against fixed lengths.
 
 Ours in process (examples/bench.yaml: the vLLM verifier, the bench target, the drafters), the same held-out prompts
-and greedy 128 new tokens as `cosine bench anchors`, with three draft-length policies: the goodput controller
-choosing 0..k (the configuration as shipped), and k always, and k / 2 always, each of the fixed two with one drafter
-per request (lockstep fusion of two drafters costs more than it buys on a CPU). Every system is its own worker
+and greedy 128 new tokens as `cosine bench anchors`, with five systems: the goodput controller choosing 0..k (the
+configuration as shipped, up to two drafters per request), the same without its probe backoff (every participation
+mode it does not use tried once every 32 rounds, as before the backoff), the same controller with one drafter per
+request, and k always and k / 2 always, each with one drafter per request (lockstep fusion of two drafters costs
+more than it buys on a CPU). The third system separates what the shipped configuration's second drafter costs from
+what its draft lengths do. Every system is its own worker
 process, warmed up, the systems interleaved over the repeats; tokens/s is the median run with min and max; the
 drafting cost (as in `cosine bench anchors`: the drafting tier's own time, routing, the drafters' steps and fusion,
 per drafted token sent to verification and per round) is over all timed runs.
@@ -37,6 +40,8 @@ CONTROLLER = "goodput controller, k <= {k}"
 def systems(k: int) -> dict[str, dict]:
     """name -> speculation / routing overrides of the configuration."""
     return {CONTROLLER.format(k=k): {},
+            CONTROLLER.format(k=k) + ", no probe backoff": {"controller": {"participation_probe_max": 32}},
+            CONTROLLER.format(k=k) + ", one drafter": {"drafters_per_request": 1},
             f"fixed k = {k}, one drafter": {"adaptive": False, "drafters_per_request": 1},
             f"fixed k = {k // 2}, one drafter": {"adaptive": False, "drafters_per_request": 1, "k": k // 2}}
 
@@ -52,6 +57,7 @@ def _config(config: str, k: int, overrides: dict, trace: Path, work: Path, name:
     spec.update(k=k, record_trace=str(trace.resolve()))
     if "adaptive" in overrides:
         spec["adaptive"] = overrides["adaptive"]
+    spec.setdefault("controller", {}).update(overrides.get("controller", {}))
     if "drafters_per_request" in overrides:
         args.setdefault("routing", {})["drafters_per_request"] = overrides["drafters_per_request"]
     path = work / f"{name}.yaml"

@@ -201,6 +201,10 @@ class ControllerSpec(_Strict):
     probe_k: int = Field(2, ge=1, description="draft length of such a probe")
     participation_probe: int = Field(32, ge=1, description="rounds after which a participation mode not chosen "
                                      "is tried once")
+    participation_probe_max: int = Field(256, ge=1, description="a participation mode the controller's model puts "
+                                         "outside mode_hysteresis of the chosen one waits twice as long after "
+                                         "each probe, up to this many rounds; back to participation_probe once "
+                                         "within reach (equal to participation_probe: no backoff)")
     mode_hysteresis: float = Field(0.03, ge=0, lt=1, description="a participation mode replaces the one in use "
                                    "only when its predicted goodput is this much higher (modes whose measurements "
                                    "tie do not alternate)")
@@ -215,6 +219,14 @@ class ControllerSpec(_Strict):
     hold: int = Field(4, ge=0, description="hill_climb: windows at the best draft length, beyond the one that "
                       "measures it afresh, before its neighbours are probed again (from k = 0: k = 1, whether "
                       "speculation pays again)")
+
+    @model_validator(mode="after")
+    def _probe_backoff(self) -> ControllerSpec:
+        if self.participation_probe_max < self.participation_probe:
+            raise ValueError(f"controller.participation_probe_max ({self.participation_probe_max}) is below "
+                             f"participation_probe ({self.participation_probe}): set it at least that (equal: no "
+                             "backoff)")
+        return self
 
 
 class VoteSpec(_Strict):

@@ -26,7 +26,11 @@ What a mode buys is measured, not assumed: acceptance is counted per mode over t
 is shifted by the difference between the modes), and drafting time per mode is fitted from the rounds drafted in
 it (lockstep pays its hops per depth, one-shot once).
 Where verify tokens are nearly free (batch 1 on a GPU, or small batches here) extra drafters pay; at a loaded
-verifier one drafter per request does. A mode not tried for `participation_probe` rounds is tried once.
+verifier one drafter per request does. A mode not tried for `participation_probe` rounds is tried once; a mode the
+model puts well behind the one chosen (outside `mode_hysteresis`) waits twice as long after each probe, up to
+`participation_probe_max` rounds, and is back to `participation_probe` as soon as the model puts it within reach:
+probes of two-drafter modes that cannot win on a 2-core CPU cost drafting time (docs/benchmarks.md, `cosine bench
+rounds`, measured with and without the backoff side by side).
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class SpeculationController(DraftLengthController):
     probe_k: int = 2
     modes: tuple[Participation, ...] = ()  # participation modes to choose from each round (none: not adaptive)
     participation_probe: int = 32
+    participation_probe_max: int = 256
     mode_hysteresis: float = 0.03  # a mode replaces the one in use only when it predicts this much more goodput
     acceptance: dict[str, float] = field(default_factory=dict)
     pool_acceptance: float | None = None  # over every request's recent rounds: the start of new requests
@@ -130,6 +135,7 @@ class SpeculationController(DraftLengthController):
     mode_counts: dict[Participation, tuple] = field(default_factory=dict)  # decayed (accepted, trials) per mode
     mode_of: dict[str, Participation] = field(default_factory=dict)  # mode a request's estimate was formed under
     mode_age: dict[Participation, int] = field(default_factory=dict)  # rounds since each mode was last used
+    mode_wait: dict[Participation, int] = field(default_factory=dict)  # rounds unused before a mode's next probe
     mode_draft: dict[Participation, RoundLatency] = field(default_factory=dict)  # a round's drafting time
     predicted_goodput: float = 0.0  # tokens per second the last choice expects (the model's, for operators)
     probing: bool = False  # the last `choose` tried a mode for its measurements, not for its goodput
@@ -243,9 +249,12 @@ class SpeculationController(DraftLengthController):
         if modes and any(ks.values()):
             for m in modes:
                 self.mode_age[m] = self.mode_age.get(m, 0) + 1
-            stale = max(modes, key=lambda m: self.mode_age[m])
-            if self.mode_age[stale] > self.participation_probe:
+                if plans[m][1] * (1 + self.mode_hysteresis) >= plans[best][1]:  # within reach: the base rate
+                    self.mode_wait[m] = self.participation_probe
+            stale = max(modes, key=lambda m: self.mode_age[m] - self._wait(m))  # the most overdue
+            if self.mode_age[stale] > self._wait(stale):
                 mode = stale  # keep every mode's acceptance and cost measured (a probe never changes the output)
+                self.mode_wait[stale] = min(2 * self._wait(stale), self.participation_probe_max)
             self.mode_age[mode] = 0
         self.probing = mode != best
         self.mode = mode
@@ -259,6 +268,9 @@ class SpeculationController(DraftLengthController):
                 ks[r] = min(self.probe_k, cap)
                 self.idle_rounds[r] = 0
         return ks
+
+    def _wait(self, mode: Participation) -> int:
+        return self.mode_wait.get(mode, self.participation_probe)
 
     def _acceptance_at(self, rid: str, mode: Participation | None) -> float:
         """The request's acceptance, moved to `mode` by the pool's difference between modes."""

@@ -52,6 +52,14 @@ def test_autoscaling_config_is_typed_and_goes_to_serve_as_written():
                                                      "deployment": {"autoscaling_config": bad}}]))
 
 
+def test_a_probe_backoff_cap_below_the_base_rate_is_refused():
+    spec = {"mode": "cosine", "controller": {"participation_probe": 64, "participation_probe_max": 32}}
+    with pytest.raises(ValidationError, match="participation_probe_max"):
+        AppConfig.model_validate(_cfg(speculation=spec))
+    spec["controller"]["participation_probe_max"] = 64  # equal: no backoff
+    assert AppConfig.model_validate(_cfg(speculation=spec)).speculation.controller.participation_probe_max == 64
+
+
 def test_shipped_serve_configs_validate_against_both_schemas():
     from pathlib import Path
 

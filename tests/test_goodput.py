@@ -200,6 +200,31 @@ def test_an_untried_participation_mode_is_probed():
     assert seen == {ONE, FUSED} and probes == {FUSED}  # a probe says so: its drafting was not asked for
 
 
+def test_a_mode_far_behind_is_probed_ever_less_often_and_at_the_base_rate_once_in_reach():
+    c = SpeculationController(k_max=4, drafters_per_request=2, modes=(ONE, FUSED), participation_probe=4,
+                              participation_probe_max=16)
+    c.verify.a, c.verify.b = 0.030, 0.002
+    c.draft_model(FUSED).a = 0.050  # far behind: fused drafting costs more than a round's verification
+
+    def probe_rounds(n: int) -> list[int]:
+        at = []
+        for i in range(n):
+            c.choose(["a", "b"])
+            if c.probing:
+                assert c.mode == FUSED
+                at.append(i)
+        return at
+
+    at = probe_rounds(80)
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    assert gaps[:3] == [9, 17, 17] and at[0] == 4  # waits of 4, 8, 16 rounds unused, then the cap
+    # now costing what one drafter does (free drafting, free verify tokens): a tie, kept on the first listed mode,
+    # so fused is within reach and back to the base rate
+    c.draft_model(FUSED).a, c.verify.b = 0.0, 0.0
+    at = probe_rounds(40)
+    assert [b - a for a, b in zip(at, at[1:])] == [5] * (len(at) - 1) and len(at) >= 7
+
+
 def test_drafting_hidden_behind_the_other_halfs_verification_costs_nothing():
     # 15 ms per lockstep depth; alone, drafting adds to every round, but while the other pipeline half is being
     # verified for 60 ms, four depths are free
