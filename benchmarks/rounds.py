@@ -6,9 +6,8 @@ configuration as shipped, up to two drafters per request), the same without its 
 mode it does not use tried once every 32 rounds, as before the backoff), the same controller with one drafter per
 request, and k always and k / 2 always, each with one drafter per request (lockstep fusion of two drafters costs
 more than it buys on a CPU). The third system separates what the shipped configuration's second drafter costs from
-what its draft lengths do. Every system is its own worker
-process, warmed up, the systems interleaved over the repeats; tokens/s is the median run with min and max; the
-drafting cost (as in `cosine bench anchors`: the drafting tier's own time, routing, the drafters' steps and fusion,
+what its draft lengths do. Every system is its own worker process, warmed up, the systems interleaved over the
+repeats; tokens/s is the median run with min and max; the drafting cost (as in `cosine bench anchors`: the drafting tier's own time, routing, the drafters' steps and fusion,
 per drafted token sent to verification and per round) is over all timed runs.
 
 The round figures come from the verify loop's trace (`speculation.record_trace`: per request and verify step, the
@@ -21,7 +20,6 @@ next: what a per-request draft length can exploit).
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from collections import defaultdict
@@ -33,6 +31,8 @@ import numpy as np
 from benchmarks.anchors import _Worker
 from benchmarks.common import cell, heldout_prompts, tps_cell
 from benchmarks.metrics import save_json
+from config import ControllerSpec
+from speculation.trace import Trace
 
 CONTROLLER = "goodput controller, k <= {k}"
 
@@ -40,7 +40,7 @@ CONTROLLER = "goodput controller, k <= {k}"
 def systems(k: int) -> dict[str, dict]:
     """name -> speculation / routing overrides of the configuration."""
     return {CONTROLLER.format(k=k): {},
-            CONTROLLER.format(k=k) + ", no probe backoff": {"controller": {"participation_probe_max": 32}},
+            CONTROLLER.format(k=k) + ", no probe backoff": {"probe_backoff": False},
             CONTROLLER.format(k=k) + ", one drafter": {"drafters_per_request": 1},
             f"fixed k = {k}, one drafter": {"adaptive": False, "drafters_per_request": 1},
             f"fixed k = {k // 2}, one drafter": {"adaptive": False, "drafters_per_request": 1, "k": k // 2}}
@@ -57,7 +57,9 @@ def _config(config: str, k: int, overrides: dict, trace: Path, work: Path, name:
     spec.update(k=k, record_trace=str(trace.resolve()))
     if "adaptive" in overrides:
         spec["adaptive"] = overrides["adaptive"]
-    spec.setdefault("controller", {}).update(overrides.get("controller", {}))
+    if overrides.get("probe_backoff") is False:  # the cap at the base rate: every unused mode tried as often
+        ctl = spec.setdefault("controller", {})
+        ctl["participation_probe_max"] = ctl.get("participation_probe", ControllerSpec().participation_probe)
     if "drafters_per_request" in overrides:
         args.setdefault("routing", {})["drafters_per_request"] = overrides["drafters_per_request"]
     path = work / f"{name}.yaml"
@@ -69,8 +71,9 @@ def _records(trace: Path, offset: int) -> list[dict]:
     """The `verified` records `trace` holds after byte `offset` (request ids are unique, so the timed runs pool)."""
     with open(trace, "rb") as f:
         f.seek(offset)
-        recs = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
-    return [r for r in recs if r["kind"] == "verified"]
+        t = Trace()
+        t.add(f.read().decode())
+    return t.verified
 
 
 def round_stats(records: list[dict], k: int) -> dict:

@@ -58,9 +58,13 @@ class Trace:
     def load(cls, *paths: str | Path) -> Trace:
         t = cls()
         for path in paths:
-            for line in Path(path).read_text().splitlines():
-                if line.strip():
-                    rec = json.loads(line)
-                    {"request": t.requests, "step": t.steps, "draft": t.drafts,
-                     "verified": t.verified}[rec.pop("kind")].append(rec)
+            t.add(Path(path).read_text())
         return t
+
+    def add(self, text: str) -> None:
+        """The records of `text` (JSON lines as the recorder writes them)."""
+        for line in text.splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                {"request": self.requests, "step": self.steps, "draft": self.drafts,
+                 "verified": self.verified}[rec.pop("kind")].append(rec)
