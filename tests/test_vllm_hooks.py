@@ -4,6 +4,9 @@ re-check the hook named in the failure before changing the pin."""
 from __future__ import annotations
 
 import inspect
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,19 +47,43 @@ def test_the_custom_class_proposer_path_is_where_it_was():
     assert "self.engine_core" in inspect.getsource(InprocClient.__init__)  # the scheduler is reached through it
 
 
-def test_the_cpu_rejection_sampling_bugs_are_still_there():
-    """When one of these fails, vLLM fixed the bug: remove its fix from fix_cpu_rejection_sampling."""
-    import vllm._C  # noqa: F401 - the CPU kernels
-    from vllm.utils import cpu_triton_utils
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only
+# Run in a subprocess: it loads vLLM's native CPU kernels, and a kernel built for instructions this CPU lacks kills
+# the interpreter (SIGABRT, SIGILL). The kernels are loaded as vLLM loads them (`current_platform.import_kernels()`:
+# the AVX-512 or AVX2 build, whichever the CPU runs), never by importing one build by name.
+_REJECTION_SAMPLING_BUGS = """
+import sys
+import torch
+if sys.argv[1] == "avx2":  # as on a CPU without AVX-512: vLLM loads its AVX2 build
+    torch.cpu._is_avx512_supported = lambda: False
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+from vllm.utils import cpu_triton_utils
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only
 
-    out = torch.full((6,), -7, dtype=torch.int32)
-    cpu_triton_utils._expand_kernel_impl(out, torch.tensor([3, 7, 5], dtype=torch.int32),
-                                         torch.tensor([2, 5, 6], dtype=torch.int32), 0, 0)
-    assert out.tolist() == [-7] * 6  # vLLM's expand wrote into a copy
-    with pytest.raises(RuntimeError):
-        getattr(apply_top_k_only, "__wrapped__", apply_top_k_only)(torch.zeros(0, 10),
-                                                                   torch.zeros(0, dtype=torch.int32))
+out = torch.full((6,), -7, dtype=torch.int32)
+cpu_triton_utils._expand_kernel_impl(out, torch.tensor([3, 7, 5], dtype=torch.int32),
+                                     torch.tensor([2, 5, 6], dtype=torch.int32), 0, 0)
+assert out.tolist() == [-7] * 6, "vLLM's expand now writes its output: remove expand_rows from the fix"
+try:
+    getattr(apply_top_k_only, "__wrapped__", apply_top_k_only)(torch.zeros(0, 10), torch.zeros(0, dtype=torch.int32))
+except RuntimeError:
+    print("both bugs still there")
+else:
+    raise AssertionError("vLLM's top-k now takes zero rows: remove the empty-rows guard from the fix")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["native", "avx2"])
+def test_the_cpu_rejection_sampling_bugs_are_still_there(kernels):
+    """When this fails, vLLM fixed the bug it names: remove its fix from fix_cpu_rejection_sampling. `avx2`: vLLM's
+    kernels as a CPU without AVX-512 gets them (this one runs them either way)."""
+    if platform.machine() not in ("x86_64", "AMD64") and kernels == "avx2":
+        pytest.skip("vLLM's AVX2 build is an x86-64 one")
+    run = subprocess.run([sys.executable, "-c", _REJECTION_SAMPLING_BUGS, kernels], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
+    assert "both bugs still there" in run.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
@@ -113,3 +140,24 @@ def test_sampling_params_give_vllm_what_min_tokens_holds_back():
     src = inspect.getsource(RejectionSampler.apply_logits_processors)
     assert "apply_with_spec_decode" in src and "apply_penalties" in src
     assert "logit_bias" in inspect.getsource(VllmParams._validate_spec_decode)
+
+
+def test_no_code_imports_a_cpu_specific_native_build():
+    """vLLM ships one native CPU build per instruction set (_C: AVX-512 with bf16, _C_AVX512, _C_AVX2) and picks
+    the one the CPU runs; importing one by name aborts the interpreter on CPUs without its instructions (the suite
+    died so on an AMD EPYC without AVX-512). Only vLLM's `current_platform.import_kernels()` may load them."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in root.rglob("*.py"):
+        if any(part.startswith(".") or part in ("build", "node_modules") for part in path.relative_to(root).parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and node.module \
+                else []
+            found += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names
+                      if n.startswith("vllm._C") or n.startswith("vllm.vllm_flash_attn")]
+    assert not found, found
