@@ -17,11 +17,13 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.provenance import with_provenance
+
 
 def save_json(result: dict, path: str) -> None:
-    """A benchmark's result as JSON at `path` (its folder made), and where it went."""
+    """A benchmark's result as JSON at `path` (its folder made), with its provenance, and where it went."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2))
+    Path(path).write_text(json.dumps(with_provenance(result), indent=2))
     print(f"wrote {path}")
 
 

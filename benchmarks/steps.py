@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.provenance import with_provenance
+
 # config.json of each model on the Hugging Face Hub, the fields that set the cost (rope scaling and the like
 # change no step's cost and are left out)
 MODELS = {
@@ -169,8 +171,11 @@ def _one(args) -> int:
 
 
 def _extrapolate(rows: list[dict], depth: int) -> list[dict]:
-    """Steps at the model's full `depth` from the slices' steps: per shape and mode, a line through the slices'
-    (layers, ms) points."""
+    """Steps at the model's full `depth` from the slices' steps, per shape and mode: the on-device step on a line
+    through the slices' (layers, device_ms) points; the whole step is that plus the copy of the logits to the host
+    (ms - device_ms), which does not grow with depth: the slices' mean copy, never below zero. (Two lines drawn
+    separately, one through ms and one through device_ms, multiply the copy's noise by the extrapolation and can put
+    the on-device step above the whole one.)"""
     out = []
     for key in sorted({(r["graphs"], r["batch"], r["new_tokens"]) for r in rows}):
         pts = sorted(((r["layers_run"], r) for r in rows if (r["graphs"], r["batch"], r["new_tokens"]) == key),
@@ -178,8 +183,10 @@ def _extrapolate(rows: list[dict], depth: int) -> list[dict]:
         if len(pts) < 2:  # a slice failed: nothing to draw a line through
             continue
         (l0, r0), (l1, r1) = pts[0], pts[-1]
-        ext = {k: round(r1[k] + (r1[k] - r0[k]) * (depth - l1) / (l1 - l0), 4) for k in ("ms", "device_ms")}
-        out.append({k: v for k, v in r1.items() if k != "layers_run"} | ext
+        device = r1["device_ms"] + (r1["device_ms"] - r0["device_ms"]) * (depth - l1) / (l1 - l0)
+        copy = max(0.0, statistics.mean(r["ms"] - r["device_ms"] for _, r in pts))
+        out.append({k: v for k, v in r1.items() if k != "layers_run"}
+                   | {"ms": round(device + copy, 4), "device_ms": round(device, 4)}
                    | {"extrapolated": True, "from_layers": [l0, l1]})
     return out
 
@@ -224,8 +231,10 @@ def run(models: list[str], out: Path, device: str = "cuda", context: int = 1024,
                 rows += json.loads(part.read_text())
                 part.unlink()
         result["steps"] += _extrapolate(rows, depth) + rows if slices else rows
-        out.write_text(json.dumps(result, indent=1))  # after every model: a later failure loses nothing
+        # after every model: a later failure loses nothing
+        out.write_text(json.dumps(with_provenance(result), indent=1))
     result["seconds"] = round(time.perf_counter() - start, 1)
+    result = with_provenance(result)
     out.write_text(json.dumps(result, indent=1))
     return result
 

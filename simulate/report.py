@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.provenance import with_provenance
 from model_family.paths import REPO_ROOT
 
 DEFAULT_TRACE = REPO_ROOT / "simulate" / "traces" / "local.jsonl"
@@ -20,7 +21,7 @@ def _floats(text: str | None) -> dict[str, float] | None:
 
 def _write(result: dict, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1))
+    Path(path).write_text(json.dumps(with_provenance(result), indent=1))
     print(f"wrote {path}")
 
 
