@@ -71,7 +71,7 @@ def _by(rows: list[dict], *keys: str) -> dict:
 
 
 def test_the_reproduction_tables_are_the_two_runs():
-    before, after = _json("simulate-reproduce-before.json"), _json("simulate-reproduce.json")
+    before, after = _json("history/simulate-reproduce-before.json"), _json("simulate-reproduce.json")
     b_off, a_off = _by(before["offline"], "profile", "batch", "system"), _by(after["offline"], "profile", "batch", "system")
     rows = []
     for (profile, batch, system), a in a_off.items():
@@ -102,12 +102,12 @@ def test_the_reproduction_tables_are_the_two_runs():
             cells.append(cell)
         rows.append(f"| {PAIRS[profile]} | {rate} | " + " | ".join(cells) + " |")
     assert len(rows) == 16
-    _assert_rows_in("docs/simulation.md", rows, "bench_results/simulate-reproduce{-before,}.json")
+    _assert_rows_in("docs/simulation.md", rows, "bench_results/{history/simulate-reproduce-before,simulate-reproduce}.json")
 
 
 @pytest.mark.parametrize("suffix", ["", "-low"])
 def test_the_sizing_tables_are_the_two_runs(suffix):
-    before, after = _json(f"simulate-size{suffix}-before.json"), _json(f"simulate-size{suffix}.json")
+    before, after = _json(f"history/simulate-size{suffix}-before.json"), _json(f"simulate-size{suffix}.json")
     b_rows, a_rows = _by(before["rows"], "system", "kind", "gpus"), _by(after["rows"], "system", "kind", "gpus")
     rows = []
     for key, a in a_rows.items():
@@ -119,7 +119,7 @@ def test_the_sizing_tables_are_the_two_runs(suffix):
         name = system if kind is None else f"{system}, {gpus} x {kind}"
         rows.append(f"| {name} | {cell(b)} | {cell(a)} |")
     assert len(rows) == 11
-    _assert_rows_in("docs/simulation.md", rows, f"bench_results/simulate-size{suffix}{{-before,}}.json")
+    _assert_rows_in("docs/simulation.md", rows, f"bench_results/{{history/,}}simulate-size{suffix}{{-before,}}.json")
 
 
 def test_the_gpu_step_table_is_the_measured_steps_and_their_calibrated_model():

@@ -1,0 +1,120 @@
+"""Every result under bench_results/ says where it came from: date, commit (and whether the tree was dirty), machine,
+command line and package versions (benchmarks/provenance.py), as every `cosine bench` and `cosine simulate` writer
+adds them.
+
+Exempt, and only these:
+- files under bench_results/history/: runs of earlier code kept for the history's comparisons, written before the
+  writers recorded provenance (docs/benchmarks-history.md says so where it cites them);
+- `RERUN`: results written before provenance that current docs tables still render from, each with the command that
+  writes it again. The list only shrinks: a file in it that has its provenance fails, so that it leaves the list
+  once re-run. Fast (reads JSON); no marks."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.metrics import save_json
+from benchmarks.provenance import FIELDS, missing_fields, provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench_results"
+HISTORY = RESULTS / "history"
+
+ANCHORS_C1 = ("cosine bench anchors --k 8 --per-domain 1 --concurrency 1 --repeats 1 --no-served "
+              "--json bench_results/anchors-k8-c1-per-domain-1.json")
+RERUN = {
+    "anchors-k8.json": "cosine bench anchors --k 8 --repeats 3 --json bench_results/anchors-k8.json",
+    "anchors-k8-c1-per-domain-1.json": ANCHORS_C1,
+    "rounds-c1.json": "cosine bench rounds --repeats 5 --json bench_results/rounds-c1.json",
+    "rounds-c8.json": "cosine bench rounds --concurrency 8 --json bench_results/rounds-c8.json",
+    "engine.json": "cosine bench engine --repeats 3 --methods 'ours: chain, domain' 'ours: tree, domain' "
+                   "'ours: chain, goodput-adaptive' 'full CoSine (routing' 'best chain of each tree' HF "
+                   "--json bench_results/engine.json",
+    "drafter-pool.json": "cosine bench engine --per-domain 1 --new-tokens 32 --k 4 --batches 1 8 --no-hf --repeats 3 "
+                         "--methods 'full CoSine (routing' --pool auto off --json bench_results/drafter-pool.json",
+    "engine-modes.json": "cosine bench engine --per-domain 1 --batches 1 8 --repeats 3 --methods 'chain, domain' "
+                         "'chain, generic' Minions level 'full CoSine (routing' 'chain, goodput-adaptive' "
+                         "--json bench_results/engine-modes.json",
+    "engine-chain-choice.json": "cosine bench engine --per-domain 1 --batches 1 8 --repeats 3 --methods "
+                                "'2-level chain, 10M original, k=4' '3-level chain, domain drafter -> 10M original, "
+                                "k=4' SpecRouter --json bench_results/engine-chain-choice.json",
+    "collaborative.json": "cosine bench collaborative --json bench_results/collaborative.json",
+    "simulate-reproduce.json": "cosine simulate reproduce --prompts 512 --online-s 240 "
+                               "--plot docs/img/sim-reproduce.png --json bench_results/simulate-reproduce.json",
+    "simulate-size.json": "cosine simulate size --duration 120 --slo-ms-per-token 50 "
+                          "--json bench_results/simulate-size.json --plot docs/img/sim-size.png",
+    "simulate-size-low.json": "cosine simulate size --duration 120 --slo-ms-per-token 50 --rate 1.84 "
+                              "--json bench_results/simulate-size-low.json --plot docs/img/sim-size-low.png",
+    "simulate-remote.json": "cosine simulate remote --prompts 64 --json bench_results/simulate-remote.json "
+                            "--plot docs/img/sim-remote-pays.png",
+    "simulate-tiers.json": "cosine simulate tiers --json bench_results/simulate-tiers.json "
+                           "--plot docs/img/sim-tiers.png",
+    "simulate-validate-recorded.json": "cosine simulate validate --recorded simulate/traces/inprocess "
+                                       "--json bench_results/simulate-validate-recorded.json",
+    "simulate-validate-recorded-fixed.json": "cosine simulate validate --recorded simulate/traces/inprocess-fixed "
+                                             "--json bench_results/simulate-validate-recorded-fixed.json",
+    # on a GPU machine (an H100): the steps the simulator's paper profiles are calibrated on
+    "steps-h100.json": "cosine bench steps --budget-s 240 --repeats 5 --json bench_results/steps-h100.json",
+    # transcribed from GPU runs of `cosine bench engine --device cuda` whose raw JSON was not kept (an H100 in fp32,
+    # an H200 eager and with CUDA graphs): to be measured again, on those GPUs, into a file of their own
+    "gpu-steps.json": "cosine bench engine --device cuda --json bench_results/gpu-steps.json (on an H100 and an H200)",
+}
+
+
+def _results() -> list[Path]:
+    return sorted(p for p in RESULTS.rglob("*.json") if HISTORY not in p.parents)
+
+
+def test_every_result_records_where_it_came_from():
+    lacking = {p.relative_to(RESULTS).as_posix(): missing_fields(json.loads(p.read_text())) for p in _results()}
+    lacking = {name: m for name, m in lacking.items() if m and name not in RERUN}
+    assert not lacking, ("results without their provenance (write them with a cosine bench / simulate command, or "
+                         "move a run of earlier code to bench_results/history/):\n"
+                         + "\n".join(f"{n}: {', '.join(m)}" for n, m in lacking.items()))
+
+
+def test_the_rerun_list_only_names_results_still_without_it():
+    present = {p.relative_to(RESULTS).as_posix(): p for p in _results()}
+    stale = [n for n in RERUN if n not in present or not missing_fields(json.loads(present[n].read_text()))]
+    assert not stale, f"re-run or gone: take them off RERUN: {stale}"
+
+
+def test_a_benchmarks_json_carries_this_runs_provenance(tmp_path, monkeypatch):
+    """What save_json writes (every cosine bench writer but steps, which adds it itself) has every field, the
+    command as typed (the program by its name, not this machine's path to it), this checkout's commit, and the
+    result itself unchanged beside it."""
+    monkeypatch.setattr(sys, "argv", ["/some/where/bin/cosine", "bench", "rounds", "--json", "out file.json"])
+    save_json({"rows": [1, 2]}, str(tmp_path / "r.json"))
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["rows"] == [1, 2] and missing_fields(written) == []
+    block = written["provenance"]
+    assert block["command"] == "cosine bench rounds --json 'out file.json'"
+    assert (ROOT / ".git").exists() <= (len(block["commit"] or "") == 40)
+    assert block["machine"]["logical_cores"] >= 1 and block["versions"]["python"].count(".") == 2
+    assert block["date"].endswith("+00:00")
+
+
+def test_a_simulate_json_carries_it_too(tmp_path):
+    from simulate.report import _write
+
+    _write({"rows": []}, str(tmp_path / "s.json"))
+    assert missing_fields(json.loads((tmp_path / "s.json").read_text())) == []
+
+
+@pytest.mark.parametrize("drop", FIELDS)
+def test_a_result_missing_any_field_is_caught(drop):
+    block = provenance()
+    del block[drop]
+    assert drop in missing_fields({"provenance": block})
+    assert missing_fields({"rows": []}) == list(FIELDS)
+
+
+def test_outside_a_git_checkout_the_commit_is_null(monkeypatch, tmp_path):
+    import benchmarks.provenance as prov
+
+    monkeypatch.setattr(prov, "REPO_ROOT", tmp_path)
+    block = prov.provenance()
+    assert block["commit"] is None and block["dirty"] is None and missing_fields({"provenance": block}) == []
