@@ -8,8 +8,8 @@ batch sizes and new tokens per request after `context` cached tokens:
 - `ms`: the runner's whole step, logits copied to the host included (what our loop pays);
 - `device_ms`: the same step without that copy (what an engine that samples on the device, vLLM, pays).
 The verifiers are measured in two slices of their first layers each (the 70B fits no 80 GB GPU, the 32B leaves
-too little beside it) and the full depth extrapolated linearly from them (`extrapolated: true`). Each model runs in a process of its own (a failure or an out-of-memory
-costs that model only) and within a time budget; the JSON is the input of the simulator's GPU profiles
+too little beside it) and the full depth extrapolated linearly from them (`extrapolated: true`). Each model runs in
+a process of its own (a failure or an out-of-memory costs that model only) and within a time budget; the JSON is the input of the simulator's GPU profiles
 (simulate/hardware.py). Random weights make the outputs meaningless and the costs real.
 """
 

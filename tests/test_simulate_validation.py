@@ -1,11 +1,19 @@
-"""The simulator against committed measurements: the GPU latency model against the GPU step times it is calibrated
-on (bench_results/gpu-steps.json), and `cosine simulate validate --recorded` on the recorded runs of this machine
-(simulate/traces/inprocess), out of sample."""
+"""The simulator against committed measurements, and what each check does and does not show.
+
+Out of sample (the fit never sees what is predicted):
+- the paper verifiers' bandwidth and FLOPS shares fitted on one model's measured slices predict the other model's
+  steps (bench_results/steps-h100.json);
+- `cosine simulate validate --recorded` on the runs recorded on this machine (simulate/traces/inprocess-fixed): each
+  repeat's concurrency-2 run predicted from the latency model fitted on its concurrency-1 and -4 runs only.
+Within one run (held-out steps, not held-out conditions): a run predicted from the even half of its own steps and
+drafting rounds; this checks the loop's mechanics given the step costs, not that the costs carry to another run.
+In sample (goodness of fit only, no validation): the engine costs against the one-token steps they are fitted on
+(bench_results/gpu-steps.json, transcribed from GPU runs whose raw JSON was not kept, and steps-h100.json's drafters).
+"""
 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -13,30 +21,14 @@ from model_family.paths import REPO_ROOT
 from simulate import studies
 from simulate.hardware import (BW_EFFICIENCY, ENGINE_COSTS, FLOPS_EFFICIENCY, GPU_STEPS, GPUS, MEASURED_STEPS, PROFILES,
                                SHAPES, DraftRound, fit, measured_efficiencies)
+from speculation.trace import Trace
 
-# a run's throughput and latency per token, predicted from the even half of its own steps and drafting rounds, on
-# the runs recorded with a fixed draft length: the largest error on the committed runs is 8.5% (docs/simulation.md).
-# The simulation is deterministic, so the bound holds run after run; a verify slope twice the fitted one is off by up
-# to 41%, drafting rounds 30% cheaper by 14-30%
-TOLERANCE = 0.10
-
-
-def test_the_gpu_steps_are_the_documented_ones():
-    """Every measured run in the JSON is a 'step costs (median)' line of the doc it cites, number for number."""
-    group = r"batch (\d+): ((?:\w+ [\d.]+ ms(?:, )?){4})"
-    printed = {}  # doc -> the step-cost lines printed there, each {(batch, name): ms}
-    for doc in ("docs/benchmarks.md", "docs/benchmarks-history.md"):
-        text = " ".join((REPO_ROOT / doc).read_text().split())
-        printed[doc] = [{(int(b), name): float(ms) for b, costs in re.findall(group, m.group(0))
-                         for name, ms in re.findall(r"(\w+) ([\d.]+) ms", costs)}
-                        for m in re.finditer(rf"step costs \(median\): {group}; {group}", text)]
-    steps = json.loads(GPU_STEPS.read_text())["steps"]
-    runs = {(s["gpu"], s["graphs"], s["source"].split(",")[0]) for s in steps}
-    assert len(steps) == 24 and len(runs) == 3
-    for gpu, graphs, doc in runs:
-        ours = {(s["batch"], s["reported_as"].split(": ")[1]): s["ms"] for s in steps
-                if (s["gpu"], s["graphs"]) == (gpu, graphs)}
-        assert ours in printed[doc], (gpu, graphs, doc)
+# a run predicted from the even half of its own steps: the largest error on the committed runs is 8.5%
+IN_RUN_TOLERANCE = 0.10
+# concurrency 2 predicted from the runs at 1 and 4 of the same repeat: the largest error on the committed runs is
+# 12.6% (repeat 1); the simulation is deterministic, so the bound holds run after run. A verify slope twice the
+# fitted one is off by up to 27.5%, drafting rounds 30% cheaper by up to 43%
+ACROSS_RUNS_TOLERANCE = 0.15
 
 
 def test_the_shapes_have_their_models_parameters():
@@ -49,37 +41,70 @@ def test_the_shapes_have_their_models_parameters():
     assert round(SHAPES["r1-distill-llama-70b"].params / 1e9, 1) == 70.6
 
 
+# the one-token steps the fitted engine costs miss by more than 10%: the 68M's graphed steps at batch 1-8 are not
+# monotonic in the batch (0.33 / 0.37 / 0.31 / 0.40 ms), which no cost growing with the batch follows
+MISSED_BY_THE_FIT = {("H100-SXM", True, "llama-68m", 2), ("H100-SXM", True, "llama-68m", 4),
+                     ("H100-SXM", True, "llama-68m", 8), ("H200", True, "bench-target", 8)}
+
+
 def test_the_calibration_reproduces_the_measured_one_token_steps():
-    """The drafter's kind of step (one token per request) on every device and mode, within 16% (the worst: the
-    68M's graphed steps at batch 1-4 are not monotonic, 0.33 / 0.37 / 0.31 ms); the 0.5B drafter's, which the
-    paper-qwen profile rests on, within 8%; graphs make the engine's per-layer cost 8x smaller."""
+    """In sample (goodness of fit, not validation): the drafter's kind of step (one token per request), which the
+    engine costs are fitted on, within 10% on every device and mode except the rows named above, which stay within
+    16% (a fit that gets worse anywhere, or better on a named row, fails); the 0.5B drafter's, which the paper-qwen
+    profile rests on, within 8%; graphs make the engine's per-layer cost 8x smaller."""
+    missed = set()
     for costs in ENGINE_COSTS.values():
         for p in costs.points:
             if p["new_tokens"] == 1:
-                rel = 0.08 if p["model"] == "qwen2.5-0.5b" else 0.16
-                assert p["model_ms"] == pytest.approx(p["ms"], rel=rel), (costs.gpu, costs.graphs, p)
+                error = abs(p["model_ms"] / p["ms"] - 1)
+                if error > 0.10:
+                    missed.add((costs.gpu, costs.graphs, p["model"], p["batch"]))
+                assert error <= (0.08 if p["model"] == "qwen2.5-0.5b" else 0.16), (costs.gpu, costs.graphs, p)
+    assert missed == MISSED_BY_THE_FIT
     assert ENGINE_COSTS[("H200", False)].per_layer > 8 * ENGINE_COSTS[("H200", True)].per_layer
     assert ("H100-SXM", True) in ENGINE_COSTS and ENGINE_COSTS[("H100-SXM", True)].per_vocab_row > 0
 
 
-def test_the_paper_verifiers_measured_steps_set_the_bandwidth_and_flops_shares():
-    """bench_results/steps-h100.json: the 32B's and 70B's graphed slices, their logits on the device, each within 20%
-    of weight bytes / (bandwidth x e_bw) + FLOPs / (peak x e_flops) at the fitted shares; the read is
-    bandwidth-bound (e_bw between 0.5 and 0.9 of the H100's 3.35 TB/s), and a 16-token step of a slice costs less
-    than 1.5x its one-token step (the paper's verify steps hide drafts of a few tokens)."""
+def _verifier_slices(data: dict, model: str | None = None) -> list[dict]:
+    return [s for s in data["steps"] if s["graphs"] and s.get("layers_run") and s["model"].startswith("r1-")
+            and model in (None, s["model"])]
+
+
+def _share_model_ms(s: dict, e_bw: float, e_flops: float) -> float:
+    gpu = GPUS["H100-SXM"]
+    read = SHAPES[s["model"]].read_params_at(s["layers_run"])
+    return 1000 * (2 * read / (gpu.bandwidth_gbs * 1e9 * e_bw)
+                   + 2 * read * s["tokens"] / (gpu.half_tflops * 1e12 * e_flops))
+
+
+@pytest.mark.parametrize("fitted,predicted", [("r1-distill-llama-70b", "r1-distill-qwen-32b"),
+                                              ("r1-distill-qwen-32b", "r1-distill-llama-70b")])
+def test_the_bandwidth_and_flops_shares_of_one_verifier_predict_the_other(tmp_path, fitted, predicted):
+    """Out of sample: the shares fitted on one paper verifier's measured slices (graphed, logits on the device) give
+    every step of the other model within 25% (on the committed run: the 32B from the 70B within -21%..-6%, the 70B
+    from the 32B within -1%..+23%); the datasheet alone (both shares 1) is off by more than 25% on some step."""
+    data = json.loads(MEASURED_STEPS.read_text())
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(dict(data, steps=_verifier_slices(data, fitted))))
+    e_bw, e_flops = measured_efficiencies(path)
+    rows = _verifier_slices(data, predicted)
+    assert len(rows) >= 16
+    errors = [_share_model_ms(s, e_bw, e_flops) / s["device_ms"] - 1 for s in rows]
+    assert max(abs(e) for e in errors) <= 0.25, errors
+    assert max(abs(_share_model_ms(s, 1.0, 1.0) / s["device_ms"] - 1) for s in rows) > 0.25
+
+
+def test_the_shares_the_simulator_uses_are_fitted_on_both_verifiers():
+    """The shares in use are the fit on both models' slices (steps-h100.json), the read is bandwidth-bound (e_bw
+    between 0.5 and 0.9 of the H100's 3.35 TB/s), and a 16-token step of a slice costs less than 1.5x its one-token
+    step (the paper's verify steps hide drafts of a few tokens): measured facts, not a validation."""
     data = json.loads(MEASURED_STEPS.read_text())
     e_bw, e_flops = measured_efficiencies()
     assert (e_bw, e_flops) == (BW_EFFICIENCY, FLOPS_EFFICIENCY)
     assert 0.5 < e_bw < 0.9
-    gpu = GPUS["H100-SXM"]
-    rows = [s for s in data["steps"] if s["graphs"] and s.get("layers_run") and s["model"].startswith("r1-")]
+    rows = _verifier_slices(data)
     assert {(s["model"], s["layers_run"]) for s in rows} >= {("r1-distill-qwen-32b", 24), ("r1-distill-llama-70b", 12),
                                                             ("r1-distill-llama-70b", 24)}
-    for s in rows:
-        read = SHAPES[s["model"]].read_params_at(s["layers_run"])
-        model_ms = 1000 * (2 * read / (gpu.bandwidth_gbs * 1e9 * e_bw)
-                           + 2 * read * s["tokens"] / (gpu.half_tflops * 1e12 * e_flops))
-        assert model_ms == pytest.approx(s["device_ms"], rel=0.2), s
     one = {(s["model"], s["layers_run"], s["batch"]): s["device_ms"] for s in rows if s["new_tokens"] == 1}
     for s in rows:
         if s["new_tokens"] == 16 and s["batch"] == 1:
@@ -106,28 +131,49 @@ def recorded():
     return args, runs, studies.recorded_replay(args, runs)
 
 
-def _error(args, run, requests, broken=None) -> float:
-    """The larger error of a run's throughput and latency per token, predicted from the latency model fitted on the
-    even half of its own steps and drafting rounds (`broken` applied to that model)."""
-    hw = fit(run["trace"], half=0)
-    [row] = studies.predict(args, [run], [run], requests, hw=broken(hw) if broken else hw)
+def _error(row: dict) -> float:
     return max(abs(row[k]["error"]) for k in ("throughput_tok_s", "latency_ms_per_token"))
 
 
+def _in_run_error(args, run, requests) -> float:
+    """A run's larger error of throughput and latency per token, predicted from the latency model fitted on the even
+    half of its own steps and drafting rounds."""
+    [row] = studies.predict(args, [run], [run], requests, hw=fit(run["trace"], half=0))
+    return _error(row)
+
+
+def _across_runs_error(args, runs, repeat, requests, broken=None) -> float:
+    """The concurrency-2 run of `repeat` predicted from the latency model fitted on that repeat's runs at
+    concurrency 1 and 4 only (`broken` applied to that model): its larger error of throughput and latency per
+    token."""
+    fitted = [r for r in runs if r["repeat"] == repeat and r["concurrency"] != 2]
+    [target] = [r for r in runs if r["repeat"] == repeat and r["concurrency"] == 2]
+    hw = fit(Trace(*(sum((getattr(r["trace"], k) for r in fitted), []) for k in ("requests", "steps", "drafts"))))
+    [row] = studies.predict(args, fitted, [target], requests, hw=broken(hw) if broken else hw)
+    return _error(row)
+
+
 def test_each_recorded_run_is_predicted_from_half_of_its_steps(recorded):
-    """Out of sample: a run's throughput and latency per token, at concurrency 1, 2 and 4, from the timings of half
-    its steps and drafting rounds, the other half unseen."""
+    """Within one run (not out of sample: the same run's conditions, its other half of steps unseen): throughput and
+    latency per token at concurrency 1, 2 and 4 from the timings of half its steps and drafting rounds."""
     args, runs, requests = recorded
     assert sorted((r["concurrency"], r["repeat"]) for r in runs) == [(c, r) for c in (1, 2, 4) for r in range(3)]
-    errors = {(r["concurrency"], r["repeat"]): _error(args, r, requests) for r in runs}
-    assert max(errors.values()) <= TOLERANCE, errors
+    errors = {(r["concurrency"], r["repeat"]): _in_run_error(args, r, requests) for r in runs}
+    assert max(errors.values()) <= IN_RUN_TOLERANCE, errors
+
+
+def test_a_run_is_predicted_from_the_runs_at_other_concurrencies(recorded):
+    """Out of sample: each repeat's run at concurrency 2, from the latency model fitted on its runs at 1 and 4 (no
+    step of the predicted run seen): throughput and latency per token within 15%."""
+    args, runs, requests = recorded
+    errors = {rep: _across_runs_error(args, runs, rep, requests) for rep in range(3)}
+    assert max(errors.values()) <= ACROSS_RUNS_TOLERANCE, errors
 
 
 def test_a_wrong_latency_model_fails_the_same_check(recorded):
-    """The same check with the verify step's slope doubled, or drafting rounds 30% cheaper, fails: some run is off
-    by more than the tolerance (the busiest runs first, where both weigh most)."""
+    """The out-of-sample check with the verify step's slope doubled, or drafting rounds 30% cheaper, fails: some
+    repeat is off by more than the tolerance."""
     args, runs, requests = recorded
-    busiest = sorted(runs, key=lambda r: -r["concurrency"])
 
     def slope(hw):
         return hw.model_copy(update={"verify": hw.verify.model_copy(update={"b": 2 * hw.verify.b})})
@@ -136,4 +182,5 @@ def test_a_wrong_latency_model_fails_the_same_check(recorded):
         return hw.model_copy(update={"draft_round": DraftRound(**{k: 0.7 * v for k, v in hw.draft_round})})
 
     for broken in (slope, drafting):
-        assert any(_error(args, r, requests, broken) > TOLERANCE for r in busiest), broken.__name__
+        assert any(_across_runs_error(args, runs, rep, requests, broken) > ACROSS_RUNS_TOLERANCE for rep in range(3)), \
+            broken.__name__
