@@ -3,8 +3,8 @@ command line and package versions (benchmarks/provenance.py), as every `cosine b
 adds them.
 
 Exempt, and only these:
-- files under bench_results/history/: runs of earlier code kept for the history's comparisons, written before the
-  writers recorded provenance (docs/benchmarks-history.md says so where it cites them);
+- files under bench_results/history/: runs of earlier code kept for the history's comparisons and one diagnostic run,
+  written before the writers recorded provenance (docs/benchmarks-history.md says so);
 - `RERUN`: results written before provenance that current docs tables still render from, each with the command that
   writes it again. The list only shrinks: a file in it that has its provenance fails, so that it leaves the list
   once re-run. Fast (reads JSON); no marks."""
@@ -23,11 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench_results"
 HISTORY = RESULTS / "history"
 
-ANCHORS_C1 = ("cosine bench anchors --k 8 --per-domain 1 --concurrency 1 --repeats 1 --no-served "
-              "--json bench_results/anchors-k8-c1-per-domain-1.json")
 RERUN = {
     "anchors-k8.json": "cosine bench anchors --k 8 --repeats 3 --json bench_results/anchors-k8.json",
-    "anchors-k8-c1-per-domain-1.json": ANCHORS_C1,
     "rounds-c1.json": "cosine bench rounds --repeats 5 --json bench_results/rounds-c1.json",
     "rounds-c8.json": "cosine bench rounds --concurrency 8 --json bench_results/rounds-c8.json",
     "engine.json": "cosine bench engine --repeats 3 --methods 'ours: chain, domain' 'ours: tree, domain' "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -28,17 +29,84 @@ def _table_rows(table: str) -> list[str]:
 
 
 def _assert_rows_in(rel: str, rows: list[str], source: str) -> None:
+    """Every row appears in the doc, and the doc's table holding them has no other row."""
     assert rows, f"nothing rendered from {source}"
     text = _doc(rel)
     missing = [r for r in rows if r not in text]
     assert not missing, f"{rel}: rows that {source} does not give (recompute them from it):\n" + "\n".join(missing)
+    for _, block in _blocks(text):
+        if any(r in block for r in rows):
+            extra = [line for line in block[2:] if line not in rows]
+            assert not extra, f"{rel}: rows beside {source}'s that it does not give:\n" + "\n".join(extra)
+
+
+def _blocks(text: str) -> list[tuple[str, list[str]]]:
+    """Every table of a markdown text (outside code blocks): (the text of the section it is in, its lines)."""
+    lines = text.splitlines() + [""]
+    heads, fence = [0], False
+    for i, line in enumerate(lines):  # sections: from one heading to the next
+        if line.startswith("```"):
+            fence = not fence
+        if not fence and line.startswith("#") and i:
+            heads.append(i)
+    heads.append(len(lines))
+    out, block, fence = [], [], False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fence = not fence
+        if not fence and line.startswith("|"):
+            block.append(line)
+            continue
+        if block:
+            s0, s1 = next((s0, s1) for s0, s1 in zip(heads, heads[1:]) if s0 <= i - 1 < s1)
+            out.append(("\n".join(lines[s0:s1]), block))
+        block = []
+    return out
+
+
+def _assert_tables_are(rel: str, name: str, rendered: str) -> None:
+    """Each table `rendered` from bench_results/`name` is a table of the doc, line for line (no row missing, none
+    added), in a section that names `name`."""
+    doc, found = _blocks(_doc(rel)), 0
+    for _, table in _blocks(rendered):
+        if len(table) < 3:
+            continue
+        at = [(body, block) for body, block in doc if table[2] in block]
+        assert at, f"{rel}: no table with {name}'s rows (render it again):\n" + "\n".join(table)
+        body, block = at[0]
+        assert block == table, (f"{rel}: the table of {name} differs from its rendering:\n"
+                                + "\n".join(f"doc:  {x}" for x in block if x not in table) + "\n"
+                                + "\n".join(f"JSON: {x}" for x in table if x not in block))
+        assert f"bench_results/{name}" in body, f"{rel}: the section of {name}'s table does not name it"
+        found += 1
+    assert found, f"nothing rendered from {name}"
+
+
+def _rounds_apart(result: dict) -> str:
+    """The anchors' concurrency-1 diagnostic taken apart per round: a round commits the mean accepted length (bonus
+    included), so it takes that over tokens/s; the rest is the round less its drafting; tokens drafted per round are
+    the drafting time per round over that per drafted token."""
+    names = {"vLLM draft_model, generic drafter": "vLLM draft_model, generic drafter",
+             "vLLM draft_model, domain drafter": "vLLM draft_model, domain drafter",
+             "ours: vLLM verifier + drafting tier, in process": "ours, in process"}
+    lines = ["| system | ms per round | drafting ms per round | the rest of the round ms | tokens drafted per round |",
+             "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["system"] in names and r["concurrency"] == 1:
+            round_ms = 1000 * r["mean_accepted_length"] / r["tokens_per_s"]
+            lines.append(f"| {names[r['system']]} | {round_ms:.1f} | {r['draft_ms_per_round']:.1f} | "
+                         f"{round_ms - r['draft_ms_per_round']:.1f} | "
+                         f"{r['draft_ms_per_round'] / r['draft_ms_per_drafted_token']:.1f} |")
+    return "\n".join(lines)
 
 
 # --- tables a command prints: its formatter on its JSON ----------------------------------------------------------
 
-# (doc, JSON, the formatter the command prints it with)
+HISTORY_C1 = "history/anchors-k8-c1-per-domain-1.json"
+# (doc, JSON under bench_results/, the formatter the command prints it with, or the test's own for a derived table)
 PRINTED = [("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_table"),
-           ("docs/benchmarks.md", "anchors-k8-c1-per-domain-1.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks-history.md", HISTORY_C1, "benchmarks.anchors:format_table"),
+           ("docs/benchmarks-history.md", HISTORY_C1, "tests.test_docs_numbers:_rounds_apart"),
            ("docs/benchmarks.md", "rounds-c1.json", "benchmarks.rounds:format_table"),
            ("docs/benchmarks.md", "rounds-c8.json", "benchmarks.rounds:format_table"),
            ("docs/benchmarks.md", "engine.json", "benchmarks.engine:format_table"),
@@ -54,11 +122,22 @@ PRINTED = [("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_
            ("docs/simulation.md", "simulate-validate-recorded-fixed.json", "simulate.report:out_of_sample_table")]
 
 
-@pytest.mark.parametrize("rel,name,formatter", PRINTED, ids=[p[1] for p in PRINTED])
-def test_a_printed_table_in_the_docs_is_its_commands_output_on_the_committed_json(rel, name, formatter):
+def _render(name: str, formatter: str) -> str:
     module, function = formatter.split(":")
-    render = getattr(importlib.import_module(module), function)
-    _assert_rows_in(rel, _table_rows(render(_json(name))), f"bench_results/{name}")
+    return getattr(importlib.import_module(module), function)(_json(name))
+
+
+@pytest.mark.parametrize("rel,name,formatter", PRINTED, ids=[f"{p[1]}:{p[2].split(':')[1]}" for p in PRINTED])
+def test_a_printed_table_in_the_docs_is_its_commands_output_on_the_committed_json(rel, name, formatter):
+    _assert_tables_are(rel, name, _render(name, formatter))
+
+
+def test_every_table_of_the_benchmarks_doc_is_rendered_from_its_json():
+    """docs/benchmarks.md has no table that is not a rendering of the JSON its section names (a hand-made or
+    hand-derived table fails here: render it from its JSON, or move it to the history)."""
+    rendered = [b for rel, name, f in PRINTED if rel == "docs/benchmarks.md" for _, b in _blocks(_render(name, f))]
+    stray = [block[:3] for _, block in _blocks(_doc("docs/benchmarks.md")) if block not in rendered]
+    assert not stray, "tables of docs/benchmarks.md rendered from no JSON:\n" + "\n".join("\n".join(b) for b in stray)
 
 
 # --- tables comparing the code before a change with after it -----------------------------------------------------
@@ -169,3 +248,31 @@ def test_the_identity_claims_are_the_measured_ones():
     assert "positions " + ", ".join(map(str, positions[:-1])) + f" and {positions[-1]}" in design
     assert f"batch 1 on {changed} of {prompts} prompts" in design
     assert f"12 of 12 prompts identical over {fp32['config']['new_tokens']} tokens" in design
+
+
+# --- ratios in the prose ---------------------------------------------------------------------------------------
+
+RATIO_AGAINST = re.compile(r"(\d+\.\d+)x([^()|]{0,80}?)\((\d+(?:\.\d+)?) against (\d+(?:\.\d+)?)")
+
+
+def _prose_ratios(body: str) -> list[tuple[str, str, str]]:
+    prose = " ".join(line for line in body.splitlines() if not line.startswith("|"))
+    return [(m.group(1), m.group(3), m.group(4)) for m in RATIO_AGAINST.finditer(" ".join(prose.split()))]
+
+
+def test_the_prose_ratios_are_their_figures_ratios():
+    """A ratio the prose states with its figures ("1.05x the shipped configuration (208.0 against 198.5 tok/s)") is
+    their ratio within rounding, and both figures are in the tables of its section (rendered from its JSON)."""
+    from tests.test_docs_results import _ratio_ok
+
+    checked = 0
+    for body, _ in {(b, 0) for b, _ in _blocks(_doc("docs/benchmarks.md"))}:
+        cells = {c.strip() for _, block in _blocks(body) for line in block for c in line.split("|")}
+        figures = {f for c in cells for f in re.findall(r"\d+(?:\.\d+)?", c)}
+        for ratio, a, b in _prose_ratios(body):
+            assert _ratio_ok(ratio, a, b), f"{ratio}x is not {a} / {b} = {float(a) / float(b):.4f}"
+            assert {a, b} <= figures, f"{a} or {b} is in no table of its section"
+            checked += 1
+    assert checked >= 2
+    assert _prose_ratios("x 1.10x the controller (111.8 against 104.2 tok/s)") == [("1.10", "111.8", "104.2")]
+    assert not _ratio_ok("1.10", "111.8", "104.2")

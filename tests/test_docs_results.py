@@ -1,9 +1,11 @@
-"""The docs' results can be checked: every raw-data file they name as present exists, and the README's headline
-ratios are the ratios of the figures they come from in docs/benchmarks.md's current tables.
+"""The docs' results can be checked: every raw-data file they name as present exists, every table of
+docs/benchmarks.md is rendered from the JSON its section names, and the README's headline table is rendered from
+the latest committed runs.
 
 Fast (reads four markdown files); no marks."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -137,35 +139,7 @@ def _ratio_ok(printed: str, a: str, b: str) -> bool:
 
 ANCHORS = "cosine-bench-anchors-ours-against-vllms-own-methods-2-core-cpu"
 ENGINE = "the-default-methods"
-SERVED = "ours: vLLM verifier + drafting tier, served (Ray Serve, HTTP)"
 TOKS = "tok/s median (min-max)"
-
-# README row (by the start of its label) -> its section, and for each figure of "ours" and of "baseline" the
-# table row (column values that pick it) and the column it is read from.
-SOURCES = {
-    "Concurrency 1: ours served (Ray Serve, HTTP) against vLLM target-only": (
-        ANCHORS, [({"system": SERVED, "concurrency": "1"}, TOKS)],
-        [({"system": "vLLM target-only", "concurrency": "1"}, TOKS)]),
-    "Concurrency 1: ours served against vLLM's `draft_model`": (
-        ANCHORS, [({"system": SERVED, "concurrency": "1"}, TOKS)],
-        [({"system": "vLLM draft_model, domain drafter", "concurrency": "1"}, TOKS)]),
-    "Concurrency 8: ours served against vLLM target-only": (
-        ANCHORS, [({"system": SERVED, "concurrency": "8"}, TOKS)],
-        [({"system": "vLLM target-only", "concurrency": "8"}, TOKS)]),
-    "Concurrency 8: ours served against vLLM's `draft_model`": (
-        ANCHORS, [({"system": SERVED, "concurrency": "8"}, TOKS)],
-        [({"system": "vLLM draft_model, generic drafter", "concurrency": "8"}, TOKS)]),
-    "In process, batch 1: our loop": (
-        ENGINE, [({"method": "ours: chain, domain drafter, k=4", "batch": "1"}, TOKS)],
-        [({"method": "HF assisted generation (same packed kernels)", "batch": "1"}, TOKS)]),
-}
-
-
-def _source_figure(section: str, pick: dict[str, str], column: str) -> str:
-    body = _benchmark_sections()[section]
-    rows = [r for t in _tables(body) for r in t if all(r.get(k, "").replace("*", "") == v for k, v in pick.items())]
-    assert len(rows) == 1, f"{section}: {len(rows)} rows match {pick}"
-    return _lead(rows[0][column])
 
 
 def _readme_results() -> list[tuple[str, str, str, str, str]]:
@@ -196,21 +170,63 @@ def test_readme_results_link_to_existing_sections():
         assert anchor in sections, f"{label}: no section #{anchor} in docs/benchmarks.md"
 
 
-def test_readme_ratios_are_the_ratios_of_the_benchmarks_figures():
-    rows = _readme_results()
-    assert {next((k for k in SOURCES if label.startswith(k)), None) for label, *_ in rows} == set(SOURCES), \
-        "every headline row has its source here, and every source a row"
-    for label, anchor, ours_cell, base_cell, ratio_cell in rows:
-        key = next(k for k in SOURCES if label.startswith(k))
-        section, ours_src, base_src = SOURCES[key]
-        assert anchor == section, f"{label}: links to #{anchor}, its figures are in #{section}"
-        ours, base = re.findall(NUM, ours_cell), re.findall(NUM, base_cell)
-        ratios = re.findall(r"(\d+\.\d+)x", ratio_cell)
-        assert len(ours) == len(base) == len(ratios) == len(ours_src), (label, ours, base, ratios)
-        for a, b, r, (pick_a, col_a), (pick_b, col_b) in zip(ours, base, ratios, ours_src, base_src):
-            assert a == _source_figure(section, pick_a, col_a), f"{label}: {a} is not docs/benchmarks.md's figure"
-            assert b == _source_figure(section, pick_b, col_b), f"{label}: {b} is not docs/benchmarks.md's figure"
-            assert _ratio_ok(r, a, b), f"{label}: {r}x is not {a} / {b} = {float(a) / float(b):.4f}"
+def _readme_sources() -> dict[str, str]:
+    """The JSON the README's headline table is rendered from, as its text names them: {"anchors": ..., "engine": ...}."""
+    text = _read("README.md")
+    body = text[text.index("## Headline results"):].split("\n## ", 1)[0]
+    named = re.search(r"python -m benchmarks\.headline (bench_results/\S+\.json) (bench_results/\S+\.json)", body)
+    assert named, "the README names the JSON its headline table is rendered from (python -m benchmarks.headline ...)"
+    return {"anchors": named.group(1), "engine": named.group(2)}
+
+
+def _settings(result: dict) -> dict:
+    """What a run measured (its config but the number of repeats): runs with the same settings answer the same
+    question."""
+    return {k: v for k, v in result.get("config", {}).items() if k != "repeats"}
+
+
+def _date(result: dict) -> str:
+    return (result.get("provenance") or {}).get("date", "")
+
+
+def test_readme_headline_is_rendered_from_the_latest_committed_runs():
+    """The README's headline table is exactly benchmarks/headline.py's rendering of the JSON it names (figures,
+    which of vLLM's `draft_model` runs is its best there, ratios), those are the JSON whose tables docs/benchmarks.md's
+    sections show, and no committed run of the same benchmark and settings is newer."""
+    from benchmarks import headline
+
+    sources = _readme_sources()
+    data = {k: json.loads((ROOT / p).read_text()) for k, p in sources.items()}
+    text = _read("README.md")
+    shown = [line for line in text[text.index("## Headline results"):].split("\n## ", 1)[0].splitlines()
+             if line.startswith("|")]
+    expected = headline.table(data["anchors"], data["engine"]).splitlines()
+    assert shown == expected, "README's headline table is not its JSON's; render it again:\n" + "\n".join(expected)
+    sections = _benchmark_sections()
+    assert sources["anchors"] in sections[ANCHORS] and sources["engine"] in sections[ENGINE]
+    for key, path in sources.items():
+        mine = data[key]
+        for other in sorted((ROOT / "bench_results").glob(f"{key}*.json")):
+            theirs = json.loads(other.read_text())
+            if other.name != Path(path).name and _settings(theirs) == _settings(mine):
+                assert _date(theirs) <= _date(mine), f"{other.name} is a later run of {path}: the README quotes it"
+
+
+def test_vllms_best_there_is_the_fastest_draft_model_run():
+    """The headline's "vLLM's best there" is computed: the fastest `draft_model` row at that concurrency, whichever
+    drafter it ran with; a JSON where the other drafter is faster names the other one."""
+    from benchmarks import headline
+
+    anchors = json.loads((ROOT / _readme_sources()["anchors"]).read_text())
+    for c in (1, 8):
+        best = headline.best_draft_model(anchors, c)
+        others = [r for r in anchors["rows"] if r["system"].startswith(headline.DRAFT_MODEL) and r["concurrency"] == c]
+        assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in others)
+    swapped = {"rows": [dict(r, tokens_per_s=1000.0) if r["system"].endswith("generic drafter") and r["concurrency"] == 1
+                        else r for r in anchors["rows"]]}
+    assert headline.best_draft_model(swapped, 1)["system"] == "vLLM draft_model, generic drafter"
+    assert "with the generic drafter" in headline.rows(swapped, json.loads((ROOT / _readme_sources()["engine"])
+                                                                            .read_text()))[1]
 
 
 def test_the_source_tables_ratios_match_their_figures():
