@@ -5,7 +5,11 @@ the README's table is exactly this on the latest committed runs, so a re-run nee
 
     python -m benchmarks.headline bench_results/anchors-k8.json bench_results/engine.json
 
-pasted over the table."""
+pasted over the table. Several anchors runs (`--k 4` beside `--k 8`) give their rows one after the other, each
+label naming its k:
+
+    python -m benchmarks.headline bench_results/anchors-k4.json bench_results/anchors-k8.json bench_results/engine.json
+"""
 
 from __future__ import annotations
 
@@ -34,30 +38,36 @@ def best_draft_model(anchors: dict, concurrency: int) -> dict:
     return max(rows, key=lambda r: r["tokens_per_s"])
 
 
-def rows(anchors: dict, engine: dict) -> list[str]:
+def rows(anchors: dict | list[dict], engine: dict) -> list[str]:
+    """The rows of each anchors run (in the order given; labelled with its k where there are several), then the
+    engine's."""
+    runs = anchors if isinstance(anchors, list) else [anchors]
+
     def tps(result: dict, key: str, name: str, at: int) -> float:
         [r] = [r for r in result["rows"] if r[key] == name and r["concurrency" if key == "system" else "batch"] == at]
         return r["tokens_per_s"]
 
     out = []
-    for c in (1, 8):
-        ours = tps(anchors, "system", SERVED, c)
-        served = "ours served (Ray Serve, HTTP)" if c == 1 else "ours served"
-        out.append(_row(f"Concurrency {c}: {served} against vLLM target-only", ANCHORS_LINK, ours,
-                        tps(anchors, "system", TARGET_ONLY, c)))
-        best = best_draft_model(anchors, c)
-        out.append(_row(f"Concurrency {c}: ours served against vLLM's `draft_model` with {DRAFTERS[best['system']]}, "
-                        "vLLM's best there", ANCHORS_LINK, ours, best["tokens_per_s"]))
+    for run in runs:
+        for c in (1, 8):
+            at = f"Concurrency {c}" + (f", k = {run['config']['k']}" if len(runs) > 1 else "")
+            ours = tps(run, "system", SERVED, c)
+            served = "ours served (Ray Serve, HTTP)" if c == 1 else "ours served"
+            out.append(_row(f"{at}: {served} against vLLM target-only", ANCHORS_LINK, ours,
+                            tps(run, "system", TARGET_ONLY, c)))
+            best = best_draft_model(run, c)
+            out.append(_row(f"{at}: ours served against vLLM's `draft_model` with {DRAFTERS[best['system']]}, "
+                            "vLLM's best there", ANCHORS_LINK, ours, best["tokens_per_s"]))
     out.append(_row("In process, batch 1: our loop (torch engine, a chain from the prompt's domain drafter) against HF "
                     "assisted generation with the same pair and kernels", ENGINE_LINK,
                     tps(engine, "method", ENGINE_OURS, 1), tps(engine, "method", ENGINE_BASE, 1)))
     return out
 
 
-def table(anchors: dict, engine: dict) -> str:
+def table(anchors: dict | list[dict], engine: dict) -> str:
     return "\n".join(HEADER + rows(anchors, engine))
 
 
 if __name__ == "__main__":
-    anchors_path, engine_path = sys.argv[1:3]
-    print(table(json.loads(Path(anchors_path).read_text()), json.loads(Path(engine_path).read_text())))
+    *anchors_paths, engine_path = sys.argv[1:]
+    print(table([json.loads(Path(p).read_text()) for p in anchors_paths], json.loads(Path(engine_path).read_text())))

@@ -161,7 +161,7 @@ def test_readme_opens_with_the_two_commands_and_the_results():
     first = text[:text.index("## Headline results")]
     assert "make run" in first and "make test" in first
     assert text.index("## Headline results") < text.index("## The deployment graph")
-    assert 4 <= len(_readme_results()) <= 7
+    assert 4 <= len(_readme_results()) <= 9  # two anchors runs (k = 4 and 8) and the engine's row at most
 
 
 def test_readme_results_link_to_existing_sections():
@@ -170,13 +170,16 @@ def test_readme_results_link_to_existing_sections():
         assert anchor in sections, f"{label}: no section #{anchor} in docs/benchmarks.md"
 
 
-def _readme_sources() -> dict[str, str]:
-    """The JSON the README's headline table is rendered from, as its text names them: {"anchors": ..., "engine": ...}."""
+def _readme_sources() -> dict[str, list[str]]:
+    """The JSON the README's headline table is rendered from, as its text names them: the anchors runs and the
+    engine run."""
     text = _read("README.md")
     body = text[text.index("## Headline results"):].split("\n## ", 1)[0]
-    named = re.search(r"python -m benchmarks\.headline (bench_results/\S+\.json) (bench_results/\S+\.json)", body)
+    named = re.search(r"python -m benchmarks\.headline ((?:bench_results/\S+\.json\s*)+)", body)
     assert named, "the README names the JSON its headline table is rendered from (python -m benchmarks.headline ...)"
-    return {"anchors": named.group(1), "engine": named.group(2)}
+    *anchors, engine = named.group(1).split()
+    assert anchors and all("anchors" in p for p in anchors) and "engine" in engine, named.group(0)
+    return {"anchors": anchors, "engine": [engine]}
 
 
 def _settings(result: dict) -> dict:
@@ -196,20 +199,21 @@ def test_readme_headline_is_rendered_from_the_latest_committed_runs():
     from benchmarks import headline
 
     sources = _readme_sources()
-    data = {k: json.loads((ROOT / p).read_text()) for k, p in sources.items()}
+    data = {p: json.loads((ROOT / p).read_text()) for paths in sources.values() for p in paths}
     text = _read("README.md")
     shown = [line for line in text[text.index("## Headline results"):].split("\n## ", 1)[0].splitlines()
              if line.startswith("|")]
-    expected = headline.table(data["anchors"], data["engine"]).splitlines()
+    expected = headline.table([data[p] for p in sources["anchors"]], data[sources["engine"][0]]).splitlines()
     assert shown == expected, "README's headline table is not its JSON's; render it again:\n" + "\n".join(expected)
     sections = _benchmark_sections()
-    assert sources["anchors"] in sections[ANCHORS] and sources["engine"] in sections[ENGINE]
-    for key, path in sources.items():
-        mine = data[key]
-        for other in sorted((ROOT / "bench_results").glob(f"{key}*.json")):
-            theirs = json.loads(other.read_text())
-            if other.name != Path(path).name and _settings(theirs) == _settings(mine):
-                assert _date(theirs) <= _date(mine), f"{other.name} is a later run of {path}: the README quotes it"
+    assert all(p in sections[ANCHORS] for p in sources["anchors"]) and sources["engine"][0] in sections[ENGINE]
+    for key, paths in sources.items():
+        for path in paths:
+            mine = data[path]
+            for other in sorted((ROOT / "bench_results").glob(f"{key}*.json")):
+                theirs = json.loads(other.read_text())
+                if other.name != Path(path).name and _settings(theirs) == _settings(mine):
+                    assert _date(theirs) <= _date(mine), f"{other.name} is a later run of {path}: the README quotes it"
 
 
 def test_vllms_best_there_is_the_fastest_draft_model_run():
@@ -217,7 +221,7 @@ def test_vllms_best_there_is_the_fastest_draft_model_run():
     drafter it ran with; a JSON where the other drafter is faster names the other one."""
     from benchmarks import headline
 
-    anchors = json.loads((ROOT / _readme_sources()["anchors"]).read_text())
+    anchors = json.loads((ROOT / _readme_sources()["anchors"][0]).read_text())
     for c in (1, 8):
         best = headline.best_draft_model(anchors, c)
         others = [r for r in anchors["rows"] if r["system"].startswith(headline.DRAFT_MODEL) and r["concurrency"] == c]
@@ -225,8 +229,10 @@ def test_vllms_best_there_is_the_fastest_draft_model_run():
     swapped = {"rows": [dict(r, tokens_per_s=1000.0) if r["system"].endswith("generic drafter") and r["concurrency"] == 1
                         else r for r in anchors["rows"]]}
     assert headline.best_draft_model(swapped, 1)["system"] == "vLLM draft_model, generic drafter"
-    assert "with the generic drafter" in headline.rows(swapped, json.loads((ROOT / _readme_sources()["engine"])
-                                                                            .read_text()))[1]
+    engine = json.loads((ROOT / _readme_sources()["engine"][0]).read_text())
+    assert "with the generic drafter" in headline.rows(swapped, engine)[1]
+    two = headline.rows([dict(anchors, config=dict(anchors["config"], k=4)), anchors], engine)
+    assert len(two) == 9 and two[0].startswith("| [Concurrency 1, k = 4: ") and ", k = 8: " in two[4]
 
 
 def test_the_source_tables_ratios_match_their_figures():
