@@ -181,7 +181,8 @@ def test_the_reproduction_tables_are_the_two_runs():
             cells.append(cell)
         rows.append(f"| {PAIRS[profile]} | {rate} | " + " | ".join(cells) + " |")
     assert len(rows) == 16
-    _assert_rows_in("docs/simulation.md", rows, "bench_results/{history/simulate-reproduce-before,simulate-reproduce}.json")
+    _assert_rows_in("docs/simulation.md", rows,
+                    "bench_results/{history/simulate-reproduce-before,simulate-reproduce}.json")
 
 
 @pytest.mark.parametrize("suffix", ["", "-low"])
