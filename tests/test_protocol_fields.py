@@ -15,7 +15,10 @@ from config import AppConfig
 from engines.sampling import SamplingParams
 from engines.stopping import StopChecker
 from serve_app import protocol as P
-from serve_app.ingress import IngressDeployment, _Detokenizer, _TokenNames
+from serve_app import responses as R
+from serve_app.choices import ChatReply, CompletionChoice, Prompt
+from serve_app.detokenize import Detokenizer, TokenNames
+from serve_app.server import OpenAIServer
 from speculation.messages import SpeculationOverrides, TokenChunk
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -129,10 +132,7 @@ class _NoVerifier:
 def _ingress(engine: str, **ingress_fields):
     cfg = AppConfig(verifier={"engine": engine, "model": "target", "max_len": 64}, speculation={"mode": "off"},
                     ingress={"max_queued_requests": 4, **ingress_fields})
-    ingress_cls = IngressDeployment.func_or_class.__mro__[1]  # the class under Serve's ASGI wrapper
-    ingress = object.__new__(ingress_cls)
-    ingress_cls.__init__(ingress, cfg, _NoVerifier())
-    return ingress
+    return OpenAIServer(cfg, _NoVerifier())
 
 
 def test_the_ingress_turns_the_fields_into_sampling_params():
@@ -140,12 +140,12 @@ def test_the_ingress_turns_the_fields_into_sampling_params():
     req = _chat(model="cosine-target", max_tokens=8, presence_penalty=0.5, frequency_penalty=-0.5,
                 repetition_penalty=1.2, min_tokens=3, stop_token_ids=[7], ignore_eos=True, logprobs=True,
                 top_logprobs=2, seed=5)
-    p = ingress._prepare(req, [1, 2, 3])
+    p = ingress.preparer.prepare(req, [1, 2, 3])
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens, p.stop_token_ids,
             p.ignore_eos, p.logprobs, p.seed) == (0.5, -0.5, 1.2, 3, [7], True, 2, 5)
     assert p.sampler_only() == ["min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                 "logprobs"]
-    p = ingress._prepare(_chat(model="cosine-target"), [1, 2, 3])
+    p = ingress.preparer.prepare(_chat(model="cosine-target"), [1, 2, 3])
     assert (p.presence_penalty, p.repetition_penalty, p.logprobs, p.sampler_only()) == (0.0, 1.0, None, [])
 
 
@@ -156,7 +156,7 @@ def test_the_ingress_turns_the_fields_into_sampling_params():
     ({"n": 2, "temperature": 0}, "n", "temperature > 0"), ({"n": 5}, "n", "queues")])
 def test_the_ingress_refuses_what_cannot_be_served(fields, param, needle):
     with pytest.raises(P.APIError) as e:
-        _ingress("vllm")._prepare(_chat(model="cosine-target", **fields), [1, 2, 3])
+        _ingress("vllm").preparer.prepare(_chat(model="cosine-target", **fields), [1, 2, 3])
     assert (e.value.status, e.value.param) == (400, param) and needle in e.value.message
 
 
@@ -168,9 +168,9 @@ def test_the_ingress_refuses_what_cannot_be_served(fields, param, needle):
                                                                               "logprobs": None}, "prompt_logprobs")])
 def test_behind_the_torch_verifier_what_only_vllm_applies_is_refused(parse, fields, param):
     with pytest.raises(P.APIError) as e:
-        _ingress("torch")._prepare(parse(model="cosine-target", **fields), [1, 2, 3])
+        _ingress("torch").preparer.prepare(parse(model="cosine-target", **fields), [1, 2, 3])
     assert e.value.param == param and "verifier.engine: torch" in e.value.message
-    _ingress("torch")._prepare(_chat(model="cosine-target", stop_token_ids=[5], ignore_eos=True), [1, 2, 3])
+    _ingress("torch").preparer.prepare(_chat(model="cosine-target", stop_token_ids=[5], ignore_eos=True), [1, 2, 3])
 
 
 def test_the_torch_verifier_refuses_them_itself(target, tokenizer):
@@ -200,45 +200,43 @@ def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(tokenizer):
     params = SamplingParams(max_tokens=20, min_tokens=1 + 2 * first, stop=[" ab"])
     stop = StopChecker(params, tokenizer=tokenizer)
     assert stop.feed(ids) == ids and stop.text == "ab ab ab"
-    detok = _Detokenizer(tokenizer, [" ab"], params.min_tokens)
+    detok = Detokenizer(tokenizer, [" ab"], params.min_tokens)
     assert detok.push(ids[:2], False) + detok.push(ids[2:], True) == "ab ab ab"
-    assert _Detokenizer(tokenizer, [" ab"]).push(ids, True) == "ab"  # without min_tokens
+    assert Detokenizer(tokenizer, [" ab"]).push(ids, True) == "ab"  # without min_tokens
 
 
 def test_token_names_are_vllms(tokenizer):
     from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
 
     ids = list(range(0, len(tokenizer), 37))
-    names = _TokenNames(tokenizer)
+    names = TokenNames(tokenizer)
     assert [names(t) for t in ids] == convert_ids_list_to_tokens(tokenizer, ids)
 
 
 def test_logprobs_written_as_vllms_server_writes_them():
     lps = [{7: -0.1, 3: -2.0, 4: -3.0}, {5: -float("inf"), 6: -0.01, 7: -5.0}]  # vLLM's order: the token's own first
     name = {3: "c", 4: "d", 5: "e", 6: "f", 7: "g"}.get
-    chat = P.chat_logprobs([7, 5], lps, 2, name)["content"]
+    chat = R.chat_logprobs([7, 5], lps, 2, name)["content"]
     assert chat[0] == {"token": "g", "logprob": -0.1, "bytes": [103], "top_logprobs": [
         {"token": "g", "logprob": -0.1, "bytes": [103]}, {"token": "c", "logprob": -2.0, "bytes": [99]}]}
     assert chat[1]["logprob"] == -9999.0 and [x["token"] for x in chat[1]["top_logprobs"]] == ["e", "f"]
-    comp = P.completion_logprobs([7, 5], lps, 1, name, offset=4)
+    comp = R.completion_logprobs([7, 5], lps, 1, name, offset=4)
     assert comp == {"tokens": ["g", "e"], "token_logprobs": [-0.1, -9999.0], "text_offset": [4, 5],
                     "top_logprobs": [{"g": -0.1, "c": -2.0}, {"e": -9999.0, "f": -0.01}]}
     whole = TokenChunk([7], False, logprobs=lps[:1], prompt_logprobs=[None, {3: (-1.0, 1)}])
     whole.extend(TokenChunk([5], True, logprobs=lps[1:]))
     assert whole.token_ids == [7, 5] and whole.logprobs == lps and whole.prompt_logprobs == [None, {3: (-1.0, 1)}]
-    echoed = P.completion_logprobs([3, 7], [None, lps[0]], 1, name)  # an echoed prompt's first token has none
+    echoed = R.completion_logprobs([3, 7], [None, lps[0]], 1, name)  # an echoed prompt's first token has none
     assert echoed["token_logprobs"] == [None, -0.1] and echoed["top_logprobs"] == [None, {"g": -0.1, "c": -2.0}]
     assert echoed["text_offset"] == [0, 1]
-    assert P.prompt_logprobs([None, {4: (-math.inf, 9), 3: (-0.5, 1)}], name) == [
+    assert R.prompt_logprobs([None, {4: (-math.inf, 9), 3: (-0.5, 1)}], name) == [
         None, {"4": {"logprob": -9999.0, "rank": 9, "decoded_token": "d"},
                "3": {"logprob": -0.5, "rank": 1, "decoded_token": "c"}}]
 
 
 def _shown(req, prompt_ids=(3, 4), echo="cd"):
-    from serve_app.ingress import _Prompt, _Shown
-
     name = {3: "c", 4: "d", 5: "e", 7: "g"}.get
-    return _Shown(_Prompt(list(prompt_ids), SamplingParams(logprobs=req.logprobs), echo), req, name)
+    return CompletionChoice(Prompt(list(prompt_ids), SamplingParams(logprobs=req.logprobs), echo), req, name)
 
 
 PROMPT_LPS = [None, {4: (-1.5, 2), 3: (-0.2, 1)}]
@@ -275,30 +273,30 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone_and_token_ids_where_asked():
 def test_prompts_truncated_as_vllm_truncates_them():
     ingress = _ingress("vllm")
     ids = list(range(10, 20))
-    assert ingress._truncated(_completion(), ids) == ids
-    assert ingress._truncated(_completion(truncate_prompt_tokens=3), ids) == [17, 18, 19]
-    assert ingress._truncated(_completion(truncate_prompt_tokens=3, truncation_side="right"), ids) == [10, 11, 12]
-    assert ingress._truncated(_completion(truncate_prompt_tokens=-1), list(range(100))) == list(range(36, 100))
+    assert ingress.preparer.truncated(_completion(), ids) == ids
+    assert ingress.preparer.truncated(_completion(truncate_prompt_tokens=3), ids) == [17, 18, 19]
+    assert ingress.preparer.truncated(_completion(truncate_prompt_tokens=3, truncation_side="right"), ids) == [10, 11, 12]
+    assert ingress.preparer.truncated(_completion(truncate_prompt_tokens=-1), list(range(100))) == list(range(36, 100))
     with pytest.raises(P.APIError):
-        ingress._truncated(_completion(truncate_prompt_tokens=0), ids)
+        ingress.preparer.truncated(_completion(truncate_prompt_tokens=0), ids)
 
 
 def test_the_detokenizer_keeps_the_stop_string_and_special_tokens_where_asked(tokenizer):
     ids = tokenizer("ab cd ef", add_special_tokens=False).input_ids
-    assert _Detokenizer(tokenizer, [" cd"]).push(ids, True) == "ab"
-    assert _Detokenizer(tokenizer, [" cd"], keep_stop=True).push(ids, True) == "ab cd"
+    assert Detokenizer(tokenizer, [" cd"]).push(ids, True) == "ab"
+    assert Detokenizer(tokenizer, [" cd"], keep_stop=True).push(ids, True) == "ab cd"
     eos = tokenizer.eos_token_id
-    assert _Detokenizer(tokenizer, []).push(ids + [eos], True) == "ab cd ef"
-    assert _Detokenizer(tokenizer, [], skip_special=False).push(ids + [eos], True) == \
+    assert Detokenizer(tokenizer, []).push(ids + [eos], True) == "ab cd ef"
+    assert Detokenizer(tokenizer, [], skip_special=False).push(ids + [eos], True) == \
         "ab cd ef" + tokenizer.eos_token
 
 
 def test_the_ingress_passes_allowed_token_ids_bad_words_and_prompt_logprobs():
-    p = _ingress("vllm")._prepare(_completion(model="cosine-target", allowed_token_ids=[5, 6], bad_words=["x y"],
+    p = _ingress("vllm").preparer.prepare(_completion(model="cosine-target", allowed_token_ids=[5, 6], bad_words=["x y"],
                                               echo=True, logprobs=2), [1, 2, 3])
     assert (p.allowed_token_ids, p.bad_words, p.prompt_logprobs, p.logprobs) == ([5, 6], ["x y"], 2, 2)
     assert p.sampler_only() == ["logprobs", "prompt_logprobs", "allowed_token_ids", "bad_words"]
-    p = _ingress("vllm")._prepare(_completion(model="cosine-target", echo=True, max_tokens=0), [1, 2, 3])
+    p = _ingress("vllm").preparer.prepare(_completion(model="cosine-target", echo=True, max_tokens=0), [1, 2, 3])
     assert p.max_tokens == 1  # vLLM generates one token and shows the prompt alone
 
 
@@ -307,8 +305,8 @@ def test_speculation_usage_over_choices():
            "drafters_used": ["legal"]}
     two = {"num_drafts": 2, "num_draft_tokens": 8, "num_accepted_tokens": 2, "verify_steps": 7,
            "drafters_used": ["code", "legal"]}
-    assert P.spec_usage([one]) == {"mean_acceptance_length": 4.0, "draft_acceptance_rate": 0.75, **one}
-    assert P.spec_usage([one, two, None]) == {"mean_acceptance_length": 3.0, "draft_acceptance_rate": 0.5,
+    assert R.spec_usage([one]) == {"mean_acceptance_length": 4.0, "draft_acceptance_rate": 0.75, **one}
+    assert R.spec_usage([one, two, None]) == {"mean_acceptance_length": 3.0, "draft_acceptance_rate": 0.5,
                                               "num_draft_tokens": 16, "num_accepted_tokens": 8, "num_drafts": 4,
                                               "verify_steps": 12, "drafters_used": ["code", "legal"]}
 
@@ -337,7 +335,7 @@ def vllm_ingress():
 
 def _constraint(ingress, parse=_chat, **fields):
     req = parse(model="cosine-target", **fields)
-    return ingress._prepare(req, [1, 2, 3], ingress._constraints(req, chat=parse is _chat)).structured_outputs
+    return ingress.preparer.prepare(req, [1, 2, 3], ingress.preparer.constraints(req, chat=parse is _chat)).structured_outputs
 
 
 def test_structured_outputs_as_vllm_reads_them(vllm_ingress):
@@ -415,21 +413,19 @@ def _streamed_calls(deltas: list[dict]) -> tuple[list[dict], int]:
 
 
 def test_replies_split_by_vllms_parsers(vllm_ingress, tokenizer):
-    from serve_app.ingress import _ChatReply
-
     api = vllm_ingress.vllm_api
     auto = api.request({"tools": [TOOL], "tool_choice": "auto"}, chat=True)
     text = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    reply = _ChatReply(api, auto, [1, 2])
+    reply = ChatReply(api, auto, [1, 2])
     msg = reply.whole(text, ids)
     assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
     assert (msg["content"] or "").strip() in ("", "Let me look.") and reply.finish_reason("stop") == "tool_calls"
-    plain = _ChatReply(api, auto, [1, 2])
+    plain = ChatReply(api, auto, [1, 2])
     assert plain.whole("no call here", [])["content"] == "no call here" and plain.finish_reason("stop") == "stop"
 
     # streamed: the call's name, then its arguments as they are generated, not the whole call in the last chunk
-    streamed = _ChatReply(api, auto, [1, 2])
+    streamed = ChatReply(api, auto, [1, 2])
     deltas = _stream(streamed, tokenizer, text)
     calls, pieces = _streamed_calls(deltas)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
@@ -439,43 +435,41 @@ def test_replies_split_by_vllms_parsers(vllm_ingress, tokenizer):
 
     named = api.request({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
                         chat=True)
-    reply = _ChatReply(api, named, [1, 2])
+    reply = ChatReply(api, named, [1, 2])
     msg = reply.whole('{"city": "Rome"}', [])
     assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     assert reply.finish_reason("stop") == "stop"  # OpenAI's (and vLLM's) for a named tool
-    calls, pieces = _streamed_calls(_stream(_ChatReply(api, named, [1, 2]), tokenizer, '{"city": "Rome"}'))
+    calls, pieces = _streamed_calls(_stream(ChatReply(api, named, [1, 2]), tokenizer, '{"city": "Rome"}'))
     assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Rome"}')] and pieces > 1
 
     required = api.request({"tools": [TOOL], "tool_choice": "required"}, chat=True)
-    reply = _ChatReply(api, required, [1, 2])
+    reply = ChatReply(api, required, [1, 2])
     text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
     msg = reply.whole(text, [])
     assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert reply.finish_reason("stop") == "tool_calls"
-    streamed = _ChatReply(api, required, [1, 2])
+    streamed = ChatReply(api, required, [1, 2])
     calls, pieces = _streamed_calls(_stream(streamed, tokenizer, text))
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Oslo"})]
     assert pieces > 1 and streamed.finish_reason("stop") == "tool_calls"
 
 
 def test_reasoning_split_whole_and_streamed(vllm_ingress, tokenizer):
-    from serve_app.ingress import _ChatReply
-
     api = vllm_ingress.vllm_api
     vreq = api.request({}, chat=True)
     text = "Here is my thought process: the user greets. Here is my response: Hello there"
-    msg = _ChatReply(api, vreq, [1, 2]).whole(text, [])
+    msg = ChatReply(api, vreq, [1, 2]).whole(text, [])
     assert (msg["reasoning_content"].strip(), msg["content"].strip()) == ("the user greets.", "Hello there")
     assert msg["reasoning"] == msg["reasoning_content"]
-    deltas = _stream(_ChatReply(api, vreq, [1, 2]), tokenizer, text)
+    deltas = _stream(ChatReply(api, vreq, [1, 2]), tokenizer, text)
     reasoning, content = ("".join(d.get(k, "") for d in deltas) for k in ("reasoning_content", "content"))
     assert (reasoning.strip(), content.strip()) == ("the user greets.", "Hello there")
-    assert _ChatReply(api, vreq, [1, 2]).whole("just text", [])["content"] == "just text"
+    assert ChatReply(api, vreq, [1, 2]).whole("just text", [])["content"] == "just text"
     # include_reasoning: false (vLLM's): the reasoning is left out, whole and streamed
     hidden = api.request({"include_reasoning": False}, chat=True)
-    msg = _ChatReply(api, hidden, [1, 2]).whole(text, [])
+    msg = ChatReply(api, hidden, [1, 2]).whole(text, [])
     assert "reasoning_content" not in msg and msg["content"].strip() == "Hello there"
-    deltas = _stream(_ChatReply(api, hidden, [1, 2]), tokenizer, text)
+    deltas = _stream(ChatReply(api, hidden, [1, 2]), tokenizer, text)
     assert not any("reasoning_content" in d for d in deltas)
     assert "".join(d.get("content", "") for d in deltas).strip() == "Hello there"
 
@@ -488,12 +482,12 @@ def test_chat_template_kwargs_reach_the_template_and_may_not_set_the_requests_ow
                                        "{{ m['content'] }}{% endfor %}{% if strict %}{{ raise_exception('no') }}"
                                        "{% endif %}")
     msgs = [{"role": "user", "content": "hi"}]
-    plain = ingress._chat_ids(msgs)
-    thinking = ingress._chat_ids(msgs, template_kwargs=_chat(chat_template_kwargs={"enable_thinking": True})
+    plain = ingress.preparer.chat_ids(msgs)
+    thinking = ingress.preparer.chat_ids(msgs, template_kwargs=_chat(chat_template_kwargs={"enable_thinking": True})
                                  .chat_template_kwargs)
     assert thinking != plain and ingress.tokenizer.decode(thinking).startswith("<think>")
     for taken in ("add_generation_prompt", "tools", "messages"):
         assert _refusal(_chat, chat_template_kwargs={taken: True}).param == "chat_template_kwargs"
     with pytest.raises(P.APIError) as e:
-        ingress._chat_ids(msgs, template_kwargs={"strict": True})
+        ingress.preparer.chat_ids(msgs, template_kwargs={"strict": True})
     assert e.value.status == 400 and "no" in e.value.message
