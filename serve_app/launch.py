@@ -18,10 +18,21 @@ import yaml
 from serve_app.ray_start import start_with_retry
 
 
+def read_serve_config(path: Path) -> dict:
+    """A Serve config file (YAML with `applications`), or a ValueError saying what is wrong with it."""
+    try:
+        cfg = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ValueError(f"{path}{f':{mark.line + 1}' if mark else ''}: not valid YAML: "
+                         f"{getattr(e, 'problem', None) or e}") from None
+    if not isinstance(cfg, dict) or not cfg.get("applications"):
+        raise ValueError(f"{path}: no applications to run (a Serve config: applications: [{{args: ...}}])")
+    return cfg
+
+
 def load_config(path: Path, http_port: int | None = None) -> dict:
-    cfg = yaml.safe_load(Path(path).read_text()) or {}
-    if not cfg.get("applications"):
-        raise SystemExit(f"{path}: no applications to run")
+    cfg = read_serve_config(path)
     cfg["http_options"] = {"host": "127.0.0.1", "port": 8000, **(cfg.get("http_options") or {})}
     cfg.setdefault("proxy_location", "HeadOnly")
     if http_port is not None:

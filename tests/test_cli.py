@@ -1,3 +1,15 @@
+"""The `cosine` command line: what its commands print, and every refusal one line on stderr with a non-zero exit
+status, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import yaml
+
 from serve_app.cli import main
 
 
@@ -17,8 +29,6 @@ def test_speculative_generate_reports_acceptance(capsys):
 def test_profile_prints_the_controllers_seeds(tmp_path, capsys):
     """`cosine profile` fits the configured verifier engine (here the torch one) and a drafter step, and prints
     them as config the controller accepts."""
-    import yaml
-
     from config import AppConfig
 
     cfg = {"applications": [{"name": "cosine", "import_path": "serve_app.graph:build_app", "args": {
@@ -31,3 +41,55 @@ def test_profile_prints_the_controllers_seeds(tmp_path, capsys):
     seeds = printed["speculation"]["controller"]
     assert seeds["verify_seed_ms"][0] > 0 and seeds["draft_seed_ms"][0] > 0
     AppConfig.model_validate({**cfg["applications"][0]["args"], **printed})
+
+
+def _cosine(*argv: str, cwd=None) -> subprocess.CompletedProcess:
+    """The real command line, as a user runs it (transformers' progress bars off: they are not ours)."""
+    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    return subprocess.run([sys.executable, "-m", "serve_app.cli", *argv], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
+
+
+def _refused(run: subprocess.CompletedProcess, needle: str) -> None:
+    """A refusal: exit status 2, and stderr one line `cosine...: error: ...` saying what, no traceback."""
+    assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cosine") and ": error: " in lines[0], run.stderr
+    assert needle in lines[0], lines[0]
+
+
+def test_a_target_the_torch_verifier_cannot_run_is_refused_in_one_line(tmp_path):
+    """`cosine generate --drafter` with a Gemma2 target (random weights, the shipped tokenizer): the torch verifier
+    refuses it (ValueError), and the command says so in one line instead of a traceback."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from model_family.paths import model_path
+
+    target = tmp_path / "gemma2"
+    config = Gemma2Config(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          pad_token_id=0, bos_token_id=0, eos_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(model_path("target") / f, target / f)
+    _refused(_cosine("generate", "--model", str(target), "--drafter", "code", "--prompt", "hi", "--max-tokens", "4"),
+             "'gemma2'")
+
+
+def test_bad_configs_and_command_lines_are_refused_in_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"applications": [{"name": "cosine", "args": {"speculation": {"k": -1}}}]}))
+    _refused(_cosine("profile", str(bad)), "speculation.k: Input should be greater than or equal to 0")
+    _refused(_cosine("config", "validate", str(tmp_path / "missing.yaml")), "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- just a list\n")
+    _refused(_cosine("serve", str(tmp_path / "list.yaml")), "no applications")
+    _refused(_cosine("models", "acceptance-matrix", "--target", "target"), "go together")
+    _refused(_cosine("bench", "engine", "--k", "four"), "invalid int value")
+
+
+def test_refusals_through_main(capsys, tmp_path):
+    """main(argv) returns the exit status of a refusal, its one line on stderr."""
+    assert main(["config", "validate", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cosine: error: ") and "missing.yaml" in err
