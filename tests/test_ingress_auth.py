@@ -1,27 +1,19 @@
-"""The API key: every path but /health and /metrics needs `Authorization: Bearer <key>`, answered in OpenAI's
-error shape (the middleware runs before routing, so this needs no Serve deployment: the app around a server whose
-verifier is never reached)."""
+"""The OpenAI server's HTTP app without Serve: the API key (every path but /health and /metrics needs
+`Authorization: Bearer <key>`), and OpenAI's error shape for what is refused before any generation. Served for
+real: tests/test_serve_api_key.py."""
 
 from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
 
-from config import AppConfig
-from serve_app.app import openai_app
-from serve_app.server import OpenAIServer
-
-
-class NoVerifier:
-    """A Serve handle's place for a server whose requests never reach the verifier."""
-
-    def options(self, **_):
-        return self
+from serve_app.app import IGNORED_HEADER, openai_app
+from tests.helpers.openai_server import openai_server
 
 
 @pytest.fixture(scope="module")
 def server():
-    return OpenAIServer(AppConfig(verifier={"model": "target", "max_len": 64}, speculation={"mode": "off"}), NoVerifier())
+    return openai_server(model_name="cosine-target", max_body_bytes=4096)
 
 
 @pytest.fixture
@@ -48,3 +40,28 @@ def test_with_the_key_or_on_open_paths_requests_pass_the_middleware(client):
 
 def test_no_key_no_authentication(server):
     assert TestClient(openai_app(server)).get("/openapi.json").status_code == 200
+
+
+def test_requests_refused_before_generation_in_openais_error_shape(server):
+    client = TestClient(openai_app(server), raise_server_exceptions=False)
+
+    def error(path: str, status: int, **kw) -> dict:
+        r = client.post(path, **kw)
+        assert r.status_code == status, r.text
+        return r.json()["error"]
+
+    assert error("/v1/completions", 400, content=b"{not json")["message"] == "request body is not valid JSON"
+    assert error("/v1/completions", 413, json={"prompt": "x" * 5000})["code"] == "request_too_large"
+    assert error("/v1/completions", 404, json={"model": "other", "prompt": "hi"})["code"] == "model_not_found"
+    assert error("/v1/chat/completions", 400, json={"model": "cosine-target", "messages": [
+        {"role": "user", "content": "hi"}], "max_tokens": 100})["code"] == "context_length_exceeded"
+    assert error("/v1/nope", 404)["code"] == "not_found"
+
+
+def test_tokenize_and_detokenize_round_trip_and_name_ignored_fields(server):
+    client = TestClient(openai_app(server))
+    r = client.post("/tokenize", json={"prompt": "def parse(path):", "return_token_strs": True, "verbosity": 1})
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) == len(body["token_strs"]) > 0 and body["max_model_len"] == 64
+    assert r.headers[IGNORED_HEADER] == "verbosity"
+    assert client.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "def parse(path):"}

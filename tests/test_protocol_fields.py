@@ -11,15 +11,14 @@ import math
 
 import pytest
 
-from config import AppConfig
 from engines.sampling import SamplingParams
 from engines.stopping import StopChecker
 from serve_app import protocol as P
 from serve_app import responses as R
 from serve_app.choices import ChatReply, CompletionChoice, Prompt
 from serve_app.detokenize import Detokenizer, TokenNames
-from serve_app.server import OpenAIServer
 from speculation.messages import SpeculationOverrides, TokenChunk
+from tests.helpers.openai_server import openai_server
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -122,21 +121,8 @@ def test_a_completions_prompt_is_one_or_a_batch_of_texts_or_token_ids():
         _completion(prompt=[]).prompts()
 
 
-class _NoVerifier:
-    """A Serve handle's place for an ingress that only prepares requests."""
-
-    def options(self, **_):
-        return self
-
-
-def _ingress(engine: str, **ingress_fields):
-    cfg = AppConfig(verifier={"engine": engine, "model": "target", "max_len": 64}, speculation={"mode": "off"},
-                    ingress={"max_queued_requests": 4, **ingress_fields})
-    return OpenAIServer(cfg, _NoVerifier())
-
-
 def test_the_ingress_turns_the_fields_into_sampling_params():
-    ingress = _ingress("vllm")
+    ingress = openai_server("vllm")
     req = _chat(model="cosine-target", max_tokens=8, presence_penalty=0.5, frequency_penalty=-0.5,
                 repetition_penalty=1.2, min_tokens=3, stop_token_ids=[7], ignore_eos=True, logprobs=True,
                 top_logprobs=2, seed=5)
@@ -156,7 +142,7 @@ def test_the_ingress_turns_the_fields_into_sampling_params():
     ({"n": 2, "temperature": 0}, "n", "temperature > 0"), ({"n": 5}, "n", "queues")])
 def test_the_ingress_refuses_what_cannot_be_served(fields, param, needle):
     with pytest.raises(P.APIError) as e:
-        _ingress("vllm").preparer.prepare(_chat(model="cosine-target", **fields), [1, 2, 3])
+        openai_server("vllm").preparer.prepare(_chat(model="cosine-target", **fields), [1, 2, 3])
     assert (e.value.status, e.value.param) == (400, param) and needle in e.value.message
 
 
@@ -168,9 +154,9 @@ def test_the_ingress_refuses_what_cannot_be_served(fields, param, needle):
                                                                               "logprobs": None}, "prompt_logprobs")])
 def test_behind_the_torch_verifier_what_only_vllm_applies_is_refused(parse, fields, param):
     with pytest.raises(P.APIError) as e:
-        _ingress("torch").preparer.prepare(parse(model="cosine-target", **fields), [1, 2, 3])
+        openai_server("torch").preparer.prepare(parse(model="cosine-target", **fields), [1, 2, 3])
     assert e.value.param == param and "verifier.engine: torch" in e.value.message
-    _ingress("torch").preparer.prepare(_chat(model="cosine-target", stop_token_ids=[5], ignore_eos=True), [1, 2, 3])
+    openai_server("torch").preparer.prepare(_chat(model="cosine-target", stop_token_ids=[5], ignore_eos=True), [1, 2, 3])
 
 
 def test_the_torch_verifier_refuses_them_itself(target, tokenizer):
@@ -271,7 +257,7 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone_and_token_ids_where_asked():
 
 
 def test_prompts_truncated_as_vllm_truncates_them():
-    ingress = _ingress("vllm")
+    ingress = openai_server("vllm")
     ids = list(range(10, 20))
     assert ingress.preparer.truncated(_completion(), ids) == ids
     assert ingress.preparer.truncated(_completion(truncate_prompt_tokens=3), ids) == [17, 18, 19]
@@ -292,11 +278,11 @@ def test_the_detokenizer_keeps_the_stop_string_and_special_tokens_where_asked(to
 
 
 def test_the_ingress_passes_allowed_token_ids_bad_words_and_prompt_logprobs():
-    p = _ingress("vllm").preparer.prepare(_completion(model="cosine-target", allowed_token_ids=[5, 6], bad_words=["x y"],
+    p = openai_server("vllm").preparer.prepare(_completion(model="cosine-target", allowed_token_ids=[5, 6], bad_words=["x y"],
                                               echo=True, logprobs=2), [1, 2, 3])
     assert (p.allowed_token_ids, p.bad_words, p.prompt_logprobs, p.logprobs) == ([5, 6], ["x y"], 2, 2)
     assert p.sampler_only() == ["logprobs", "prompt_logprobs", "allowed_token_ids", "bad_words"]
-    p = _ingress("vllm").preparer.prepare(_completion(model="cosine-target", echo=True, max_tokens=0), [1, 2, 3])
+    p = openai_server("vllm").preparer.prepare(_completion(model="cosine-target", echo=True, max_tokens=0), [1, 2, 3])
     assert p.max_tokens == 1  # vLLM generates one token and shows the prompt alone
 
 
@@ -330,7 +316,7 @@ def test_tool_messages_reach_the_chat_template():
 def vllm_ingress():
     # granite's reasoning markers are text: the shipped tokenizer has no <think> tokens, which qwen3's and
     # deepseek_r1's parsers look for (qwen3's takes a reply without them as reasoning, as Qwen3 thinks by default)
-    return _ingress("vllm", tool_call_parser="hermes", reasoning_parser="granite")
+    return openai_server("vllm", tool_call_parser="hermes", reasoning_parser="granite")
 
 
 def _constraint(ingress, parse=_chat, **fields):
@@ -372,20 +358,20 @@ def test_constraints_vllm_refuses_are_400(vllm_ingress, fields, param):
 
 def test_auto_tool_choice_needs_a_parser():
     with pytest.raises(P.APIError) as e:
-        _constraint(_ingress("vllm"), tools=[TOOL], tool_choice="auto")
+        _constraint(openai_server("vllm"), tools=[TOOL], tool_choice="auto")
     assert e.value.param == "tool_choice" and "ingress.tool_call_parser" in e.value.message
 
 
 def test_behind_the_torch_verifier_structured_output_is_refused():
     with pytest.raises(P.APIError) as e:
-        _constraint(_ingress("torch"), response_format={"type": "json_object"})
+        _constraint(openai_server("torch"), response_format={"type": "json_object"})
     assert e.value.param == "response_format" and "verifier.engine: torch" in e.value.message
 
 
 @pytest.mark.parametrize("field", ["tool_call_parser", "reasoning_parser"])
 def test_unknown_parsers_are_refused_at_startup(field):
     with pytest.raises(ValueError, match=f"ingress.{field}"):
-        _ingress("vllm", **{field: "no-such-parser"})
+        openai_server("vllm", **{field: "no-such-parser"})
 
 
 def _stream(reply, tokenizer, text: str) -> list[dict]:
@@ -477,7 +463,7 @@ def test_reasoning_split_whole_and_streamed(vllm_ingress, tokenizer):
 def test_chat_template_kwargs_reach_the_template_and_may_not_set_the_requests_own_fields():
     """vLLM's chat_template_kwargs: variables of the model's chat template (a thinking switch, say); the ones the
     request's own fields set are refused, and a template that raises on a value is the client's 400."""
-    ingress = _ingress("vllm")
+    ingress = openai_server("vllm")
     ingress.tokenizer.chat_template = ("{% if enable_thinking %}<think>{% endif %}{% for m in messages %}"
                                        "{{ m['content'] }}{% endfor %}{% if strict %}{{ raise_exception('no') }}"
                                        "{% endif %}")

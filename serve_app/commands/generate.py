@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+from model_family import DOMAINS
 from model_family.sources import resolve_model, shipped
 
 
@@ -69,11 +71,8 @@ def _plain(prompts: list[list[int]], args, path: str, pad_token_id):
 
 def _speculative(prompts: list[list[int]], args, domains: list[str]):
     """Each prompt alone through the service's draft/verify loop, in this process."""
-    import asyncio
-
     from config import AppConfig
     from engines.sampling import SamplingParams
-    from model_family import DOMAINS
     from speculation.inprocess import build_loop, generate_all
     from speculation.messages import SpeculationOverrides
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from model_family.paths import REPO_ROOT
 from model_family.sources import resolve_model
+from serve_app.package import build_package
 
 LOCAL_CONFIG = str(REPO_ROOT / "examples" / "local.yaml")
 
@@ -72,8 +73,6 @@ def profile(args) -> int:
 
 
 def package(args) -> int:
-    from serve_app.package import build_package
-
     out = build_package(Path(args.out)).resolve()
     print(f"{out} ({out.stat().st_size // 1024} KiB). Copy it to the same path on every node, or upload it, and set "
           f"in the Serve config:\n  runtime_env: {{working_dir: \"file://{out}\"}}  (or https://... / s3://...)")
