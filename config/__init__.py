@@ -285,6 +285,33 @@ class RetirementSpec(_Strict):
         return self
 
 
+class GuardSpec(_Strict):
+    """The guard that keeps speculation from running slower than plain decoding (speculation/guard.py): it compares
+    the tokens per second speculation really gave over a window of steps (drafting waits included) with plain
+    steps measured at the same batch sizes, and switches speculation off (k = 0) where it lost, trying it again
+    after a while. Model-free: it catches what the draft-length controller's models get wrong. With adaptive
+    speculation only (`adaptive: false` drafts k every round)."""
+
+    enabled: bool = Field(True, description="false: speculation is never switched off by measurement")
+    window: int = Field(16, ge=2, description="speculating verify steps per verdict")
+    margin: float = Field(0.03, ge=0, lt=1, description="speculation is switched off when its realised tokens per "
+                          "second fall more than this share below plain decoding's")
+    probe_steps: int = Field(2, ge=1, description="plain steps taken to measure plain decoding where no plain "
+                             "step was measured at a batch size near the window's")
+    off_steps: int = Field(32, ge=1, description="plain steps after a lost window before speculation is tried "
+                           "again; doubled after each further loss in a row")
+    off_steps_max: int = Field(512, ge=1, description="the longest such wait")
+    refresh_steps: int = Field(256, ge=1, description="a plain measurement older than this many steps is taken "
+                               "again")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> GuardSpec:
+        if self.off_steps_max < self.off_steps:
+            raise ValueError(f"speculation.guard.off_steps_max ({self.off_steps_max}) is below off_steps "
+                             f"({self.off_steps})")
+        return self
+
+
 class SpeculationSpec(_Strict):
     mode: Literal["cosine", "chain", "vote", "single", "off"] = Field(
         "cosine", description="cosine: routed drafters, fused; chain: one fixed drafter's chain; vote: Minions' "
@@ -310,7 +337,15 @@ class SpeculationSpec(_Strict):
                                     "routing.drafters_per_request")
     fixed_drafters: list[str] | None = Field(None, description="bypass routing: always use these drafters")
     drafter: str | None = Field(None, description="mode single: the drafter (default: the first configured)")
-    draft_timeout_ms: float = Field(100.0, gt=0, description="decode without drafts when they are later")
+    draft_timeout_ms: float = Field(100.0, gt=0, description="the longest the verifier waits for a round's drafts "
+                                    "(decoding without them when they are later); the bound until a verify step is "
+                                    "measured, and for rounds that score a new request's prompt")
+    draft_timeout_share: float | None = Field(2.0, gt=0, description="once verify steps are measured, wait for a "
+                                              "round's drafts at most this many times the recent verify step "
+                                              "(median of the last 32), within draft_timeout_ms: drafting that "
+                                              "takes longer than verifying cannot pay; null: draft_timeout_ms "
+                                              "only. A configuration that sets draft_timeout_ms and not this gets "
+                                              "null (its bound, as written)")
     drafter_timeout_ms: float = Field(5000.0, gt=0, description="a drafter call later than this drops that drafter "
                                       "from the round (the others' drafts still count)")
     drafter_backoff_s: tuple[float, float] = Field(
@@ -318,6 +353,8 @@ class SpeculationSpec(_Strict):
         "drafter_timeout_ms, or past the round's end at 0.8 x draft_timeout_ms) is not called for `first` seconds, "
         "doubled at each further failure in a row up to `longest`; one answer in time clears it")
     controller: ControllerSpec = Field(default_factory=ControllerSpec, description="the draft-length controller")
+    guard: GuardSpec = Field(default_factory=GuardSpec, description="switching speculation off where it measured "
+                             "slower than plain decoding")
     retirement: RetirementSpec = Field(default_factory=RetirementSpec, description="retiring the domain drafters "
                                        "while rounds draft on the generalist (for the drafter autoscaler)")
     vote: VoteSpec = Field(default_factory=VoteSpec, description="mode vote: the voters and their weights")
@@ -344,6 +381,12 @@ class SpeculationSpec(_Strict):
     # the speculation cluster's central node keeps per-request state (routing scores, last round, which drafters
     # hold a cache), so it runs as one replica; place it next to the verifier
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
+
+    @model_validator(mode="after")
+    def _fixed_timeout_as_written(self):
+        if "draft_timeout_ms" in self.model_fields_set and "draft_timeout_share" not in self.model_fields_set:
+            self.draft_timeout_share = None
+        return self
 
     @model_validator(mode="after")
     def _one_central_node(self):

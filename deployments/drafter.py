@@ -9,6 +9,7 @@ from ray import serve
 from ray.serve import metrics
 
 from config import DrafterSpec
+from engines.device_work import warmed_up
 from speculation.inprocess import DrafterServer
 from speculation.messages import DrafterCall, DrafterReply
 from speculation.signals import IntervalMeter, drafter_signals
@@ -20,6 +21,8 @@ class DrafterDeployment:
         """`vocab_limit`: the token ids the target has (`engines.build.check_models`, run by the graph builder)."""
         self.server = DrafterServer.from_spec(spec, actor_cpus=spec.deployment.ray_actor_options.get("num_cpus"),
                                               vocab_limit=vocab_limit)
+        self.server.capture()
+        warmed_up()
         self.generalist = spec.generalist
         self.lock = asyncio.Lock()  # the engine is not re-entrant; concurrent callers queue up
         self.replica = serve.get_replica_context().replica_id.unique_id

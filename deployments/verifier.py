@@ -16,6 +16,7 @@ from ray.serve import metrics
 from config import AppConfig
 from deployments.coordinator import DrafterFailures
 from engines.build import build_verifier_engine, cpu_threads
+from engines.device_work import WORK, DeviceWork, warmed_up
 from engines.sampling import SamplingParams
 from speculation.inprocess import InProcessDraftingTier
 from speculation.loop import LoopStats, VerifyLoop
@@ -71,6 +72,12 @@ class PrometheusStats(LoopStats):
         self.goodput = metrics.Gauge("cosine_goodput", "tokens per second to clients: measured (over the last "
                                      "steps) and predicted (what the goodput controller expects of its choice)",
                                      tag_keys=("source",))
+        self.device_work = metrics.Counter("cosine_device_work", "work this replica's process gave its devices "
+                                           "(engines/device_work.py): what=drafter_forwards, draft_depths (summed "
+                                           "over drafting rounds), draft_host_reads, verify_host_reads (device "
+                                           "results read on the host: syncs on a GPU)", tag_keys=("what",))
+        self.captures = metrics.Gauge("cosine_graph_captures_after_warmup", "CUDA graph captures after startup "
+                                      "in this replica's process (0 when every step shape was captured at start)")
         self.step_ends: deque = deque(maxlen=32)  # (end time, tokens committed) of recent steps
         self.meter = IntervalMeter()  # for the autoscaler (record_autoscaling_stats)
 
@@ -107,6 +114,19 @@ class PrometheusStats(LoopStats):
             span = self.step_ends[-1][0] - self.step_ends[0][0]
             self.goodput.set(sum(n for _, n in list(self.step_ends)[1:]) / max(span, 1e-9),
                              tags={"source": "measured"})
+
+    def device_round(self, depth: int, work: DeviceWork) -> None:
+        super().device_round(depth, work)
+        for what, n in (("draft_depths", depth), ("drafter_forwards", work.drafter_forwards),
+                        ("draft_host_reads", work.host_reads)):
+            if n:
+                self.device_work.inc(n, tags={"what": what})
+
+    def device_step(self, work: DeviceWork) -> None:
+        super().device_step(work)
+        if work.host_reads:
+            self.device_work.inc(work.host_reads, tags={"what": "verify_host_reads"})
+        self.captures.set(WORK.captures_after_warmup)
 
     def drafter_round(self, name: str, drafted: int, accepted: int) -> None:
         super().drafter_round(name, drafted, accepted)
@@ -147,6 +167,7 @@ class VerifierDeployment:
         if self.tiers is not None:  # follows the tier in use
             self.tiers.attach(self.loop)
         self.placement_checked = not plan.remote
+        warmed_up()  # engines and drafters captured their graphs above: a capture from now on is counted
         self.retired = metrics.Gauge("cosine_domain_drafters_retired", "1 while the verifier drafts every round on "
                                      "the generalist so that the autoscaler may take the domain drafters' replicas")
 

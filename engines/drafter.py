@@ -15,19 +15,36 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engines.device_work import count
 from engines.drafter_runners import make_drafter_runner, refuse_unless_causal_lm
 from engines.interface import CacheFull, Proposal
 from engines.verifier import load_causal_lm
 
 log = logging.getLogger(__name__)
 
-LONG_PENDING = 16  # pending runs longer than this (prompts) are prefilled apart from the one-token steps
+LONG_PENDING = 16  # pending runs longer than this (prompts) are prefilled apart from the short steps
 
 
 # Per-token floor of the context log-likelihood used for routing's cold start: a token no drafter expects (a name,
 # a number) says little about the domain, and unfloored a few of them decided the mean (own domain ranked first
 # for 206 of 240 held-out 64-token prompts with the floor, 186 without).
 LOGLIK_FLOOR = -8.0
+
+
+PREFILL_TOKENS = 4096  # prompts prefilled in one forward while (prompts x the longest) stays within this
+
+
+def _prefill_groups(rids: list[str], length) -> list[list[str]]:
+    """Prompts to prefill, in as few forwards as keep (prompts x longest, padded) within `PREFILL_TOKENS`: a new
+    request's first round prefills its prompt in every drafter that scores it, one forward per drafter, not per
+    drafter and prompt."""
+    groups: list[list[str]] = []
+    for r in sorted(rids, key=length):
+        if groups and (len(groups[-1]) + 1) * length(r) <= PREFILL_TOKENS:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
 
 
 def context_loglik(logits: torch.Tensor, tokens: list[int]) -> float:
@@ -106,11 +123,12 @@ class DrafterEngine:
         out: dict[str, Proposal] = {}
         long = [r for r in rids if len(self.states[r].pending) > LONG_PENDING]
         short = [r for r in rids if len(self.states[r].pending) <= LONG_PENDING]
-        for group in [[r] for r in long] + ([short] if short else []):
+        for group in _prefill_groups(long, lambda r: len(self.states[r].pending)) + ([short] if short else []):
             inputs = [self.states[r].pending for r in group]
             full = want_loglik and any(len(x) > 1 for x in inputs)
             logits = self.runner.forward(group, inputs, hidden_only_last=not full)
             self.forward_passes += 1
+            count(drafter_forwards=1)
             proposals = self._propose(torch.stack([lg[-1] for lg in logits]))
             for r, x, lg, proposal in zip(group, inputs, logits, proposals):
                 self.runner.commit_all(r, x)

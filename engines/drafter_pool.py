@@ -1,23 +1,29 @@
 """Drafters of one shape stepping together: one batched forward per depth for every drafter and request.
 
 Several drafters of the same shape (same config apart from the weights, the fast runner) each cost a forward pass
-per depth when they step alone; on a CPU a small drafter's step is mostly the fixed cost of its ~60 ops, so a
-round that used three drafters cost three steps per depth. `DrafterPool` runs them as one: each layer's weights
-stacked on a leading drafter axis, each drafter's requests padded to the largest drafter's count, the projections
-as batched matmuls over that axis, attention over each request's own KV slots. The ops per depth do not grow with
-the drafters or the requests.
+per depth when they step alone; a small drafter's step is mostly fixed cost (its ~60 ops on a CPU, their kernel
+launches on a GPU), so a round that used three drafters cost three steps per depth. `DrafterPool` runs them as one:
+each layer's weights stacked on a leading drafter axis, each drafter's requests padded to the largest drafter's
+count, the projections as batched matmuls over that axis, attention over each request's own KV slots. The ops per
+depth do not grow with the drafters or the requests, and the proposals (token, probability, top alternatives,
+context log-likelihood) are computed on the device and read on the host once per forward.
 
 The pooled drafters stay `DrafterEngine`s: their requests, pending tokens and caches are theirs, and each can
 still step alone (its own runner, prepacked weights). Their KV caches become views of one stacked cache
-[layers, drafter, slot, kv heads, max_len, head_dim], so that a pooled step reads and writes every drafter's slots
-with one indexing op per layer. A pooled step gives each request what its drafter's own step gives (token,
-probability, top alternatives, context log-likelihood), up to float rounding: tests/test_drafter_pool.py.
+[layers, drafter, slot, kv heads, max_len, head_dim] (one slot more than any runner's: the padding's, `scratch`),
+so that a pooled step reads and writes every drafter's slots with one indexing op per layer. A pooled step gives
+each request what its drafter's own step gives, up to float rounding: tests/test_drafter_pool.py.
 
-A step over a subset of the drafters (those with requests at this depth) uses that subset's weights stacked;
-the last few subsets' stacks are kept (`SUBSETS_KEPT`), since routing keeps using the same drafters. A step with
-one drafter runs as that drafter's own step. Prompts (more than `LONG_PENDING` tokens pending) are prefilled by
-their drafter alone, as `DrafterEngine.step` does. Runners with CUDA graphs are not pooled: on a GPU each
-drafter's step is already one graph replay.
+Two ways to step:
+- eager (the CPU default): the drafters with requests at this depth, at the exact shapes of their inputs; the
+  last few subsets' stacked weights are kept (`SUBSETS_KEPT`), since routing keeps using the same drafters. A step
+  of one drafter runs as that drafter's own step.
+- padded (`padded`, the default on a GPU): every pool drafter at fixed shapes, requests per drafter and new tokens
+  rounded up to buckets, padding rows writing to the scratch slot, attention over the whole cache under a mask: one
+  CUDA graph per (requests, tokens) bucket, all captured by `capture` at startup, so a depth is one replay whatever
+  drafters and requests the round uses. On a CPU the same arithmetic runs directly (how the tests check it).
+Prompts (more than `LONG_PENDING` tokens pending: routing's cold start scores every drafter on each new prompt) are
+prefilled together in one eager forward per step, with their context log-likelihoods.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from engines.drafter import LONG_PENDING, DrafterEngine, context_loglik
+from engines.device_work import count
+from engines.drafter import LOGLIK_FLOOR, LONG_PENDING, DrafterEngine
+from engines.graphs import GRAPH_MAX_NEW, CapturedGraphs, bucket
 from engines.interface import Proposal
 from engines.runner import LlamaRunner
 
@@ -42,9 +50,8 @@ _NOT_SHAPE = {"_name_or_path", "name_or_path", "transformers_version", "architec
 
 def pool_shape(engine) -> tuple | None:
     """What must agree for drafters to step together (None: this engine steps alone): a `DrafterEngine` on the
-    fast runner without CUDA graphs, its config apart from names, its dtype, device, slots, context and what it
-    proposes."""
-    if type(engine) is not DrafterEngine or type(engine.runner) is not LlamaRunner or engine.runner.graphs:
+    fast runner, its config apart from names, its dtype, device, slots, context and what it proposes."""
+    if type(engine) is not DrafterEngine or type(engine.runner) is not LlamaRunner:
         return None
     r = engine.runner
     cfg = {k: v for k, v in engine.model.config.to_dict().items() if k not in _NOT_SHAPE}
@@ -89,15 +96,30 @@ def _mm(x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None]) -> torch.
     return torch.bmm(x, w) if b is None else torch.baddbmm(b, x, w)
 
 
+def _choose(logits: torch.Tensor, vocab_limit: int | None, top: int) -> torch.Tensor:
+    """`DrafterEngine._propose`'s choice over rows of `logits` [..., vocab], on the logits' device, packed for one
+    host read: [..., 2 + 2 top] = token, its probability, the top ids, their probabilities (float64: ids exact)."""
+    logits = logits[..., :vocab_limit]
+    q = torch.softmax(logits.float(), dim=-1)
+    tokens = logits.argmax(-1, keepdim=True)
+    top_p, top_i = q.topk(top, dim=-1)
+    return torch.cat([tokens.double(), q.gather(-1, tokens).double(), top_i.double(), top_p.double()], dim=-1)
+
+
+def _proposal(row: list[float], top: int, loglik: float | None = None) -> Proposal:
+    return Proposal(int(row[0]), row[1], [int(t) for t in row[2:2 + top]], row[2 + top:2 + 2 * top], loglik)
+
+
 class DrafterPool:
     """Same-shape `DrafterEngine`s (`pool_shape` equal; ValueError otherwise) stepping together. Not re-entrant,
-    and the engines must not step alone while a pooled step runs: one thread drives them all."""
+    and the engines must not step alone while a pooled step runs: one thread drives them all. `padded`: chain steps
+    at bucketed fixed shapes over every drafter (None: on a GPU, where they replay CUDA graphs)."""
 
-    def __init__(self, engines: list[DrafterEngine]):
+    def __init__(self, engines: list[DrafterEngine], padded: bool | None = None):
         shapes = {pool_shape(e) for e in engines}
         if len(engines) < 2 or None in shapes or len(shapes) != 1:
             raise ValueError("a drafter pool takes two or more drafters of one shape (pool_shape), each a "
-                             "DrafterEngine on the fast runner without CUDA graphs")
+                             "DrafterEngine on the fast runner")
         self.engines = {e.name: e for e in engines}
         if len(self.engines) != len(engines):
             raise ValueError("the pooled drafters need distinct names")
@@ -108,15 +130,25 @@ class DrafterPool:
             if not (torch.equal(r.w.cos, r0.w.cos) and torch.equal(r.w.sin, r0.w.sin)):
                 raise ValueError("pooled drafters must share their rotary embedding")
         self.n_layers, self.n_heads, self.n_kv, self.head_dim = r0.n_layers, r0.n_heads, r0.n_kv, r0.head_dim
-        self.vocab, self.device, self.w0 = r0.vocab_size, r0.device, r0.w
+        self.vocab, self.device, self.w0, self.max_len = r0.vocab_size, r0.device, r0.w, r0.max_len
         self.eps = engines[0].model.config.rms_norm_eps
-        # one cache for all: each runner's keys/values become its drafter's view of it (contents kept)
-        self.k = torch.stack([r.k for r in runners], dim=1)
-        self.v = torch.stack([r.v for r in runners], dim=1)
+        self.vocab_limit, self.top = engines[0].vocab_limit, engines[0].top_alternatives
+        # one cache for all, one slot more (the padding's): each runner's keys/values become its drafter's view of
+        # it (contents kept)
+        slots = r0.k.shape[1]
+        self.scratch = slots
+        self.k = torch.cat([torch.stack([r.k for r in runners], dim=1), torch.zeros_like(r0.k[:, None, :1]).expand(
+            -1, len(runners), -1, -1, -1, -1)], dim=2).contiguous()
+        self.v = torch.cat([torch.stack([r.v for r in runners], dim=1), torch.zeros_like(r0.v[:, None, :1]).expand(
+            -1, len(runners), -1, -1, -1, -1)], dim=2).contiguous()
         for i, r in enumerate(runners):
-            r.k, r.v = self.k[:, i], self.v[:, i]
+            r.k, r.v = self.k[:, i, :slots], self.v[:, i, :slots]
         self.embed = torch.cat([r.w.embed_tokens.weight.detach() for r in runners])  # [drafters * vocab, hidden]
         self.subsets: OrderedDict[tuple[int, ...], _Stacked] = OrderedDict()
+        self.padded = self.device.type == "cuda" if padded is None else padded
+        self.all = _Stacked([r.w for r in runners]) if self.padded else None
+        self.max_rows = max(r.max_slots for r in runners)
+        self.graphs = CapturedGraphs(self.device) if self.padded else None
         self.forward_passes = 0
         self.forward_seconds = 0.0
 
@@ -133,23 +165,27 @@ class DrafterPool:
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
     def step(self, rids: dict[str, list[str]], want_loglik: Collection[str] = ()) -> dict[str, dict[str, Proposal]]:
-        """`DrafterEngine.step` of every named drafter over its `rids`, in one forward where more than one drafter
-        takes part; `want_loglik`: the drafters whose step wants the context's log-likelihood."""
+        """`DrafterEngine.step` of every named drafter over its `rids`: the prompts among them (long pending runs)
+        in one forward, the rest in another (one drafter alone, eager: its own step)."""
         out: dict[str, dict[str, Proposal]] = {n: {} for n in rids}
+        long: dict[str, list[str]] = {}
         short: dict[str, list[str]] = {}
         for name, group in rids.items():
             engine = self.engines[name]
-            long = [r for r in group if len(engine.states[r].pending) > LONG_PENDING]
-            rest = [r for r in group if len(engine.states[r].pending) <= LONG_PENDING]
-            for r in long:  # prompts: prefilled alone, as the engine does
-                out[name] |= engine.step([r], want_loglik=name in want_loglik)
-            if rest:
-                short[name] = rest
-        if len(short) == 1:
-            (name, group), = short.items()
-            out[name] |= self.engines[name].step(group, want_loglik=name in want_loglik)
-        elif short:
-            self._pooled(short, want_loglik, out)
+            for r in group:
+                (long if len(engine.states[r].pending) > LONG_PENDING else short).setdefault(name, []).append(r)
+        for groups in (long, short):
+            if not groups:
+                continue
+            if groups is short and self.padded and not any(
+                    n in want_loglik and any(len(self.engines[n].states[r].pending) > 1 for r in g)
+                    for n, g in groups.items()):
+                self._padded_step(groups, out)
+            elif len(groups) == 1 and sum(map(len, groups.values())) == 1 or (groups is short and len(groups) == 1):
+                (name, group), = groups.items()
+                out[name] |= self.engines[name].step(group, want_loglik=name in want_loglik)
+            else:
+                self._pooled(groups, want_loglik, out)
         return out
 
     def draft(self, rids: dict[str, list[str]], k: dict[str, dict[str, int]]) -> dict[str, dict[str, list[Proposal]]]:
@@ -173,45 +209,145 @@ class DrafterPool:
                         self.engines[n].feed(r, [p.token])
         return chains
 
+    def _rows(self, groups: dict[str, list[str]], names: list[str], B: int, N: int, pad_slot: int) -> torch.Tensor:
+        """[drafters, B, N + 4] on the host, one row per (drafter, request slot): token ids | pool index | slot |
+        cached length | new tokens; padding rows write to `pad_slot` and feed nothing."""
+        rows = []
+        for n in names:
+            runner = self.engines[n].runner
+            group = groups.get(n, [])
+            for r in group:
+                x, s = self.engines[n].states[r].pending, runner.requests[r]
+                rows.append(x + [0] * (N - len(x)) + [self.index[n], s.slot, s.length, len(x)])
+            rows += [[0] * N + [self.index[n], pad_slot, 0, 0]] * (B - len(group))
+        return torch.tensor(rows).view(len(names), B, N + 4)
+
+    def _commit(self, groups: dict[str, list[str]], names: list[str], B: int, packed: torch.Tensor,
+                out: dict[str, dict[str, Proposal]], logliks: dict | None = None) -> None:
+        """The forward's tokens committed to each request's cache, its proposal from `packed` [drafters, B, ...]
+        (already on the host)."""
+        table = packed.tolist()
+        for i, n in enumerate(names):
+            engine = self.engines[n]
+            if not groups.get(n):
+                continue
+            engine.forward_passes += 1
+            for b, r in enumerate(groups[n]):
+                x = engine.states[r].pending
+                engine.runner.requests[r].pending = len(x)
+                engine.runner.commit_all(r, x)
+                engine.states[r].pending = []
+                out[n][r] = _proposal(table[i][b], self.top, (logliks or {}).get((i, b)))
+
     def _pooled(self, groups: dict[str, list[str]], want_loglik: Collection[str],
                 out: dict[str, dict[str, Proposal]]) -> None:
+        """One eager forward over the drafters in `groups` at their inputs' exact shapes."""
         t_start = time.perf_counter()
         names = sorted(groups, key=self.index.get)
         members = tuple(self.index[n] for n in names)
         P, B = len(names), max(len(groups[n]) for n in names)
-        inputs = {n: [self.engines[n].states[r].pending for r in groups[n]] for n in names}
-        N = max(len(x) for n in names for x in inputs[n])
-        full = [n in want_loglik and any(len(x) > 1 for x in inputs[n]) for n in names]
-        # one row per (drafter, request slot): token ids | pool index | slot | cached length | new tokens
-        rows = []
-        for n in names:
-            runner = self.engines[n].runner
-            for r, x in zip(groups[n], inputs[n]):
-                s = runner.requests[r]
-                rows.append(x + [0] * (N - len(x)) + [self.index[n], s.slot, s.length, len(x)])
-            rows += [[0] * N + [self.index[n], 0, 0, 0]] * (B - len(groups[n]))
-        host = torch.tensor(rows).view(P, B, N + 4)
-        h = self._forward(self._weights(members), host.to(self.device), N, hidden_only_last=not any(full))
-        logits = h.cpu() if self.device.type != "cpu" else h  # [P, B, N or 1, vocab]
+        N = max(len(self.engines[n].states[r].pending) for n in names for r in groups[n])
+        full = [n in want_loglik and any(len(self.engines[n].states[r].pending) > 1 for r in groups[n])
+                for n in names]
+        host = self._rows(groups, names, B, N, 0)
+        w = self._weights(members)
+        h = self._forward(w, host.to(self.device), N)  # [P, B, N, hidden]
+        n_new = host[..., N + 3].to(self.device)
+        last = h[torch.arange(P, device=h.device)[:, None], torch.arange(B, device=h.device), (n_new - 1).clamp(min=0)]
+        packed = _choose(_mm(last, w.head), self.vocab_limit, self.top)  # [P, B, 2 + 2 top]
+        lls = {}
+        for i in (i for i, f in enumerate(full) if f):  # routing's cold start: a drafter at a time, [B, N, vocab]
+            head = (w.head[0][i:i + 1], None if w.head[1] is None else w.head[1][i:i + 1])
+            logits = _mm(h[i].reshape(1, B * N, -1), head).view(B, N, -1)
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            ids = host[i, :, 1:N].to(self.device)
+            lp = logp.gather(-1, ids[..., None])[..., 0].clamp(min=LOGLIK_FLOOR)
+            n_fed = host[i, :, N + 3].to(self.device)
+            keep = torch.arange(N - 1, device=self.device) < (n_fed - 1)[:, None]
+            lls[i] = (lp * keep).sum(-1) / (n_fed - 1).clamp(min=1)
+        if lls:
+            packed = torch.cat([packed, torch.stack([lls.get(i, torch.zeros(B, device=self.device))
+                                                     for i in range(P)])[..., None].double()], dim=-1)
+        packed = packed.cpu()
+        count(drafter_forwards=1, host_reads=1)
         self.forward_passes += 1
-        props = self.engines[names[0]]._propose(logits[torch.arange(P)[:, None], torch.arange(B),
-                                                       (host[..., N + 3] - 1).clamp(min=0) if any(full) else 0]
-                                                .view(P * B, -1))
-        for i, n in enumerate(names):
-            engine = self.engines[n]
-            engine.forward_passes += 1
-            for b, (r, x) in enumerate(zip(groups[n], inputs[n])):
-                engine.runner.requests[r].pending = len(x)
-                engine.runner.commit_all(r, x)
-                engine.states[r].pending = []
-                p = out[n][r] = props[i * B + b]
-                if full[i] and len(x) > 1:
-                    p.context_loglik = context_loglik(logits[i, b, :len(x)], x)
+        logliks = {(i, b): float(packed[i, b, -1]) for i in lls for b, r in enumerate(groups[names[i]])
+                   if len(self.engines[names[i]].states[r].pending) > 1}
+        self._commit(groups, names, B, packed, out, logliks)
         self.forward_seconds += time.perf_counter() - t_start
 
-    def _forward(self, w: _Stacked, host: torch.Tensor, N: int, hidden_only_last: bool) -> torch.Tensor:
-        """The drafters' layers over host [P, B, N + 4] (see `_pooled`): logits [P, B, N or 1, vocab]. As
-        `LlamaRunner._step` for chains, each drafter's rows against its own weights and cache slots."""
+    def _padded_step(self, groups: dict[str, list[str]], out: dict[str, dict[str, Proposal]]) -> None:
+        """One forward over every pool drafter at bucketed shapes (a CUDA graph replay on a GPU)."""
+        t_start = time.perf_counter()
+        names = list(self.engines)
+        B = bucket(max(len(g) for g in groups.values()), self.max_rows)
+        N = bucket(max(len(self.engines[n].states[r].pending) for n, g in groups.items() for r in g), GRAPH_MAX_NEW)
+        host = self._rows(groups, names, B, N, self.scratch)
+        packed = self.graphs.run((B, N), host, self._padded_forward).cpu()
+        count(drafter_forwards=1, host_reads=1)
+        self.forward_passes += 1
+        self._commit(groups, names, B, packed, out)
+        self.forward_seconds += time.perf_counter() - t_start
+
+    def capture(self) -> int:
+        """Capture the padded step's CUDA graph of every (requests, tokens) bucket a round can meet (none on a CPU):
+        steps after it never capture. Returns the graphs captured."""
+        if not (self.padded and self.graphs.cuda):
+            return 0
+        before = len(self.graphs.graphs)
+        b = 1
+        while True:
+            n = 1
+            while True:
+                host = torch.zeros(len(self.engines), b, n + 4, dtype=torch.long)
+                host[..., n] = torch.arange(len(self.engines))[:, None]
+                host[..., n + 1] = self.scratch
+                self.graphs.capture((b, n), host, self._padded_forward)
+                if n >= GRAPH_MAX_NEW:
+                    break
+                n = bucket(n + 1, GRAPH_MAX_NEW)
+            if b >= self.max_rows:
+                break
+            b = bucket(b + 1, self.max_rows)
+        return len(self.graphs.graphs) - before
+
+    def _padded_forward(self, host: torch.Tensor) -> torch.Tensor:
+        """The padded step over host [P, B, N + 4] (every pool drafter; see `_rows`) on the device, at fixed shapes:
+        attention over the whole cache under a mask, the padding's keys/values to the scratch slot. The proposals
+        packed ([P, B, 2 + 2 top], `_choose`)."""
+        P, B, width = host.shape
+        N = width - 4
+        ids, pidx, slot, lens, n_new = host[..., :N], host[..., N], host[..., N + 1], host[..., N + 2], host[..., N + 3]
+        steps = torch.arange(N, device=host.device)
+        pos = lens[..., None] + steps  # [P, B, N]
+        valid = steps < n_new[..., None]
+        write_slot = torch.where(valid, slot[..., None], self.scratch)
+        write_pos = torch.where(valid, pos, 0)
+        limit = torch.where(valid, pos + 1, 1).view(P * B, N)
+        mask = (torch.arange(self.max_len, device=host.device) < limit[..., None])[:, None]
+        clamped = pos.clamp(max=self.max_len - 1).view(P * B, N)
+        cos, sin = self.w0.cos[clamped], self.w0.sin[clamped]
+        r_pool, r_slot = pidx.reshape(-1), slot.reshape(-1)
+        pool_idx = pidx[..., None].expand(P, B, N)
+
+        def store(li: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v [P * B, KV, N, D]
+            k = k.view(P, B, self.n_kv, N, self.head_dim).transpose(2, 3)
+            v = v.view(P, B, self.n_kv, N, self.head_dim).transpose(2, 3)
+            self.k[li, pool_idx, write_slot, :, write_pos] = k
+            self.v[li, pool_idx, write_slot, :, write_pos] = v
+
+        def attended(li: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.k[li, r_pool, r_slot], self.v[li, r_pool, r_slot]
+
+        h = self._layers(self.all, ids, pidx, mask, cos, sin, store, attended)
+        h = h.view(P, B, N, -1)[torch.arange(P, device=h.device)[:, None], torch.arange(B, device=h.device),
+                                (n_new - 1).clamp(min=0)]
+        return _choose(_mm(h, self.all.head), self.vocab_limit, self.top)
+
+    def _forward(self, w: _Stacked, host: torch.Tensor, N: int) -> torch.Tensor:
+        """The drafters' layers over host [P, B, N + 4] (see `_rows`) at its exact shapes: hidden states
+        [P, B, N, hidden] after the final norm. As `LlamaRunner._step` for chains, each drafter's rows against its
+        own weights and cache slots."""
         P, B = host.shape[:2]
         ids, pidx, slot, lens, n_new = host[..., :N], host[..., N], host[..., N + 1], host[..., N + 2], host[..., N + 3]
         steps = torch.arange(N, device=host.device)
@@ -226,6 +362,20 @@ class DrafterPool:
         r_pool, r_slot = pidx.reshape(-1), slot.reshape(-1)
         cos, sin = self.w0.cos[pos.view(P * B, N)], self.w0.sin[pos.view(P * B, N)]
 
+        def store(li: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.k[li, w_pool, w_slot, :, w_pos] = k[w_row, :, tv]
+            self.v[li, w_pool, w_slot, :, w_pos] = v[w_row, :, tv]
+
+        def attended(li: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.k[li, r_pool, r_slot, :, :total], self.v[li, r_pool, r_slot, :, :total]
+
+        return self._layers(w, ids, pidx, mask, cos, sin, store, attended).view(P, B, N, -1)
+
+    def _layers(self, w: _Stacked, ids, pidx, mask, cos, sin, store, attended) -> torch.Tensor:
+        """The decoder layers and the final norm, each drafter's rows against its own weights: hidden states
+        [P, B * N, hidden]; `store(layer, k, v)` writes the new keys/values ([P * B, kv heads, N, head_dim]),
+        `attended(layer)` gives the cached ones the queries attend over (under `mask`)."""
+        P, B, N = ids.shape
         h = F.embedding(ids + pidx[..., None] * self.vocab, self.embed).view(P, B * N, -1)
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         sizes = self.w0.qkv_sizes
@@ -241,18 +391,12 @@ class DrafterPool:
             k = k.view(P * B, N, KV, D).transpose(1, 2)
             v = v.reshape(P * B, N, KV, D).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            self.k[li, w_pool, w_slot, :, w_pos] = k[w_row, :, tv]
-            self.v[li, w_pool, w_slot, :, w_pos] = v[w_row, :, tv]
-            keys, values = self.k[li, r_pool, r_slot, :, :total], self.v[li, r_pool, r_slot, :, :total]
+            store(li, k, v)
+            keys, values = attended(li)
             att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.w0.scaling,
                                                  enable_gqa=KV != H)
             h = h + _mm(att.transpose(1, 2).reshape(P, B * N, -1), w.o[li])
             gate, up = _mm(F.rms_norm(h, h.shape[-1:], eps=self.eps) * w.norm_post[li], w.gate_up[li]).split(
                 self.w0.inter, dim=-1)
             h = h + _mm(self.w0.act(gate) * up, w.down[li])
-        h = F.rms_norm(h, h.shape[-1:], eps=self.eps) * w.final_norm
-        h = h.view(P, B, N, -1)
-        if hidden_only_last:
-            h = h[torch.arange(P, device=h.device)[:, None], torch.arange(B, device=h.device),
-                  (n_new - 1).clamp(min=0)][:, :, None]
-        return _mm(h.reshape(P, -1, h.shape[-1]), w.head).view(P, B, h.shape[2], -1)
+        return F.rms_norm(h, h.shape[-1:], eps=self.eps) * w.final_norm

@@ -22,6 +22,8 @@ import threading
 
 import torch
 
+from engines.device_work import count
+
 DEVICE_LOCK = threading.RLock()
 GRAPH_MAX_NEW = 16  # new tokens per request a graphed step takes (draft chains and verify steps, not prefills)
 
@@ -34,12 +36,54 @@ def bucket(n: int, cap: int) -> int:
     return max(n, min(b, cap))
 
 
-class StepGraphs:
-    def __init__(self, runner):
-        self.runner = runner
-        self.cuda = runner.device.type == "cuda"
+class CapturedGraphs:
+    """CUDA graphs of a step function of one int64 host tensor, one per shape key: `run` copies the host tensor into
+    the key's static input and replays (capturing on first use, counted); on a CPU it calls the function directly.
+    The graphs share one memory pool, so each replay's output must be read before the next replay."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+
+    def run(self, key: tuple, host: torch.Tensor, fn) -> torch.Tensor:
+        if not self.cuda:
+            return fn(host.to(self.device))
+        if key not in self.graphs:
+            self.capture(key, host, fn)
+        graph, inputs, out = self.graphs[key]
+        inputs.copy_(host, non_blocking=True)
+        graph.replay()
+        return out
+
+    def capture(self, key: tuple, host: torch.Tensor, fn) -> None:
+        """Capture `fn` at `host`'s shape (its values: a step that only writes where padding goes)."""
+        if not self.cuda or key in self.graphs:
+            return
+        buf = host.to(self.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(buf)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread-local: drafters capture on their own threads while others step
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn(buf)
+        self.graphs[key] = (graph, buf, out)
+        count(graph_captures=1)
+
+
+class StepGraphs:
+    """A runner's chain steps at bucketed shapes (`LlamaRunner.padded_step`), one graph per (batch bucket, token
+    bucket, last position only, contiguous slots)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.graphs = CapturedGraphs(runner.device)
+        self.cuda = self.graphs.cuda
 
     def step(self, slot_idx: list[int], lens: list[int], inputs: list[list[int]],
              hidden_only_last: bool) -> torch.Tensor:
@@ -52,33 +96,32 @@ class StepGraphs:
         rows = [x + [0] * (Nb - len(x)) + [s, n, len(x)] for x, s, n in zip(inputs, slot_idx, lens)]
         rows += [[0] * Nb + [r.scratch, 0, 0]] * (Bb - B)
         host = torch.tensor(rows)  # [Bb, Nb + 3]: token ids | slot | cached length | new tokens
-        key = (Bb, Nb, hidden_only_last, contiguous)
+        return self.graphs.run((Bb, Nb, hidden_only_last, contiguous), host,
+                               self._fn(Nb, hidden_only_last, contiguous))
+
+    def capture(self, hidden_only_last: bool) -> int:
+        """Capture every (batch, tokens, contiguous) bucket a step can meet (none on a CPU): later steps never
+        capture. Returns the graphs captured."""
         if not self.cuda:
-            return r.padded_step(*self._args(host, Nb), hidden_only_last, contiguous)
-        if key not in self.graphs:
-            self._capture(key)
-        graph, inputs_buf, out = self.graphs[key]
-        inputs_buf.copy_(host, non_blocking=True)
-        graph.replay()
-        return out
+            return 0
+        r, before = self.runner, len(self.graphs.graphs)
+        b = 1
+        while True:
+            n = 1
+            while True:
+                host = torch.zeros(b, n + 3, dtype=torch.long)
+                host[:, n] = r.scratch  # every row padding, writing to the scratch slot only
+                for contiguous in (True, False):
+                    self.graphs.capture((b, n, hidden_only_last, contiguous), host,
+                                        self._fn(n, hidden_only_last, contiguous))
+                if n >= GRAPH_MAX_NEW:
+                    break
+                n = bucket(n + 1, GRAPH_MAX_NEW)
+            if b >= r.max_slots:
+                break
+            b = bucket(b + 1, r.max_slots)
+        return len(self.graphs.graphs) - before
 
-    @staticmethod
-    def _args(t: torch.Tensor, n: int):
-        return t[:, :n], t[:, n], t[:, n + 1], t[:, n + 2]
-
-    def _capture(self, key: tuple) -> None:
-        Bb, Nb, hidden_only_last, contiguous = key
+    def _fn(self, n: int, hidden_only_last: bool, contiguous: bool):
         r = self.runner
-        buf = torch.zeros(Bb, Nb + 3, dtype=torch.long, device=r.device)
-        buf[:, Nb] = r.scratch  # the warm-up runs: every row padding, writing to the scratch slot only
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                r.padded_step(*self._args(buf, Nb), hidden_only_last, contiguous)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread-local: drafters capture on their own threads while others step
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = r.padded_step(*self._args(buf, Nb), hidden_only_last, contiguous)
-        self.graphs[key] = (graph, buf, out)
+        return lambda t: r.padded_step(t[:, :n], t[:, n], t[:, n + 1], t[:, n + 2], hidden_only_last, contiguous)

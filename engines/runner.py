@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from engines.device_work import count
 from engines.graphs import DEVICE_LOCK, GRAPH_MAX_NEW, StepGraphs
 from engines.interface import CacheFull
 from engines.weights import LlamaWeights
@@ -199,6 +200,7 @@ class LlamaRunner:
                 logits = self._step(slots, inputs, None if chains else parents, hidden_only_last)
             if self.device.type != "cpu":
                 logits = logits.cpu()
+        count(host_reads=1)
         for s, x in zip(slots, inputs):
             s.pending = len(x)
         out = [logits[b, :1 if hidden_only_last else len(x)] for b, x in enumerate(inputs)]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from engines.device_work import count
 from engines.graphs import DEVICE_LOCK
 from engines.interface import CacheFull
 from engines.runner import kv_bytes_per_token, resolve_max_len
@@ -122,6 +123,7 @@ class TransformersRunner:
         if len(reqs) > 1:
             for b, r in enumerate(reqs):
                 r.cache = DynamicCache([(k[b:b + 1], v[b:b + 1]) for k, v, _ in cache])
+        count(host_reads=1)
         return logits.cpu()
 
     def commit(self, rid: str, new_tokens: list[int], keep: list[int]) -> None:

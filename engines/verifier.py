@@ -76,6 +76,9 @@ class TorchVerifierEngine:
                  trees: bool = True, dtype: str = "auto"):
         self.model = load_causal_lm(model, device, dtype)
         self.runner = LlamaRunner(self.model, max_slots=max_batch, max_len=max_len)
+        if self.runner.graphs is not None:  # every verify step's bucket captured now, none while serving
+            with self.runner.lock:
+                self.runner.graphs.capture(hidden_only_last=False)
         self.device = self.runner.device.type
         self.tokenizer = tokenizer
         eos = eos_token_ids if eos_token_ids is not None else self.model.generation_config.eos_token_id

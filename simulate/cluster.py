@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import simpy
@@ -25,7 +25,7 @@ from autoscale.policy import DrafterLoad, ReplicaPlanner, VerifierLoad
 from config import AppConfig, AutoscalerSpec
 from speculation.coordinator import SpeculationCoordinator
 from speculation.messages import SpeculationOverrides
-from speculation.planner import DraftPlanner
+from speculation.planner import DraftPlanner, draft_timeout_s
 from speculation.stepping import StepGrouping, carried
 from speculation.tiers import COLOCATED, REMOTE, TierChooser, resolve
 from simulate.hardware import Hardware
@@ -177,6 +177,7 @@ class Simulation:
         self.finished: list[Finished] = []
         self.wakeup = self.env.event()
         self.last_verify = 0.0  # the last step's
+        self.verify_recent: deque = deque(maxlen=32)  # the recent steps' (for the loop's draft timeout)
         self.steps = self.step_tokens = 0
         self.signals = defaultdict(float)  # the verifier's autoscaling signals since the last period
         self.done = self.env.event()
@@ -326,7 +327,7 @@ class Simulation:
             colocated = tier == COLOCATED
         t0 = self.env.now
         drafting = self.env.process(self._drafting(batch, scored, list(self.replayer.calls), colocated))
-        yield drafting | self.env.timeout(self.cfg.speculation.draft_timeout_ms / 1000)
+        yield drafting | self.env.timeout(draft_timeout_s(self.cfg.speculation, self.verify_recent, scored > 0))
         if tier is not None and not scored:  # as the verifier's auto tier: late rounds count at least that long
             self.tiers.observe(tier, max(d.k for d in batch), len(batch), self.env.now - t0)
         if not drafting.triggered:
@@ -405,20 +406,25 @@ class Simulation:
                 seconds = self.hw.verify(tokens)
                 yield self.env.timeout(seconds + self.hw.loop_overhead_ms / 1000)
             self.last_verify = seconds
+            self.verify_recent.append(seconds)
             self.steps += 1
             self.step_tokens += tokens
             self.planner.observe_step(tokens, seconds, self.env.now - since)
-            last_end = self.env.now
+            wall, last_end = self.env.now - since, self.env.now
+            committed, prefilled = 0, False
             for rid in members:
                 st = self.running[rid]
                 if rid in self.prefill:
                     self.prefill.discard(rid)
                     self.first[rid] = self.env.now
+                    prefilled = True
                 _, accepted, depth = self.replayer.verify(rid, drafts.get(rid))
+                committed += 1 + accepted
                 self.planner.observe_acceptance(rid, depth, accepted, self.participation.get(rid))
                 if st.done:
                     del self.running[rid]
                     self.env.process(self._finish(rid))
+            self.planner.observe_committed(len(members), committed, wall, drafting and bool(drafts), prefilled)
             turn = self.grouping.turn
             nxt = self.grouping.verified(seconds, self.running)
             if nxt:  # this half's next drafts are produced while the other half is verified

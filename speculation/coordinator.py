@@ -220,7 +220,10 @@ class SpeculationCoordinator:
 
     async def draft(self, batch: list[DraftRequest], step_fn: StepFn) -> dict[str, Draft]:
         t0 = time.perf_counter()
-        deadline = t0 + self.round_budget_s if self.round_budget_s is not None else float("inf")
+        waits = [d.wait_s for d in batch if d.wait_s is not None]
+        budgets = ([self.round_budget_s] if self.round_budget_s is not None else []) + [ROUND_SHARE * w for w in waits]
+        budget = min(budgets, default=None)
+        deadline = t0 + budget if budget is not None else float("inf")
         rounds = {req.request_id: self._start(req) for req in batch if req.k > 0}
         if not rounds:
             return {}

@@ -14,6 +14,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from config import AppConfig, DrafterSpec
 from engines.build import build_verifier_engine, check_models, cpu_threads, set_thread_torch_threads
 from engines.cascade import CascadeDrafterEngine
@@ -72,6 +74,19 @@ class DrafterServer:
         return cls(spec.name, model if loaded else str(resolve_model(spec.model)), spec.max_requests, spec.max_len,
                    None if loaded else spec.device, threads, assistant, spec.assistant_k, dtype=spec.dtype,
                    runner=spec.runner, kv_cache_bytes=int(spec.kv_cache_gib * 2**30), vocab_limit=vocab_limit)
+
+    def capture(self) -> int:
+        """On a GPU, the fast runner's CUDA graphs of every step bucket (chain steps, and the short prefills that
+        score a prompt), on the drafter's thread, before serving; the graphs captured."""
+        graphs = getattr(self.engine.runner, "graphs", None)
+        if graphs is None or not graphs.cuda:
+            return 0
+
+        def both() -> int:
+            with self.engine.runner.lock:
+                return graphs.capture(hidden_only_last=True) + graphs.capture(hidden_only_last=False)
+
+        return self.executor.submit(both).result()
 
     def batch_cost(self, batch: int = 8, context: int = 128) -> LinearLatency:
         """This drafter's step time on its hardware, t(requests in the step) = a + b * requests, measured up to
@@ -147,7 +162,7 @@ class InProcessDraftingTier:
     batch, whose chains advance one pooled forward per depth."""
 
     def __init__(self, coordinator: SpeculationCoordinator, servers: dict[str, DrafterServer],
-                 pool_drafters: str = "off"):
+                 pool_drafters: str = "off", pool_padded: bool | None = None):
         self.coordinator = coordinator
         self.servers = servers
         self.locks = {name: asyncio.Lock() for name in servers}
@@ -160,8 +175,11 @@ class InProcessDraftingTier:
                     shapes.setdefault(shape, []).append(name)
             for names in shapes.values():
                 if len(names) > 1:
-                    pooled = _PooledCalls({n: servers[n] for n in names})
+                    pooled = _PooledCalls({n: servers[n] for n in names}, pool_padded)
                     self.pools |= dict.fromkeys(names, pooled)
+        for name, server in servers.items():
+            if name not in self.pools:
+                server.capture()
 
     @classmethod
     def from_config(cls, cfg: AppConfig, models: dict | None = None) -> InProcessDraftingTier:
@@ -199,15 +217,18 @@ class _PooledCalls:
     each drafter's reply as its own step would give it. The pooled servers' executor becomes the pool's thread, so
     their releases stay ordered with the steps."""
 
-    def __init__(self, servers: dict[str, DrafterServer]):
+    def __init__(self, servers: dict[str, DrafterServer], padded: bool | None = None):
         self.servers = servers
-        self.pool = DrafterPool([s.engine for s in servers.values()])
+        self.pool = DrafterPool([s.engine for s in servers.values()], padded)
         threads = max(s.threads for s in servers.values())
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-pool",
-                                           initializer=set_thread_torch_threads, initargs=(threads,))
+        # on a GPU the pool's thread issues its work on a stream of its own: it neither waits for the verifier's
+        # work on the default stream nor breaks a capture there
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-pool", initializer=_drafting_thread,
+                                           initargs=(threads, self.pool.device))
         for s in servers.values():
             s.executor.shutdown(wait=True)
             s.executor = self.executor
+        self.executor.submit(self.pool.capture).result()  # every bucket's CUDA graph, before serving
         self.waiting: list[tuple[str, list[DrafterCall], asyncio.Future]] = []
 
     async def run(self, name: str, calls: list[DrafterCall]) -> DrafterReply:
@@ -256,6 +277,12 @@ class _PooledCalls:
                 chains[n][r].extend(chain)
         ms = (time.perf_counter() - t) * 1000
         return {name: DrafterReply(chains.get(name, {}), ms) for name, _ in batch}
+
+
+def _drafting_thread(threads: int, device: torch.device) -> None:
+    set_thread_torch_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
 @dataclass

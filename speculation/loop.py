@@ -29,10 +29,11 @@ import torch
 
 from config import AppConfig
 from engines.build import set_thread_torch_threads
+from engines.device_work import WORK, DeviceWork
 from engines.interface import VerifierEngine
 from engines.sampling import SamplingParams
 from speculation.messages import Draft, DraftRequest, Participation, SpeculationOverrides, TokenChunk
-from speculation.planner import DraftPlanner
+from speculation.planner import DraftPlanner, draft_timeout_s
 from speculation.stepping import StepGrouping, carried
 from speculation.trace import TraceRecorder
 
@@ -71,7 +72,11 @@ class LoopStats:
         self.recent_accepted: dict[str, deque] = {}  # drafter -> accepted length (bonus included) per draft
         self.totals = {"steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0,  # since start, for benchmarks
                        "drafted_ahead": 0, "ahead_used": 0,
-                       "requests_aborted": 0}  # cancelled (a client hanging up) or failed before finishing
+                       "requests_aborted": 0,  # cancelled (a client hanging up) or failed before finishing
+                       # device work in this process (engines/device_work.py): drafting rounds, their depths,
+                       # the drafter forwards and host reads they cost, and the verify steps' host reads
+                       "draft_rounds": 0, "draft_depths": 0, "drafter_forwards": 0, "draft_host_reads": 0,
+                       "verify_host_reads": 0}
         # since start, vLLM's speculative-decoding counters (the ingress exports them under vLLM's names)
         self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                             "num_accepted_tokens_per_pos": []}
@@ -103,6 +108,25 @@ class LoopStats:
                 acc = sum(1 for a in o.accepted_drafters if a == name)
                 self.drafter_round(name, n, acc)
 
+    def device_round(self, depth: int, work: DeviceWork) -> None:
+        """A drafting round `depth` deep cost `work` on this process's devices."""
+        self.totals["draft_rounds"] += 1
+        self.totals["draft_depths"] += depth
+        self.totals["drafter_forwards"] += work.drafter_forwards
+        self.totals["draft_host_reads"] += work.host_reads
+
+    def device_step(self, work: DeviceWork) -> None:
+        """A verify step cost `work` on this process's devices."""
+        self.totals["verify_host_reads"] += work.host_reads
+
+    def device_summary(self) -> dict:
+        """Per drafting round and depth, what drafting cost the devices; graph captures after warm-up (must be 0)."""
+        t = self.totals
+        return {"drafter_forwards_per_depth": t["drafter_forwards"] / t["draft_depths"] if t["draft_depths"] else None,
+                "host_reads_per_round": t["draft_host_reads"] / t["draft_rounds"] if t["draft_rounds"] else None,
+                "host_reads_per_verify_step": t["verify_host_reads"] / t["steps"] if t["steps"] else None,
+                "graph_captures_after_warmup": WORK.captures_after_warmup}
+
     def ahead_round(self, drafted: int, used: int) -> None:
         """Drafts made ahead during a step, and how many still extended their context after it."""
         self.totals["drafted_ahead"] += drafted
@@ -123,7 +147,7 @@ class LoopStats:
         def mean_ms(q: deque) -> float:
             return 1000 * sum(q) / max(1, len(q))
 
-        return {"verify_steps": len(self.verify_seconds), "draft_fallbacks": self.draft_failures,
+        return {**self.device_summary(), "verify_steps": len(self.verify_seconds), "draft_fallbacks": self.draft_failures,
                 "verify_ms_recent": mean_ms(self.verify_seconds), "draft_round_ms_recent": mean_ms(self.draft_seconds),
                 "draft_wait_ms_recent": mean_ms(self.wait_seconds),
                 "between_steps_ms_recent": mean_ms(self.step_intervals),
@@ -149,6 +173,8 @@ class VerifyLoop:
         self._verify_thread = ThreadPoolExecutor(1, thread_name_prefix="verify", initializer=set_thread_torch_threads,
                                                  initargs=(torch.get_num_threads(),))
         self.requests: dict[str, _Request] = {}
+        self._fresh: set[str] = set()  # requests whose prompt no step has fed yet
+        self._asked: set[str] = set()  # requests a drafting round was asked for since their last step
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.ids = itertools.count()
         self.task: asyncio.Task | None = None
@@ -218,6 +244,7 @@ class VerifyLoop:
                                                 max_draft_tokens=o.max_draft_tokens if o.enabled else 0)
                     else:
                         self.engine.add_request(prompt, params, request_id=rid)
+                    self._fresh.add(rid)
                 except ValueError as e:
                     self.grouping.leave(rid)
                     req = self.requests.pop(rid, None)
@@ -234,6 +261,8 @@ class VerifyLoop:
             return
         for r in rids:
             self.grouping.leave(r)
+            self._fresh.discard(r)
+            self._asked.discard(r)
             if self.controller:
                 self.controller.release(r)
         if self.drafting is not None:
@@ -258,6 +287,7 @@ class VerifyLoop:
         self.stats.planned(self.planner.chosen, getattr(self.controller, "predicted_goodput", None))
         if not batch:
             return {}
+        self._asked.update(d.request_id for d in batch)
         modes, scored = set(), 0
         for d in batch:
             req = self.requests.get(d.request_id)
@@ -265,15 +295,19 @@ class VerifyLoop:
                 modes.add(d.participation if req.drafted else None)
                 scored += 0 if req.drafted else len(d.context)
                 req.participation, req.drafted = d.participation, True
-        t = time.perf_counter()
+        t, work = time.perf_counter(), WORK.snapshot()
         try:
-            drafts = await asyncio.wait_for(self.drafting.draft(batch), self.cfg.speculation.draft_timeout_ms / 1000)
+            timeout = draft_timeout_s(self.cfg.speculation, list(self.stats.verify_seconds)[-32:], scored > 0)
+            for d in batch:  # the coordinator ends its round in time for it
+                d.wait_s = timeout
+            drafts = await asyncio.wait_for(self.drafting.draft(batch), timeout)
         except Exception as e:  # noqa: BLE001 - late or failed drafts: decode without them
             self.stats.draft_round(None)
             logger.warning("drafts unavailable this step (%r); decoding without them", e)
             return {}
         seconds = time.perf_counter() - t
         self.stats.draft_round(seconds)
+        self.stats.device_round(max(d.k for d in batch), WORK.since(work))
         if self.trace:
             self.trace.draft(len(batch), max(d.k for d in batch), scored, seconds)
         self.planner.observe_round(batch, modes, seconds)
@@ -356,6 +390,7 @@ class VerifyLoop:
             if last_end is not None:
                 self.stats.step_intervals.append(t - last_end)
             ahead = self._draft_ahead(drafts)
+            work = WORK.snapshot()
             try:
                 outs = await asyncio.get_running_loop().run_in_executor(self._verify_thread, self.engine.step,
                                                                         drafts, set(members))
@@ -369,8 +404,15 @@ class VerifyLoop:
                 self._release(members)
                 continue
             last_end = time.perf_counter()
+            self.stats.device_step(WORK.since(work))
             seconds, turn = last_end - t, self.grouping.turn
             self.stats.verify_step(seconds, drafts, outs, len(self.requests))
+            asked = bool(drafts) or any(r in self._asked for r in members)
+            prefill = any(o.request_id in self._fresh for o in outs)
+            self._asked.difference_update(members)
+            self._fresh.difference_update(o.request_id for o in outs)
+            self.planner.observe_committed(len(outs), sum(len(o.new_token_ids) for o in outs), last_end - since,
+                                           asked, prefill)
             if self.trace:
                 self.trace.step(last_end, len(members), self.engine.last_step_tokens, seconds, wait, len(drafts))
             self._dispatch(outs, last_end - since)

@@ -71,6 +71,7 @@ class DraftRequest:
     # drafted ahead, while the verifier checks the draft `context` ends with (its full acceptance assumed): the
     # context is not all committed, so routing feedback waits for a round that starts from committed tokens
     ahead: bool = False
+    wait_s: float | None = None  # how long the verifier waits for this round's drafts (None: draft_timeout_ms)
 
 
 @dataclass

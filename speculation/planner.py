@@ -3,11 +3,14 @@ hill climber's), the request's own bounds and Gamma_max."""
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
+from collections.abc import Sequence
 
-from config import AppConfig
+from config import AppConfig, SpeculationSpec
 from speculation.controller import DraftLengthController
 from speculation.goodput import SpeculationController
+from speculation.guard import SpeculationGuard
 from speculation.hill_climb import HillClimbController
 from speculation.messages import DraftRequest, Participation, SpeculationOverrides
 from speculation.retirement import DomainDrafterRetirement
@@ -24,6 +27,10 @@ class DraftPlanner:
     def __init__(self, cfg: AppConfig):
         self.cfg = cfg
         self.controller = make_controller(cfg)
+        spec = cfg.speculation
+        # adaptive speculation only: `adaptive: false` means always k (the benchmarks' fixed-k methods)
+        guarded = spec.guard.enabled and spec.adaptive and spec.mode != "off"
+        self.guard = SpeculationGuard.from_spec(spec.guard) if guarded else None
         self.retirement = DomainDrafterRetirement.from_config(cfg)
         self.recent_k: deque = deque(maxlen=128)  # the chosen depths of requests that may speculate
         self.chosen: list[int] = []  # the last round's
@@ -34,6 +41,10 @@ class DraftPlanner:
         bounds; `overlap_s` of verification runs beside this drafting), Gamma_max over the batch, and how each
         request drafts (participation). `ahead`: the contexts end with drafts being verified (DraftRequest.ahead)."""
         spec, rids = self.cfg.speculation, list(contexts)
+        if self.guard is not None and not self.guard.allow(len(rids)):
+            self.chosen = [0] * len(rids)  # plain decoding: switched off, or measuring plain steps
+            self.recent_k.extend(self.chosen)
+            return []
         caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
                 for r, o in overrides.items()}
         ks = self.controller.choose(rids, caps, overlap_s=overlap_s, ahead=ahead) if self.controller else caps
@@ -96,6 +107,13 @@ class DraftPlanner:
         if self.controller is not None:
             self.controller.observe_verify(tokens, seconds, wall_s)
 
+    def observe_committed(self, requests: int, committed: int, wall_s: float, speculated: bool,
+                          prefill: bool) -> None:
+        """A verify step of `requests` requests committed `committed` tokens, `wall_s` since the previous step ended;
+        `speculated`: it waited for a drafting round; `prefill`: it fed a prompt (for the guard)."""
+        if self.guard is not None:
+            self.guard.observe(requests, committed, wall_s, speculated, prefill)
+
     def observe_acceptance(self, rid: str, depth: int, accepted: int, participation: Participation | None) -> None:
         """A verified round of `rid` (depth 0: it had no draft), drafted with `participation`."""
         if self.controller is not None:
@@ -104,8 +122,9 @@ class DraftPlanner:
     def state(self, drafting_overlaps_verification: bool) -> dict | None:
         """The controller's state for operators (`speculation_stats`)."""
         c = self.controller
+        guard = {"guard": self.guard.state()} if self.guard is not None else {}
         if c is None:
-            return None
+            return guard or None
         ks = list(self.recent_k)
         common = {"kind": self.cfg.speculation.controller.kind, "mean_k_recent": sum(ks) / max(1, len(ks)),
                   "zero_k_share": ks.count(0) / max(1, len(ks)),
@@ -113,7 +132,7 @@ class DraftPlanner:
                   "participation": str(c.mode) if c.mode else None}
         if self.retirement is not None:
             common |= {"domain_drafters_retired": self.retirement.retired, "routed_share": self.retirement.share()}
-        return common | c.state()
+        return common | guard | c.state()
 
 
 def make_controller(cfg: AppConfig) -> DraftLengthController | None:
@@ -146,3 +165,13 @@ def make_controller(cfg: AppConfig) -> DraftLengthController | None:
         if seed is not None:
             model.a, model.b = seed[0] / 1000, seed[1] / 1000
     return c
+
+
+def draft_timeout_s(spec: SpeculationSpec, recent_verify_s: Sequence[float], scoring: bool) -> float:
+    """How long the loop waits for a round's drafts: `draft_timeout_share` times the median of the recent verify
+    steps, within `draft_timeout_ms` (the bound alone before any step is measured, and for a round that scores a
+    new request's prompt: its prefill is the prompt's cost, and routing needs it once)."""
+    bound = spec.draft_timeout_ms / 1000
+    if scoring or spec.draft_timeout_share is None or not recent_verify_s:
+        return bound
+    return min(bound, spec.draft_timeout_share * statistics.median(recent_verify_s))

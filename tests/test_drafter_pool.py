@@ -47,12 +47,14 @@ def _same(a, b) -> None:
         assert a.context_loglik == pytest.approx(b.context_loglik, abs=1e-4)
 
 
-def test_pooled_steps_equal_each_drafters_own(drafter_models, texts):
+@pytest.mark.parametrize("padded", [False, True])
+def test_pooled_steps_equal_each_drafters_own(drafter_models, texts, padded):
     """Several drafters x requests (1 to 4 per drafter), mixed contexts (prompts prefilled, short pending runs of
     several tokens), chains of several depths, rollbacks to a diverged context, releases (slots moving) and new
-    requests: every proposal equal to the drafter's own, up to float rounding."""
+    requests: every proposal equal to the drafter's own, up to float rounding. `padded`: the chain steps at the
+    bucketed fixed shapes a GPU replays as CUDA graphs, run directly."""
     alone, pooled = _engines(drafter_models), _engines(drafter_models)
-    pool = DrafterPool(list(pooled.values()))
+    pool = DrafterPool(list(pooled.values()), padded=padded)
     rids = {n: [f"{n}-{i}" for i in range(1 + j)] for j, n in enumerate(NAMES)}
     ctx = {r: texts[(j * 3 + i) % len(texts)][:10 + 13 * i] for j, n in enumerate(NAMES)
            for i, r in enumerate(rids[n])}  # 10 tokens (pooled prefill) to 49 (alone)
@@ -160,3 +162,44 @@ def test_loop_with_pooled_drafters_is_lossless(target, drafter_models, tokenizer
         else:
             assert set(tier.pools) == set(names)
             assert sum(p.forward_passes for p in pools.values()) > 10
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_round_costs_one_forward_per_drafter_shape_and_depth(drafter_models, target, texts, padded):
+    """Through the in-process drafting tier: however many same-shape drafters and requests a round uses (4
+    drafters x 6 requests, each request drafting with 3 of them), each depth is one pooled forward and one host
+    read; a drafter of another shape (the target's own model as a drafter) adds its own forward per depth. The
+    first round's first depth prefills every prompt in every drafter in that one forward too."""
+    from engines.device_work import WORK
+    from speculation.inprocess import DrafterServer, InProcessDraftingTier
+    from speculation.coordinator import SpeculationCoordinator
+    from speculation.messages import DraftRequest
+
+    k = 4
+    names = list(NAMES)
+    for other in (False, True):
+        drafters = names + (["big"] if other else [])
+        servers = {n: DrafterServer(n, DrafterEngine(drafter_models[n] if n != "big" else target, name=n,
+                                                     max_requests=8, max_len=256)) for n in drafters}
+        tier = InProcessDraftingTier(SpeculationCoordinator(drafters), servers, "auto", pool_padded=padded)
+        contexts = {f"r{i}": texts[i][:30 + 5 * i] for i in range(6)}
+
+        def round_():
+            batch = [DraftRequest(r, c, k, budget=3 * k, drafters=[names[i % 4], names[(i + 1) % 4]]
+                                  + (["big"] if other else [names[(i + 2) % 4]])) for i, (r, c) in
+                     enumerate(contexts.items())]
+            before = WORK.snapshot()
+            drafts = asyncio.run(tier.draft(batch))
+            return WORK.since(before), drafts
+
+        first, _ = round_()
+        shapes = 2 if other else 1
+        assert first.drafter_forwards == shapes * k  # the prompts prefilled by all drafters together at depth 0
+        for step in range(3):
+            contexts = {r: c + [c[-1], 5 + step] for r, c in contexts.items()}  # two tokens committed since
+            work, drafts = round_()
+            assert len(drafts) == len(contexts)
+            assert work.drafter_forwards == shapes * k
+            assert work.host_reads == shapes * k
+        for s in servers.values():
+            s.executor.shutdown(wait=True)

@@ -1,0 +1,120 @@
+"""Never slower than plain decoding: a model-free guard over the loop's realised goodput.
+
+The goodput controller chooses draft lengths from models (fitted verify and drafting times, acceptance); a model
+can be wrong where the hardware does what it was not fitted on (a GPU round that waits for locks or graph captures,
+drafters far slower than their fit). The guard does not model anything: it compares what speculation really gave,
+tokens committed per second of wall time over a window of `window` speculating steps (drafting waits, verify and
+the loop's own work included), with what plain decoding gives at the same batch sizes, measured on steps without
+drafts. Where speculation was more than `margin` slower, it is switched off (k = 0 for every request) for
+`off_steps` steps, twice as long after each further loss (up to `off_steps_max`), then tried again for one window;
+a window that pays resets the wait.
+
+Plain steps are measured where they happen anyway (speculation off, requests held at k = 0), and otherwise by a
+probe when a window is full: `probe_steps` steps without drafts, where no measured size stands for the window's
+typical batch (a measured size m stands for sizes n with m / 2 <= n <= 2 m) or its measurement is older than
+`refresh_steps` steps; the verdict follows the probe. Until a first window is full, nothing changes: a short run
+never sees the guard. A plain step of n requests is estimated from the nearest measured size m as t(m) for n <= m
+and t(m) n / m above it: both over-estimate plain decoding's time on a GPU (nearly flat in the batch), so the guard
+errs towards leaving speculation on. Steps that prefill a prompt are left out on both sides (their cost is the
+prompt's, not the method's). method's). Probes and the guard's choice never change the output: drafts or not, every token is the target's.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpeculationGuard:
+    window: int = 16
+    margin: float = 0.03
+    probe_steps: int = 2
+    off_steps: int = 32
+    off_steps_max: int = 512
+    refresh_steps: int = 256
+    plain: dict[int, deque] = field(default_factory=dict)  # batch size -> recent plain step wall seconds
+    plain_age: dict[int, int] = field(default_factory=dict)  # steps since each size's last plain measurement
+    spec: list[tuple[int, int, float]] = field(default_factory=list)  # the window: (requests, committed, seconds)
+    off_left: int = 0  # plain steps left before speculation is tried again
+    wait: int = 0  # the next loss's off_steps
+    probing: int = 0  # plain probe steps still to take
+    probed: bool = False  # the full window has had its probe
+    last_ratio: float | None = None  # realised speculative goodput over plain's, in the last window
+    switched_off: int = 0  # windows that lost (times speculation was switched off)
+
+    def __post_init__(self):
+        self.wait = self.off_steps
+
+    @classmethod
+    def from_spec(cls, spec) -> SpeculationGuard:
+        """From `speculation.guard` (config.GuardSpec)."""
+        return cls(window=spec.window, margin=spec.margin, probe_steps=spec.probe_steps, off_steps=spec.off_steps,
+                   off_steps_max=spec.off_steps_max, refresh_steps=spec.refresh_steps)
+
+    @property
+    def speculating(self) -> bool:
+        return self.off_left == 0
+
+    def allow(self, requests: int) -> bool:
+        """May the next step draft? No while switched off or taking plain probe steps."""
+        return self.off_left == 0 and self.probing == 0
+
+    def _measured_near(self, n: int) -> bool:
+        return any(m / 2 <= n <= 2 * m and self.plain_age[m] < self.refresh_steps for m in self.plain)
+
+    def plain_seconds(self, n: int) -> float | None:
+        """A plain step of n requests: measured at n, or estimated from the nearest measured size (see above)."""
+        if not self.plain:
+            return None
+        m = min(self.plain, key=lambda s: (abs(s - n), -s))
+        t = statistics.median(self.plain[m])
+        return t if n <= m else t * n / m
+
+    def observe(self, requests: int, committed: int, seconds: float, speculated: bool, prefill: bool) -> None:
+        """A step of `requests` requests committed `committed` tokens in `seconds` of wall time (since the previous
+        step ended: drafting waits included); `speculated`: some request had a draft; `prefill`: it fed a prompt."""
+        for m in self.plain_age:
+            self.plain_age[m] += 1
+        if not speculated:
+            if self.off_left > 0:
+                self.off_left -= 1
+            if not prefill and requests > 0:
+                self.plain.setdefault(requests, deque(maxlen=8)).append(seconds)
+                self.plain_age[requests] = 0
+                self.probing = max(0, self.probing - 1)
+            return
+        if prefill or requests == 0:
+            return
+        self.spec.append((requests, committed, seconds))
+        if len(self.spec) < self.window:
+            return
+        typical = int(statistics.median(n for n, _, _ in self.spec))
+        if not self._measured_near(typical) and not self.probed:
+            self.probing, self.probed = self.probe_steps, True  # then the verdict, at the next speculating step
+            return
+        self.probed = False
+        self._verdict()
+
+    def _verdict(self) -> None:
+        plain_time = sum(self.plain_seconds(n) or 0.0 for n, _, _ in self.spec)
+        spec_time = sum(s for _, _, s in self.spec)
+        plain_rate = sum(n for n, _, _ in self.spec) / plain_time if plain_time > 0 else 0.0
+        spec_rate = sum(c for _, c, _ in self.spec) / spec_time if spec_time > 0 else 0.0
+        self.spec = []
+        if plain_rate <= 0:
+            return
+        self.last_ratio = spec_rate / plain_rate
+        if self.last_ratio < 1 - self.margin:
+            self.off_left = self.wait
+            self.wait = min(2 * self.wait, self.off_steps_max)
+            self.switched_off += 1
+        else:
+            self.wait = self.off_steps
+
+    def state(self) -> dict:
+        return {"speculating": self.speculating, "off_steps_left": self.off_left,
+                "realised_over_plain": None if self.last_ratio is None else round(self.last_ratio, 3),
+                "switched_off": self.switched_off,
+                "plain_step_ms": {n: round(1000 * statistics.median(q), 2) for n, q in sorted(self.plain.items())}}

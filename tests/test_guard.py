@@ -1,0 +1,148 @@
+"""The guard that keeps speculation from running slower than plain decoding (speculation/guard.py): what it chooses
+from realised goodput, and, through the real loop with drafting made slow on purpose, that it switches speculation
+off without changing the output."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from benchmarks.engine import SlowedDrafting
+from config import AppConfig
+from engines.sampling import SamplingParams
+from engines.verifier import TorchVerifierEngine
+from speculation.guard import SpeculationGuard
+from speculation.inprocess import build_loop, generate_all
+from speculation.planner import DraftPlanner, draft_timeout_s
+
+
+def _plain(g: SpeculationGuard, n: int, seconds: float, steps: int = 1) -> None:
+    for _ in range(steps):
+        g.observe(n, n, seconds, speculated=False, prefill=False)
+
+
+def _spec(g: SpeculationGuard, n: int, committed: int, seconds: float, steps: int = 1) -> None:
+    for _ in range(steps):
+        g.observe(n, committed, seconds, speculated=True, prefill=False)
+
+
+def test_losing_speculation_is_switched_off_after_a_window_and_tried_again_later():
+    g = SpeculationGuard(window=4, margin=0.03, probe_steps=2, off_steps=3, off_steps_max=6)
+    _spec(g, 8, 16, 0.5, steps=4)  # a full window and no plain step measured: a probe first
+    assert not g.allow(8) and g.probing == 2
+    _plain(g, 8, 0.1, steps=2)  # plain: 8 tokens in 0.1 s = 80/s; speculation gave 16 in 0.5 s = 32/s
+    assert g.allow(8)
+    _spec(g, 8, 16, 0.5)  # the verdict
+    assert g.switched_off == 1 and g.last_ratio == pytest.approx(0.4)
+    assert [g.allow(8) for _ in range(3)] == [False] * 3  # asking does not count down, steps do
+    _plain(g, 8, 0.1, steps=3)
+    assert g.allow(8)  # tried again after off_steps plain steps
+    _spec(g, 8, 16, 0.5, steps=4)  # loses again: off twice as long
+    assert g.off_left == 6 and g.wait == 6  # capped at off_steps_max
+    _plain(g, 8, 0.1, steps=6)
+    _spec(g, 8, 80, 0.5, steps=4)  # now it pays (160/s against 80/s): on, and the wait back to off_steps
+    assert g.allow(8) and g.wait == 3 and g.last_ratio == pytest.approx(2.0)
+
+
+def test_paying_speculation_stays_on_and_short_runs_never_see_the_guard():
+    g = SpeculationGuard(window=16)
+    _spec(g, 4, 12, 0.05, steps=15)
+    assert g.allow(4) and g.probing == 0 and not g.plain  # no probe before a window is full
+    _plain(g, 4, 0.04)
+    _spec(g, 4, 12, 0.05)  # 240/s against 100/s
+    assert g.allow(4) and g.switched_off == 0 and g.last_ratio == pytest.approx(2.4)
+
+
+def test_speculation_within_the_margin_stays_on():
+    g = SpeculationGuard(window=2, margin=0.05)
+    _plain(g, 1, 0.1)
+    _spec(g, 1, 1, 0.104, steps=2)  # 0.96x plain: inside the margin
+    assert g.allow(1) and g.switched_off == 0
+
+
+def test_prefill_steps_are_left_out_on_both_sides():
+    g = SpeculationGuard(window=2)
+    g.observe(4, 4, 5.0, speculated=False, prefill=True)  # a prompt's prefill: not a plain step's cost
+    assert not g.plain
+    _plain(g, 4, 0.1)
+    g.observe(4, 4, 5.0, speculated=True, prefill=True)
+    _spec(g, 4, 12, 0.1, steps=2)
+    assert g.allow(4) and g.last_ratio == pytest.approx(3.0)
+
+
+def test_a_plain_step_is_estimated_from_the_nearest_measured_size_generously():
+    g = SpeculationGuard()
+    _plain(g, 4, 0.04)
+    _plain(g, 16, 0.08)
+    assert g.plain_seconds(4) == pytest.approx(0.04)
+    assert g.plain_seconds(3) == pytest.approx(0.04)  # below a measured size: its time (a GPU's step is flat)
+    assert g.plain_seconds(6) == pytest.approx(0.06)  # above: linear in the requests
+    assert g.plain_seconds(12) == pytest.approx(0.08)
+    assert g._measured_near(8) and g._measured_near(32) and not g._measured_near(64)
+
+
+def test_a_stale_plain_measurement_is_taken_again():
+    g = SpeculationGuard(window=2, refresh_steps=10)
+    _plain(g, 2, 0.1)
+    _spec(g, 2, 6, 0.1, steps=12)  # verdicts every 2 steps; after 10 steps the measurement is stale
+    assert g.probing == 2
+
+
+def test_the_draft_timeout_is_a_share_of_the_recent_verify_step():
+    cfg = AppConfig(verifier={"model": "target"}, drafters=[{"name": "a", "model": "a"}],
+                    speculation={"draft_timeout_ms": 100, "draft_timeout_share": 2.0})
+    spec = cfg.speculation
+    assert draft_timeout_s(spec, [], scoring=False) == pytest.approx(0.1)  # nothing measured yet: the bound
+    assert draft_timeout_s(spec, [0.01, 0.02, 0.5], scoring=False) == pytest.approx(0.04)  # 2 x the median
+    assert draft_timeout_s(spec, [0.2], scoring=False) == pytest.approx(0.1)  # never beyond the bound
+    assert draft_timeout_s(spec, [0.01], scoring=True) == pytest.approx(0.1)  # a prompt-scoring round: the bound
+    off = spec.model_copy(update={"draft_timeout_share": None})
+    assert draft_timeout_s(off, [0.01], scoring=False) == pytest.approx(0.1)
+
+
+def test_the_guard_is_part_of_adaptive_speculation_only():
+    def planner(**speculation) -> DraftPlanner:
+        return DraftPlanner(AppConfig(verifier={"model": "target"}, drafters=[{"name": "a", "model": "a"}],
+                                      speculation=speculation))
+
+    assert planner().guard is not None
+    assert planner(adaptive=False).guard is None  # always k
+    assert planner(guard={"enabled": False}).guard is None
+    assert planner(mode="off").guard is None
+
+
+@pytest.mark.slow
+def test_slow_drafting_is_switched_off_by_the_guard_and_the_output_stays_the_targets(models, target, tokenizer,
+                                                                                    heldout):
+    """Every drafting round made to take ~10 verify steps, which the goodput controller is kept from pricing (as on
+    a GPU, where rounds that mixed participation modes went unpriced and it kept drafting at ~20x a verify step):
+    the guard switches speculation off after its first window and the later steps decode without drafts; the output
+    is target-only's. What it chose is checked, not a clock."""
+    max_len, new = 256, 96
+    drafter = AutoModelForCausalLM.from_pretrained(models / "drafter-generic", dtype=torch.float32).eval()
+    prompts = [tokenizer(heldout[d][0], add_special_tokens=False).input_ids[:24] for d in ("code", "legal")]
+
+    def run(mode: str, slow: bool):
+        cfg = AppConfig(verifier={"model": "target", "max_batch": 2, "max_len": max_len},
+                        drafters=[{"name": "g", "model": "g", "max_len": max_len}],
+                        speculation={"mode": mode, "k": 4, "fixed_drafters": ["g"], "draft_timeout_ms": 600_000,
+                                     "draft_timeout_share": None,
+                                     "guard": {"window": 8, "off_steps": 1000, "off_steps_max": 1000}})
+        loop = build_loop(cfg, TorchVerifierEngine(target, max_batch=2, max_len=max_len), {"g": drafter})
+        if slow:
+            loop.drafting = SlowedDrafting(loop.drafting, delay_s=0.3)
+            loop.planner.observe_round = lambda *args: None  # the controller never sees what a round costs
+        out = asyncio.run(generate_all(loop, prompts, [SamplingParams(max_tokens=new, ignore_eos=True)] * 2))
+        return [o.token_ids for o in out], loop
+
+    reference, _ = run("off", slow=False)
+    out, loop = run("chain", slow=True)
+    guard = loop.planner.guard
+    assert out == reference
+    assert guard.switched_off == 1 and not guard.speculating and guard.last_ratio < 0.5
+    # one window of 8 speculating steps (and the prompts' first) plus the plain probes, then no drafting at all
+    assert loop.drafting.rounds <= 8 + 2 + 2
+    assert loop.stats.totals["steps"] > 40
