@@ -227,7 +227,7 @@ def test_vllms_best_there_is_the_fastest_draft_model_run():
         others = [r for r in anchors["rows"] if r["system"].startswith(headline.DRAFT_MODEL) and r["concurrency"] == c]
         assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in others)
     generic_c1 = [r["system"].endswith("generic drafter") and r["concurrency"] == 1 for r in anchors["rows"]]
-    swapped = {"rows": [dict(r, tokens_per_s=1000.0) if g else r for r, g in zip(anchors["rows"], generic_c1)]}
+    swapped = dict(anchors, rows=[dict(r, tokens_per_s=1000.0) if g else r for r, g in zip(anchors["rows"], generic_c1)])
     assert headline.best_draft_model(swapped, 1)["system"] == "vLLM draft_model, generic drafter"
     engine = json.loads((ROOT / _readme_sources()["engine"][0]).read_text())
     assert "with the generic drafter" in headline.rows(swapped, engine)[1]
