@@ -312,8 +312,15 @@ class GuardSpec(_Strict):
         return self
 
 
+# The one list of speculation modes: each but off is the `name` of its drafting strategy (speculation/strategies/;
+# tests/test_config.py checks that they agree), and the modes a request may choose for itself (the API's
+# `speculation.mode`: both decide per request, so either can serve any request losslessly).
+SpeculationMode = Literal["cosine", "chain", "vote", "single", "off"]
+RequestMode = Literal["cosine", "vote"]
+
+
 class SpeculationSpec(_Strict):
-    mode: Literal["cosine", "chain", "vote", "single", "off"] = Field(
+    mode: SpeculationMode = Field(
         "cosine", description="cosine: routed drafters, fused; chain: one fixed drafter's chain; vote: Minions' "
         "majority vote of several drafters' chains (see `vote`); single: `drafter` drafts every request, no routing "
         "state kept (speculation/strategies/); off: target-only decoding")

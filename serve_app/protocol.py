@@ -8,6 +8,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from config import RequestMode
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -119,7 +121,7 @@ class SpeculationOverride(_Fields):
                                   "one-shot (each drafts its own chain in one call); default: the controller's choice")
     drafters_per_request: int | None = Field(None, ge=1, le=8, description="routed drafters every round "
                                              "(overrides the controller's adaptive participation)")
-    mode: Literal["cosine", "vote"] | None = Field(None, description="vote: Minions' majority vote of the voters "
+    mode: RequestMode | None = Field(None, description="vote: Minions' majority vote of the voters "
                                                    "(speculation.vote.drafters, or `drafters`); cosine: routing and "
                                                    "fusion; default: the server's speculation.mode. Both are "
                                                    "lossless, so a request may pick either")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from config import RequestMode
 from engines.draft_tree import Draft
 from engines.interface import Proposal
 
@@ -53,7 +54,7 @@ class SpeculationOverrides:
     routing: Literal["router", "random"] = "router"
     lockstep: bool | None = None
     drafters_per_request: int | None = None
-    mode: Literal["cosine", "vote"] | None = None  # None: the server's speculation.mode
+    mode: RequestMode | None = None  # None: the server's speculation.mode
 
 
 @dataclass

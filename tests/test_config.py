@@ -84,3 +84,16 @@ def test_the_config_reference_in_docs_is_current():
     assert doc.strip() == reference_markdown().strip(), "regenerate: cosine config docs > docs/config.md"
     for tunable in ("speculation.controller", "probe_interval", "drafter_timeout_ms", "generalist_margin"):
         assert tunable in doc
+
+
+def test_the_speculation_modes_are_the_strategies_names():
+    """One list of modes (config.SpeculationMode): each but off names a drafting strategy, and a request chooses
+    among some of them (config.RequestMode), which the API and the loop's messages take from there."""
+    from typing import get_args
+
+    from config import RequestMode, SpeculationMode
+    from speculation.strategies import STRATEGIES
+
+    modes = set(get_args(SpeculationMode))
+    assert modes - {"off"} <= set(STRATEGIES) and "off" not in STRATEGIES
+    assert set(get_args(RequestMode)) <= modes - {"off"}
