@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from engines.draft_tree import Draft
 from engines.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engines.stopping import StopChecker
 
 
 class CacheFull(RuntimeError):
@@ -225,6 +228,15 @@ class RequestCounts:
             "draft_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "drafters_used": sorted(self.drafters_used),
         }
+
+
+@dataclass
+class EngineRequest(RequestCounts):
+    """A request in a verifier engine: its prompt, its stop conditions and its counters (engines add their own
+    state: the torch engine's `_Request`)."""
+
+    prompt: list[int] = field(default_factory=list)
+    stop: StopChecker | None = None
 
 
 def check_prompt(prompt_ids: list[int], max_len: int) -> None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engines.draft_tree import Draft
-from engines.interface import RequestCounts, StepOutput, check_prompt
+from engines.interface import EngineRequest, StepOutput, check_prompt
 from engines.rules import verify_greedy, verify_sampling
 from engines.runner import LlamaRunner, tree_depths
 from engines.sampling import SamplingParams, target_probs
@@ -27,11 +27,9 @@ from engines.stopping import StopChecker
 
 
 @dataclass
-class _Request(RequestCounts):
+class _Request(EngineRequest):
     rid: str = ""
-    prompt: list[int] = field(default_factory=list)
     params: SamplingParams | None = None
-    stop: StopChecker | None = None
     gen: torch.Generator | None = None
     last_token: int = -1  # committed, not yet in the KV cache
 

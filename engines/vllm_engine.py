@@ -13,19 +13,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from engines import vllm_hooks
 from engines.draft_tree import Draft
 from engines.sampling import SamplingParams
 from engines.stopping import StopChecker
-from engines.interface import RequestCounts, StepOutput, check_prompt
-
-
-@dataclass
-class _Request(RequestCounts):
-    prompt: list[int] = field(default_factory=list)
-    stop: StopChecker | None = None
+from engines.interface import EngineRequest, StepOutput, check_prompt
 
 
 class VllmVerifierEngine:
@@ -48,14 +41,14 @@ class VllmVerifierEngine:
         self.max_batch = max_batch
         self.max_len = max_len
         self.max_draft_tokens = k
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, EngineRequest] = {}
         self.forward_passes = 0
         self.last_step_tokens = 0
         self.last_verify_seconds = 0.0
         self._finished_stats: dict[str, dict] = {}
 
     @property
-    def running(self) -> dict[str, _Request]:
+    def running(self) -> dict[str, EngineRequest]:
         """Every request in the engine: vLLM admits and prefills them itself, within a step."""
         return self.requests
 
@@ -72,7 +65,7 @@ class VllmVerifierEngine:
                                     vllm_hooks.sampling_params(params, request_id, self.eos_token_ids))
         except VLLMClientError as e:  # vLLM's validation of the request (a grammar it cannot compile): the client's
             raise ValueError(str(e)) from None
-        self.requests[request_id] = _Request(prompt=list(prompt_ids), stop=stop)
+        self.requests[request_id] = EngineRequest(prompt=list(prompt_ids), stop=stop)
         return request_id
 
     def abort(self, rid: str) -> None:
