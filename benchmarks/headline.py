@@ -9,6 +9,12 @@ pasted over the table. Several anchors runs (`--k 4` beside `--k 8`) give their 
 label naming its k:
 
     python -m benchmarks.headline bench_results/anchors-k4.json bench_results/anchors-k8.json bench_results/engine.json
+
+A sampled anchors run (`--temperature 0.7 --top-p 0.95`) gives rows labelled with its sampling settings, beside the
+greedy run's:
+
+    python -m benchmarks.headline bench_results/anchors-k4.json bench_results/anchors-k4-t07.json \
+        bench_results/engine.json
 """
 
 from __future__ import annotations
@@ -49,8 +55,11 @@ def rows(anchors: dict | list[dict], engine: dict) -> list[str]:
 
     out = []
     for run in runs:
+        sampling = run["config"].get("sampling") or {"greedy": True}
+        sampled = "" if sampling["greedy"] else \
+            f", sampled (T = {sampling['temperature']:g}, top_p {sampling['top_p']:g})"
         for c in (1, 8):
-            at = f"Concurrency {c}" + (f", k = {run['config']['k']}" if len(runs) > 1 else "")
+            at = f"Concurrency {c}" + (f", k = {run['config']['k']}" if len(runs) > 1 else "") + sampled
             ours = tps(run, "system", SERVED, c)
             served = "ours served (Ray Serve, HTTP)" if c == 1 else "ours served"
             out.append(_row(f"{at}: {served} against vLLM target-only", ANCHORS_LINK, ours,

@@ -5,11 +5,13 @@ Each system is a variant of one Serve config (default examples/bench.yaml, the b
 goodput controller with a deployment per drafter (one replica each); and the same with the drafter autoscaler
 (0-3 replicas each). Every system is deployed with `cosine serve` on loopback ports of its
 own, warmed up, then driven at each rate for `duration` seconds with Poisson arrivals of held-out mixed-domain prompts
-(greedy, streamed, so time to first token and time per output token are measured at the client; bounded in requests
-and time). Reported per system and rate: mean and p99 time per output token, mean time to first token, goodput (output
-tokens per second of the window), errors, and drafter replica-seconds (running `Drafter-*` replicas, polled from
-Serve's REST API once a second). Systems are interleaved across repeats; each figure is the median over repeats with
-min and max.
+(streamed, so time to first token and time per output token are measured at the client; bounded in requests and
+time), greedy or sampled (`--temperature`, `--top-p`, `--seed`: each request with its own seed, the same in every
+system). Reported per system and rate: mean and p99 time per output token, mean time to first token, goodput (output
+tokens per second of the window), errors, drafter replica-seconds (running `Drafter-*` replicas, polled from
+Serve's REST API once a second), and the text statistics of the outputs (distinct tokens per output, repeated 4-gram
+share); sampled, each system's outputs are checked against the target's distribution (benchmarks/sampled.py).
+Systems are interleaved across repeats; each figure is the median over repeats with min and max.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import yaml
 
 from benchmarks.common import ServedApp, heldout_prompts
 from benchmarks.metrics import save_json
+from benchmarks.sampled import P_FLOOR, Sampling, check_cell, distribution_pvalue, reference_model, text_columns
+from model_family.text_stats import text_stats
 
 AUTOSCALING = {"min_replicas": 0, "max_replicas": 3, "initial_replicas": 1, "metrics_interval_s": 1.0,
                "look_back_period_s": 5.0, "upscale_delay_s": 3.0, "downscale_delay_s": 15.0}
@@ -104,11 +108,13 @@ def summarize(requests: list[dict], window: float, replicas: list[tuple[float, i
             "drafter_replica_s": replica_seconds(replicas)}
 
 
-async def _request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+async def _request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
+                   sampling: dict | None = None) -> dict:
+    """One streamed completion; `sampling`: its temperature, top_p and seed (greedy without)."""
     t0 = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, ids = None, 0, []
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True, **(sampling or {})}
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -121,19 +127,28 @@ async def _request(client: httpx.AsyncClient, url: str, model: str, prompt: list
                     return {"error": chunk["error"]["type"]}
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-                elif first is None and any(c.get("text") for c in chunk["choices"]):
+                for c in chunk.get("choices", []):
+                    ids += c.get("token_ids") or []
+                if first is None and any(c.get("text") for c in chunk.get("choices", [])):
                     first = time.perf_counter()
     except httpx.HTTPError as e:
         return {"error": type(e).__name__}
     end = time.perf_counter()
     first = first or end
-    return {"error": None, "ttft": first - t0, "tokens": tokens, "tpot": (end - first) / max(1, tokens - 1)}
+    return {"error": None, "ttft": first - t0, "tokens": tokens, "tpot": (end - first) / max(1, tokens - 1),
+            "prompt": prompt, "output": ids}
 
 
 def drive(url: str, model: str, prompts: list[list[int]], rate: float, duration: float, max_tokens: int,
-          seed: int) -> tuple[list[dict], float]:
-    """Poisson arrivals at `rate` for `duration` s; waits for the requests it sent (5 min at most)."""
+          seed: int, sampling: Sampling = Sampling()) -> tuple[list[dict], float]:
+    """Poisson arrivals at `rate` for `duration` s; waits for the requests it sent (5 min at most). Sampled, request
+    i's seed is `sampling.seeds(..., seed + 1)[i]`: the same in every system driven with this arrival seed."""
     times = arrivals(rate, duration, seed, cap=int(rate * duration * 2) + 1)
+    seeds = sampling.seeds(len(times), seed + 1)
+
+    def params(i: int) -> dict | None:
+        return None if seeds is None else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                           "seed": seeds[i]}
 
     async def go():
         async with httpx.AsyncClient(timeout=300) as client:
@@ -141,7 +156,7 @@ def drive(url: str, model: str, prompts: list[list[int]], rate: float, duration:
 
             async def at(i: int, t: float):
                 await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-                return await _request(client, url, model, prompts[i % len(prompts)], max_tokens)
+                return await _request(client, url, model, prompts[i % len(prompts)], max_tokens, params(i))
 
             results = await asyncio.wait_for(asyncio.gather(*(at(i, t) for i, t in enumerate(times))), 300 + duration)
             return results, time.perf_counter() - start
@@ -183,7 +198,7 @@ class ReplicaPoller:
 
 
 def run(config: str, systems: list[str], rates: list[float], duration: float, repeats: int, max_tokens: int,
-        port: int, log=print) -> dict:
+        port: int, log=print, sampling: Sampling = Sampling()) -> dict:
     from config import AppConfig
     from model_family.paths import model_path
     from transformers import AutoTokenizer
@@ -207,14 +222,15 @@ def run(config: str, systems: list[str], rates: list[float], duration: float, re
             log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(configs)}] {s}: deploying")
             served = ServedApp(str(path), port, port + 1)
             try:
-                drive(served.url, served.model, prompts, 1.0, 8, 16, seed=99)  # warm-up
+                drive(served.url, served.model, prompts, 1.0, 8, 16, seed=99, sampling=sampling)  # warm-up
                 with ReplicaPoller(f"http://127.0.0.1:{port + 1}") as poller:
                     for rate in rates:
                         t0 = time.perf_counter()
                         results, window = drive(served.url, served.model, prompts, rate, duration, max_tokens,
-                                                seed=rep * 1000 + int(rate * 100))
+                                                seed=rep * 1000 + int(rate * 100), sampling=sampling)
                         samples = [x for x in poller.samples if x[0] >= t0]
                         row = summarize(results, window, samples)
+                        row["outputs"] = [(r["prompt"], r["output"]) for r in results if r.get("error") is None]
                         stats = httpx.get(f"{served.url}/v1/internal/speculation_stats", timeout=30).json()
                         row["mean_k"] = (stats.get("controller") or {}).get("mean_k_recent")
                         row["replica_trace"] = [(round(t - t0, 1), n) for t, n in samples]
@@ -233,19 +249,41 @@ def run(config: str, systems: list[str], rates: list[float], duration: float, re
         ks = [r["mean_k"] for r in rs if r.get("mean_k") is not None]
         row["mean_k"] = statistics.median(ks) if ks else None  # the controller's recent mean k (adaptive systems)
         row["replica_traces"] = [r["replica_trace"] for r in rs]
+        row["text"] = text_stats([o for r in rs for _, o in r["outputs"]])
         rows.append(row)
-    return {"config": {"base": config, "rates": rates, "duration_s": duration, "repeats": repeats,
-                       "max_tokens": max_tokens, "prompts": len(prompts)}, "rows": rows}
+    result = {"config": {"base": config, "rates": rates, "duration_s": duration, "repeats": repeats,
+                         "max_tokens": max_tokens, "prompts": len(prompts), "sampling": sampling.as_dict()},
+              "rows": rows, "warnings": []}
+    if not sampling.greedy:
+        verifier = AppConfig.model_validate(base["applications"][0]["args"]).verifier.model
+        model = reference_model(model_path(verifier))
+        for row in rows:  # every request of the system at this rate, all repeats
+            pairs = [pair for r in runs[(row["system"], row["rate"])] for pair in r["outputs"]]
+            test = distribution_pvalue(model, [p for p, _ in pairs], [[o for _, o in pairs]], sampling)
+            row["distribution_p"], row["distribution_tokens"] = test["p"], test["tokens"]
+            if test["p"] is not None and test["p"] < P_FLOOR:
+                result["warnings"].append(f"{row['system']}, rate {row['rate']}: its sampled tokens do not follow "
+                                          f"the target's distribution (chi-square p = {test['p']:.2g})")
+                log("WARNING: " + result["warnings"][-1])
+    return result
 
 
 def format_table(result: dict) -> str:
+    text_head, text_sep, text_cells = text_columns(result)
+    sampled = not result["config"].get("sampling", {"greedy": True})["greedy"]
+    check_head, check_sep = (" output: chi-square p vs the target's distribution |", "---|") if sampled else ("", "")
     lines = ["| system | rate req/s | goodput tok/s | TPOT mean ms | TPOT p99 ms | TTFT mean ms | drafter replica-s "
-             "| mean k | errors |", "|---|---|---|---|---|---|---|---|---|"]
+             "| mean k | errors |" + check_head + text_head,
+             "|---|---|---|---|---|---|---|---|---|" + check_sep + text_sep]
     for r in sorted(result["rows"], key=lambda r: (r["rate"], r["system"])):
         k = "" if r.get("mean_k") is None else f"{r['mean_k']:.2f}"
         lines.append(f"| {r['system']} | {r['rate']} | {r['goodput_tok_s']:.1f} ({r['goodput_tok_s_min']:.1f}-"
                      f"{r['goodput_tok_s_max']:.1f}) | {r['tpot_ms_mean']:.1f} | {r['tpot_ms_p99']:.1f} "
-                     f"| {r['ttft_ms_mean']:.0f} | {r['drafter_replica_s']:.0f} | {k} | {r['errors']:.0f} |")
+                     f"| {r['ttft_ms_mean']:.0f} | {r['drafter_replica_s']:.0f} | {k} | {r['errors']:.0f} |"
+                     + (f" {check_cell(r)} |" if sampled else "") + text_cells(r))
+    if sampled:
+        lines += ["", f"- sampling: {Sampling.of(result['config']['sampling']).describe()}"]
+    lines += [f"- WARNING: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)
 
 
@@ -276,7 +314,7 @@ def plot(result: dict, path: Path) -> bool:
 
 def main(args) -> int:
     result = run(args.config, args.systems.split(","), [float(r) for r in args.rates.split(",")], args.duration,
-                 args.repeats, args.max_tokens, args.port)
+                 args.repeats, args.max_tokens, args.port, sampling=Sampling.from_args(args))
     print(format_table(result))
     save_json(result, args.json)
     if args.plot:

@@ -16,6 +16,7 @@ family.json): the widening computes the same function (model_family/bench_target
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +48,11 @@ class Sampling:
     @classmethod
     def from_args(cls, args) -> Sampling:
         return cls(getattr(args, "temperature", 0.0), getattr(args, "top_p", 1.0), getattr(args, "seed", 0))
+
+    @classmethod
+    def of(cls, recorded: dict) -> Sampling:
+        """The settings a result recorded (`as_dict`)."""
+        return cls(recorded["temperature"], recorded["top_p"], recorded["seed"])
 
     @property
     def greedy(self) -> bool:
@@ -123,3 +129,20 @@ def check_cell(row: dict, identity: str = "identical") -> str:
         return f"p = {row['distribution_p']:.3g}{flag}"
     same = row.get(identity)
     return "-" if same is None else "yes" if same else "NO"
+
+
+def check_header(result: dict, greedy: str) -> str:
+    """The output-check column's header: `greedy` unless the result was sampled."""
+    recorded = result.get("config", {}).get("sampling")
+    return greedy if not recorded or recorded["greedy"] else "output: chi-square p vs the target's distribution"
+
+
+def text_columns(result: dict) -> tuple[str, str, Callable[[dict], str]]:
+    """The text-statistics columns of a result's table: (header cells, separator cells, a row's cells), all empty
+    for a result recorded before the statistics were (its table as it was printed then)."""
+    from model_family.text_stats import stats_cells
+
+    if not any("text" in r for r in result["rows"]):
+        return "", "", lambda row: ""
+    return (" distinct tokens per output | repeated 4-gram share |", "---|---|",
+            lambda row: " {} | {} |".format(*stats_cells(row.get("text"))))

@@ -47,3 +47,21 @@ def test_every_system_is_a_valid_variant_of_the_bench_config():
         "deployments"
     assert variant(base, "k=6")["applications"][0]["args"]["speculation"]["k"] == 6
     assert "autoscaling_policy" not in base["applications"][0]  # the base is left alone
+
+
+def test_the_table_of_a_sampled_run_has_its_check_and_text_statistics():
+    from benchmarks.load import format_table
+    from benchmarks.sampled import Sampling
+
+    row = {"system": "k=4", "rate": 1.0, "goodput_tok_s": 50.0, "goodput_tok_s_min": 40.0, "goodput_tok_s_max": 60.0,
+           "tpot_ms_mean": 20.0, "tpot_ms_p99": 30.0, "ttft_ms_mean": 100.0, "drafter_replica_s": 7.0, "errors": 0,
+           "mean_k": None}
+    greedy = {"config": {}, "rows": [row]}  # a result recorded before sampling: its table as printed then
+    assert format_table(greedy).splitlines()[2] == "| k=4 | 1.0 | 50.0 (40.0-60.0) | 20.0 | 30.0 | 100 | 7 |  | 0 |"
+    text = {"outputs": 2, "distinct_tokens": {"median": 30, "min": 20, "max": 40},
+            "repeated_4gram_share": {"median": 0.1, "min": 0.0, "max": 0.25}}
+    sampled = {"config": {"sampling": Sampling(0.7, 0.95, 0).as_dict()},
+               "rows": [row | {"distribution_p": 0.5, "text": text}], "warnings": []}
+    table = format_table(sampled)
+    assert table.splitlines()[2].endswith("| 0 | p = 0.5 | 30 (20-40) | 0.10 (0.00-0.25) |")
+    assert "chi-square p" in table.splitlines()[0] and "- sampling: T = 0.7, top_p 0.95, seed 0" in table

@@ -86,3 +86,21 @@ def test_distribution_check_passes_the_right_distribution_and_flags_wrong_ones()
     assert check_cell({"distribution_p": right["p"]}).startswith("p = ")
     assert check_cell({"distribution_p": 1e-9}).endswith("FAILED")
     assert check_cell({"identical": True}) == "yes" and check_cell({"identical": False}) == "NO"
+
+
+def test_the_headline_labels_a_sampled_run_with_its_settings():
+    from benchmarks import headline
+    from benchmarks.anchors import SERVED, TARGET_ONLY
+
+    def run(sampling):
+        rows = [{"system": s, "concurrency": c, "tokens_per_s": t} for c in (1, 8)
+                for s, t in ((SERVED, 80.0), (TARGET_ONLY, 40.0), ("vLLM draft_model, generic drafter", 100.0))]
+        return {"config": {"k": 4} | ({"sampling": sampling.as_dict()} if sampling else {}), "rows": rows}
+
+    engine = {"rows": [{"method": headline.ENGINE_OURS, "batch": 1, "tokens_per_s": 10.0},
+                       {"method": headline.ENGINE_BASE, "batch": 1, "tokens_per_s": 5.0}]}
+    greedy, sampled = headline.rows([run(None), run(Sampling(0.7, 0.95))], engine)[:4], \
+        headline.rows([run(None), run(Sampling(0.7, 0.95))], engine)[4:8]
+    assert all("sampled" not in r for r in greedy)
+    assert all("k = 4, sampled (T = 0.7, top_p 0.95)" in r for r in sampled)
+    assert headline.rows(run(None), engine)[0].startswith("| [Concurrency 1: ours served (Ray Serve, HTTP) against")
