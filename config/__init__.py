@@ -202,10 +202,10 @@ class ControllerSpec(_Strict):
     participation_probe: int = Field(32, ge=1, description="rounds after which a participation mode not chosen "
                                      "is tried once")
     participation_probe_max: int = Field(256, ge=1, description="a participation mode the controller's model puts "
-                                         "outside mode_hysteresis of the chosen one waits twice as long after "
+                                         "outside participation_hysteresis of the chosen one waits twice as long after "
                                          "each probe, up to this many rounds; back to participation_probe once "
                                          "within reach (equal to participation_probe: no backoff)")
-    mode_hysteresis: float = Field(0.03, ge=0, lt=1, description="a participation mode replaces the one in use "
+    participation_hysteresis: float = Field(0.03, ge=0, lt=1, description="a participation mode replaces the one in use "
                                    "only when its predicted goodput is this much higher (modes whose measurements "
                                    "tie do not alternate)")
     verify_seed_ms: tuple[float, float] | None = Field(None, description="[a, b]: the verify step model the "

@@ -293,27 +293,27 @@ class Simulation:
         return self.own_hardware and (self.tiers is None or self.tiers.held == REMOTE)
 
     def _plan(self, contexts: dict[str, list[int]], overlap: float, ahead: bool = False):
-        """Plan and replay one drafting round (instantly); returns (drafts, the round's batch, its modes)."""
+        """Plan and replay one drafting round (instantly); returns (drafts, the round's batch, how it drafted)."""
         batch = self.planner.plan(contexts, {r: SpeculationOverrides() for r in contexts}, overlap_s=overlap,
                                   ahead=ahead)
         if not ahead:
             self.signals["rounds"] += len(contexts)
             self.signals["speculated"] += len(batch)
-        modes = set()
-        for d in batch:  # a request's first round scores its prompt: it says nothing of its mode's cost
-            modes.add(d.participation if d.request_id in self.drafted else None)
+        participations = set()
+        for d in batch:  # a request's first round scores its prompt: it says nothing of its participation's cost
+            participations.add(d.participation if d.request_id in self.drafted else None)
             self.drafted.add(d.request_id)
             self.participation[d.request_id] = d.participation
         if not batch:
-            return {}, batch, modes
+            return {}, batch, participations
         self.replayer.start_round(batch)
-        return self.aio.run_until_complete(self.coordinator.draft(batch, self.replayer.step_fn)), batch, modes
+        return self.aio.run_until_complete(self.coordinator.draft(batch, self.replayer.step_fn)), batch, participations
 
     def _round(self, contexts: dict[str, list[int]], overlap: float, ahead: bool = False):
         """A drafting round in simulated time: its drafts, or none if they come later than draft_timeout_ms (the
         loop stops waiting then and decodes without them; the drafters finish their calls regardless)."""
         scored = sum(len(c) for r, c in contexts.items() if r not in self.drafted)
-        drafts, batch, modes = self._plan(contexts, overlap, ahead)
+        drafts, batch, participations = self._plan(contexts, overlap, ahead)
         if not batch:
             return {}
         colocated, tier = self.colocated, None
@@ -333,7 +333,7 @@ class Simulation:
         if not drafting.triggered:
             return {}
         if tier is None or tier == self.tiers.held:  # the controller prices the tier in use (warm-up, probes: not)
-            self.planner.observe_round(batch, modes, self.env.now - t0)
+            self.planner.observe_round(batch, participations, self.env.now - t0)
         return drafts
 
     def _contexts(self, rids) -> dict[str, list[int]]:

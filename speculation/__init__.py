@@ -17,7 +17,7 @@ Drafting (speculation/strategies/: one module per strategy behind `strategies.ba
   Minions' weighted majority; `chains.ChainCosts`: SpecRouter's time per accepted token of each chain.
 
 Control (behind `controller.DraftLengthController`):
-- `goodput.SpeculationController`: per-step draft lengths and participation from the goodput model (SmartSpec);
+- `goodput.GoodputController`: per-step draft lengths and participation from the goodput model (SmartSpec);
   `hill_climb.HillClimbController`: one draft length hill-climbed on measured goodput (Minions);
   `planner.make_controller` builds the one the configuration names; `profiling`: the goodput model's step models
   fitted offline.

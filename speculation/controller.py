@@ -1,6 +1,6 @@
 """The draft-length controller interface: what the planner asks of a controller and tells it.
 
-Two implement it: `goodput.SpeculationController` (per-request lengths and the participation from the goodput
+Two implement it: `goodput.GoodputController` (per-request lengths and the participation from the goodput
 model, SmartSpec) and `hill_climb.HillClimbController` (one length hill-climbed on measured goodput, Minions);
 `planner.make_controller` builds the one `speculation.controller.kind` names.
 """
@@ -13,8 +13,8 @@ from speculation.messages import Participation
 
 
 class DraftLengthController(ABC):
-    mode: Participation | None = None  # the participation the last `choose` picked (None: the configuration's)
-    probing: bool = False  # the last `choose` tried a mode for its measurements, not for its goodput
+    participation: Participation | None = None  # the participation the last `choose` picked (None: the configuration's)
+    probing: bool = False  # the last `choose` tried a participation for its measurements, not for its goodput
     predicted_goodput: float | None = None  # tokens per second the last choice expects, where it predicts one
 
     @abstractmethod
@@ -23,9 +23,10 @@ class DraftLengthController(ABC):
         """Each request's draft length, within its cap; `overlap_s` of verification runs beside the drafting.
         `ahead`: the round is drafted ahead, one token deeper than the length chosen (the planner adds it)."""
 
-    def observe_round(self, requests: int, depth: int, modes: set[Participation | None], seconds: float) -> None:
-        """A drafting round of `requests` drafting up to `depth` took `seconds`; `modes`: the participations it
-        drafted in (None among them: a request's prompt was scored, so the round says nothing of a mode's cost)."""
+    def observe_round(self, requests: int, depth: int, participations: set[Participation | None],
+                      seconds: float) -> None:
+        """A drafting round of `requests` drafting up to `depth` took `seconds`; `participations`: how it drafted
+        (None among them: a request's prompt was scored, so the round says nothing of a participation's cost)."""
 
     @abstractmethod
     def observe_verify(self, tokens: int, seconds: float, wall_s: float) -> None:

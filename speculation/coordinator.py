@@ -38,7 +38,7 @@ from speculation.health import DrafterHealth
 from speculation.messages import Draft, DrafterCall, DraftRequest, Proposal
 from speculation.routing import Router
 from speculation.strategies import strategies
-from speculation.strategies.base import DraftingStrategy, Pool, RoundRecord, Setup
+from speculation.strategies.base import DraftingStrategy, Roster, RoundRecord, Setup
 from speculation.voting import MajorityVote
 
 StepFn = Callable[[str, list[DrafterCall]], Awaitable[dict[str, list[Proposal]]]]
@@ -132,9 +132,9 @@ class SpeculationCoordinator:
         `speculation`: the mode and its settings (default: SpeculationSpec's)."""
         self.drafters = list(drafters)
         self.router = Router(self.drafters, routing or RoutingSpec(), frozenset(generalists))
-        pool = Pool(self.drafters, self.router, embeddings)
-        self.unscored = pool.unscored  # requests whose prompt no drafter has scored yet (routing's cold start)
-        self.strategies = strategies(Setup(pool, speculation or SpeculationSpec(), fixed_drafters, vote,
+        roster = Roster(self.drafters, self.router, embeddings)
+        self.unscored = roster.unscored  # requests whose prompt no drafter has scored yet (routing's cold start)
+        self.strategies = strategies(Setup(roster, speculation or SpeculationSpec(), fixed_drafters, vote,
                                            dict(families or {})))
         self.step_timeout_s = step_timeout_s
         self.round_budget_s = round_budget_s

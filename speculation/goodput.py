@@ -16,22 +16,21 @@ starts from the pool's recent acceptance rather than a fixed prior, and a reques
 a little verify work).
 
 Participation (CoSine Alg. 2: "when the verifier is idle, more drafter nodes participate; when it is overloaded,
-fewer"): given `modes`, the controller also picks how every request drafts this round: with how many drafters, and
-whether they are fused in lockstep (the fused token fed back) or each drafts its own chain in one call, fused at the
-divergences (speculation/fusion.py). n drafters put up to n nodes per depth in the verify batch (the fused path
-and its branches), so n multiplies the verify work per draft token. Given a generalist drafter, one more mode has
-every request of the round draft with it instead of its routed drafter: one batched step per depth, where routing
-spreads the batch over as many drafters as it has domains (offered only with two or more requests drafting).
-What a mode buys is measured, not assumed: acceptance is counted per mode over the pool (a request's own estimate
-is shifted by the difference between the modes), and drafting time per mode is fitted from the rounds drafted in
-it (lockstep pays its hops per depth, one-shot once).
-Where verify tokens are nearly free (batch 1 on a GPU, or small batches here) extra drafters pay; at a loaded
-verifier one drafter per request does. A mode not tried for `participation_probe` rounds is tried once; a mode the
-model puts well behind the one chosen (outside `mode_hysteresis`) waits twice as long after each probe, up to
+fewer"): given `participations`, the controller also picks how every request drafts this round: with how many
+drafters, and whether they are fused in lockstep (the fused token fed back) or each drafts its own chain in one call,
+fused at the divergences (speculation/fusion.py). n drafters put up to n nodes per depth in the verify batch (the
+fused path and its branches), so n multiplies the verify work per draft token. Given a generalist drafter, one more
+participation has every request of the round draft with it instead of its routed drafter: one batched step per depth,
+where routing spreads the batch over as many drafters as it has domains (offered only with two or more requests
+drafting). What a participation buys is measured, not assumed: acceptance is counted per participation over the pool
+(a request's own estimate is shifted by the difference between the participations), and drafting time per
+participation is fitted from the rounds drafted in it (lockstep pays its hops per depth, one-shot once). Where verify
+tokens are nearly free (batch 1 on a GPU, or small batches here) extra drafters pay; at a loaded verifier one drafter
+per request does. A participation not tried for `participation_probe` rounds is tried once; a participation the model
+puts well behind the one chosen (outside `participation_hysteresis`) waits twice as long after each probe, up to
 `participation_probe_max` rounds, and is back to `participation_probe` as soon as the model puts it within reach:
-probes of two-drafter modes that cannot win on a 2-core CPU cost drafting time (docs/benchmarks.md, `cosine bench
-rounds`, measured with and without the backoff side by side).
-"""
+probes of two-drafter participations that cannot win on a 2-core CPU cost drafting time (docs/benchmarks.md, `cosine
+bench rounds`, measured with and without the backoff side by side)."""
 
 from __future__ import annotations
 
@@ -108,7 +107,7 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 @dataclass
-class SpeculationController(DraftLengthController):
+class GoodputController(DraftLengthController):
     """Per-request draft lengths from acceptance estimates and fitted step-latency models."""
 
     k_max: int = 8
@@ -122,26 +121,30 @@ class SpeculationController(DraftLengthController):
     parallel_groups: bool = False
     probe_interval: int = 8
     probe_k: int = 2
-    modes: tuple[Participation, ...] = ()  # participation modes to choose from each round (none: not adaptive)
+    participations: tuple[Participation, ...] = ()  # participations to choose from each round (none: not adaptive)
     participation_probe: int = 32
     participation_probe_max: int = 256
-    mode_hysteresis: float = 0.03  # a mode replaces the one in use only when it predicts this much more goodput
+    # a participation replaces the one in use only when it predicts this much more goodput
+    participation_hysteresis: float = 0.03
     acceptance: dict[str, float] = field(default_factory=dict)
     pool_acceptance: float | None = None  # over every request's recent rounds: the start of new requests
     pool_counts: tuple = (0.0, 0.0)
     counts: dict[str, tuple] = field(default_factory=dict)
     idle_rounds: dict[str, int] = field(default_factory=dict)
-    mode: Participation | None = None  # chosen by the last `choose` when adaptive
-    mode_counts: dict[Participation, tuple] = field(default_factory=dict)  # decayed (accepted, trials) per mode
-    mode_of: dict[str, Participation] = field(default_factory=dict)  # mode a request's estimate was formed under
-    mode_age: dict[Participation, int] = field(default_factory=dict)  # rounds since each mode was last used
-    mode_wait: dict[Participation, int] = field(default_factory=dict)  # rounds unused before a mode's next probe
-    mode_draft: dict[Participation, RoundLatency] = field(default_factory=dict)  # a round's drafting time
+    participation: Participation | None = None  # chosen by the last `choose` when adaptive
+    # per participation: decayed (accepted, trials); the one a request's estimate was formed under; rounds since each
+    # was last used; rounds unused before its next probe; a round's drafting time
+    participation_counts: dict[Participation, tuple] = field(default_factory=dict)
+    participation_of: dict[str, Participation] = field(default_factory=dict)
+    participation_age: dict[Participation, int] = field(default_factory=dict)
+    participation_wait: dict[Participation, int] = field(default_factory=dict)
+    participation_draft: dict[Participation, RoundLatency] = field(default_factory=dict)
     predicted_goodput: float = 0.0  # tokens per second the last choice expects (the model's, for operators)
-    probing: bool = False  # the last `choose` tried a mode for its measurements, not for its goodput
-    held_mode: Participation | None = None  # the mode chosen for its goodput last (not a probe)
+    probing: bool = False  # the last `choose` tried a participation for its measurements, not for its goodput
+    held_participation: Participation | None = None  # the participation chosen for its goodput last (not a probe)
 
-    def observe_acceptance(self, rid: str, drafted: int, accepted: int, mode: Participation | None = None) -> None:
+    def observe_acceptance(self, rid: str, drafted: int, accepted: int,
+                           participation: Participation | None = None) -> None:
         """Per-token acceptance under the geometric model: the maximum-likelihood estimate is accepted tokens over
         (accepted tokens + rejections), a chain having one rejection unless it was accepted whole; exponentially
         decayed counts (weight `ema` on the newest round) follow drifting acceptance. `drafted` is the draft's
@@ -159,38 +162,42 @@ class SpeculationController(DraftLengthController):
         self.acceptance[rid] = s / t
         self.pool_counts = decayed(self.pool_counts, 0.95)
         self.pool_acceptance = self.pool_counts[0] / self.pool_counts[1]
-        if mode is not None:
-            self.mode_counts[mode] = decayed(self.mode_counts.get(mode, (0.0, 0.0)), 0.95)
-            self.mode_of[rid] = mode
+        if participation is not None:
+            counts = self.participation_counts.get(participation, (0.0, 0.0))
+            self.participation_counts[participation] = decayed(counts, 0.95)
+            self.participation_of[rid] = participation
 
     def observe_verified(self, rid: str, drafted: int, accepted: int, participation: Participation | None) -> None:
-        self.observe_acceptance(rid, drafted, accepted, participation if self.modes else None)
+        self.observe_acceptance(rid, drafted, accepted, participation if self.participations else None)
 
     def observe_verify(self, tokens: int, seconds: float, wall_s: float) -> None:
         self.verify.observe(tokens, seconds)
 
-    def observe_round(self, requests: int, depth: int, modes: set[Participation | None], seconds: float) -> None:
-        """Without modes, one lockstep step per depth; with them, the round in its mode, where it was one."""
-        if not self.modes:
+    def observe_round(self, requests: int, depth: int, participations: set[Participation | None],
+                      seconds: float) -> None:
+        """Without participations, one lockstep step per depth; with them, the round in its participation, where
+        it was one."""
+        if not self.participations:
             self.draft.observe(requests, seconds / depth)
-        elif len(modes) == 1 and None not in modes:
-            self.draft_model(next(iter(modes))).observe(depth, requests, seconds)
+        elif len(participations) == 1 and None not in participations:
+            self.draft_model(next(iter(participations))).observe(depth, requests, seconds)
 
     def state(self) -> dict:
         return {"verify_fit_ms": [1000 * self.verify.a, 1000 * self.verify.b],
                 "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b, 1000 * m.c]
-                                       for p, m in self.mode_draft.items()},
+                                       for p, m in self.participation_draft.items()},
                 "pool_acceptance": self.pool_acceptance,
-                "acceptance_by_participation": {str(p): self.mode_acceptance(p) for p in self.mode_counts}}
+                "acceptance_by_participation": {str(p): self.participation_acceptance(p)
+                                                for p in self.participation_counts}}
 
-    def draft_model(self, mode: Participation) -> RoundLatency:
-        """A round's drafting time in its depth and requests, per mode: t = a + k (b + c n). Lockstep fusion pays a
-        round trip per depth (large b), one-shot drafting one call for the whole chain (the hop in a, engine steps
-        in b and c)."""
-        return self.mode_draft.setdefault(mode, RoundLatency())
+    def draft_model(self, participation: Participation) -> RoundLatency:
+        """A round's drafting time in its depth and requests, per participation: t = a + k (b + c n). Lockstep
+        fusion pays a round trip per depth (large b), one-shot drafting one call for the whole chain (the hop in a,
+        engine steps in b and c)."""
+        return self.participation_draft.setdefault(participation, RoundLatency())
 
-    def mode_acceptance(self, mode: Participation) -> float | None:
-        s, t = self.mode_counts.get(mode, (0.0, 0.0))
+    def participation_acceptance(self, participation: Participation) -> float | None:
+        s, t = self.participation_counts.get(participation, (0.0, 0.0))
         return s / t if t >= 1.0 else None
 
     def _start(self) -> float:
@@ -200,19 +207,19 @@ class SpeculationController(DraftLengthController):
         self.acceptance.pop(rid, None)
         self.counts.pop(rid, None)
         self.idle_rounds.pop(rid, None)
-        self.mode_of.pop(rid, None)
+        self.participation_of.pop(rid, None)
 
-    def _time(self, ks: list[int], groups: list | None = None, mode: Participation | None = None,
+    def _time(self, ks: list[int], groups: list | None = None, participation: Participation | None = None,
               overlap: float = 0.0, ahead: bool = False) -> float:
         """Seconds per round. `overlap`: verify work of other requests that the drafting runs alongside (the
         serving graph's pipeline), so only drafting beyond it costs time. `ahead`: a round drafted ahead drafts
         one token deeper than it verifies, and the loop awaits it whether or not its chains are accepted."""
-        n = mode.drafters_per_request if mode else self.drafters_per_request
+        n = participation.drafters_per_request if participation else self.drafters_per_request
         verify = self.verify(sum(1 + k * n for k in ks))
         drafted = [k + ahead if k > 0 else 0 for k in ks]
-        if mode is not None:  # measured per mode, the hops included
+        if participation is not None:  # measured per participation, the hops included
             depth, drafting = max(drafted, default=0), sum(1 for k in ks if k > 0)
-            return verify + (max(0.0, self.draft_model(mode)(depth, drafting) - overlap) if depth else 0.0)
+            return verify + (max(0.0, self.draft_model(participation)(depth, drafting) - overlap) if depth else 0.0)
         groups = groups or [0] * len(ks)
         combine = max if self.parallel_groups else sum
         model = self.draft
@@ -231,33 +238,36 @@ class SpeculationController(DraftLengthController):
                groups: dict[str, object] | None = None, overlap_s: float = 0.0, ahead: bool = False) -> dict[str, int]:
         """Greedy allocation: repeatedly set the one draft length (to any longer value) that raises goodput
         most, while any does. Jumps, not unit steps, because a drafter's fixed per-step cost can make k = 1
-        worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s). Given `modes`,
-        the allocation is made for every mode and the best plan is kept; the mode is left in `self.mode`."""
+        worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s). Given `participations`,
+        the allocation is made for every participation and the best plan is kept; the participation is left in
+        `self.participation`."""
         # one request drafts with one drafter either way: the generalist would share nothing, only draft worse
-        modes = [m for m in self.modes if len(rids) > 1 or not m.generalist]
-        plans = {mode: self._allocate(rids, k_caps, groups, mode, overlap_s, ahead) for mode in modes or [None]}
+        participations = [m for m in self.participations if len(rids) > 1 or not m.generalist]
+        plans = {p: self._allocate(rids, k_caps, groups, p, overlap_s, ahead) for p in participations or [None]}
         best = max(plans, key=lambda m: plans[m][1])  # ties: the first listed
-        # modes that measure alike (a routed round whose drafters are parked routes to the generalist) must not
-        # alternate: the autoscaler reads the modes chosen
-        held = self.held_mode
-        if held in plans and held != best and plans[held][1] * (1 + self.mode_hysteresis) >= plans[best][1]:
+        # participations that measure alike (a routed round whose drafters are parked routes to the generalist) must not
+        # alternate: the autoscaler reads the participations chosen
+        held = self.held_participation
+        if held in plans and held != best and plans[held][1] * (1 + self.participation_hysteresis) >= plans[best][1]:
             best = held
-        if len(modes) == len(self.modes):  # a lone request's routed round (no generalist offered) holds nothing
-            self.held_mode = best
-        mode = best
+        # a lone request's routed round (no generalist offered) holds nothing
+        if len(participations) == len(self.participations):
+            self.held_participation = best
+        participation = best
         ks, self.predicted_goodput = plans[best]
-        if modes and any(ks.values()):
-            for m in modes:
-                self.mode_age[m] = self.mode_age.get(m, 0) + 1
-                if plans[m][1] * (1 + self.mode_hysteresis) >= plans[best][1]:  # within reach: the base rate
-                    self.mode_wait[m] = self.participation_probe
-            stale = max(modes, key=lambda m: self.mode_age[m] - self._wait(m))  # the most overdue
-            if self.mode_age[stale] > self._wait(stale):
-                mode = stale  # keep every mode's acceptance and cost measured (a probe never changes the output)
-                self.mode_wait[stale] = min(2 * self._wait(stale), self.participation_probe_max)
-            self.mode_age[mode] = 0
-        self.probing = mode != best
-        self.mode = mode
+        if participations and any(ks.values()):
+            for m in participations:
+                self.participation_age[m] = self.participation_age.get(m, 0) + 1
+                if plans[m][1] * (1 + self.participation_hysteresis) >= plans[best][1]:  # within reach: the base rate
+                    self.participation_wait[m] = self.participation_probe
+            stale = max(participations, key=lambda m: self.participation_age[m] - self._wait(m))  # the most overdue
+            if self.participation_age[stale] > self._wait(stale):
+                # keep every participation's acceptance and cost measured (a probe never changes the output)
+                participation = stale
+                self.participation_wait[stale] = min(2 * self._wait(stale), self.participation_probe_max)
+            self.participation_age[participation] = 0
+        self.probing = participation != best
+        self.participation = participation
         for r in rids:  # exploration: a request held at k = 0 for long drafts a little once
             if ks[r] > 0:
                 self.idle_rounds[r] = 0
@@ -269,33 +279,33 @@ class SpeculationController(DraftLengthController):
                 self.idle_rounds[r] = 0
         return ks
 
-    def _wait(self, mode: Participation) -> int:
-        return self.mode_wait.get(mode, self.participation_probe)
+    def _wait(self, participation: Participation) -> int:
+        return self.participation_wait.get(participation, self.participation_probe)
 
-    def _acceptance_at(self, rid: str, mode: Participation | None) -> float:
-        """The request's acceptance, moved to `mode` by the pool's difference between modes."""
-        if mode is None:
+    def _acceptance_at(self, rid: str, participation: Participation | None) -> float:
+        """The request's acceptance, moved to `participation` by the pool's difference between participations."""
+        if participation is None:
             return self.acceptance.get(rid, self._start())
-        here = self.mode_acceptance(mode)
-        if rid not in self.acceptance:  # a new request starts from the mode's pool acceptance
+        here = self.participation_acceptance(participation)
+        if rid not in self.acceptance:  # a new request starts from the participation's pool acceptance
             return here if here is not None else self._start()
         a = self.acceptance[rid]
-        there = self.mode_acceptance(self.mode_of.get(rid, mode))
+        there = self.participation_acceptance(self.participation_of.get(rid, participation))
         if here is None or there is None:
             return a
         return min(max(a + here - there, 0.0), 0.999)
 
-    def _allocate(self, rids, k_caps, groups, mode: Participation | None = None,
+    def _allocate(self, rids, k_caps, groups, participation: Participation | None = None,
                   overlap: float = 0.0, ahead: bool = False) -> tuple[dict[str, int], float]:
         caps = {r: min(self.k_max, (k_caps or {}).get(r, self.k_max)) for r in rids}
         ks = {r: 0 for r in rids}
         if not rids:
             return ks, 0.0
-        acc = {r: self._acceptance_at(r, mode) for r in rids}
+        acc = {r: self._acceptance_at(r, participation) for r in rids}
         group_list = [(groups or {}).get(r, 0) for r in rids]
 
         def goodput(kv: dict[str, int]) -> float:
-            t = self._time(list(kv.values()), group_list, mode, overlap, ahead)
+            t = self._time(list(kv.values()), group_list, participation, overlap, ahead)
             return sum(expected_tokens(acc[r], k) for r, k in kv.items()) / max(t, 1e-9)
 
         best = goodput(ks)

@@ -58,7 +58,7 @@ class HillClimbController(DraftLengthController):
     def observe_verify(self, tokens: int, seconds: float, wall_s: float) -> None:
         self.observe_step(wall_s)  # whole steps are measured, not the verifier's share
 
-    def observe_acceptance(self, rid: str, drafted: int, accepted: int, mode: Participation | None = None) -> None:
+    def observe_acceptance(self, rid: str, drafted: int, accepted: int, participation: Participation | None = None) -> None:
         """A request of the current step committed `accepted` draft tokens and the target's own."""
         self.step_tokens += accepted + 1
         self.step_requests += 1

@@ -288,11 +288,11 @@ class VerifyLoop:
         if not batch:
             return {}
         self._asked.update(d.request_id for d in batch)
-        modes, scored = set(), 0
+        participations, scored = set(), 0
         for d in batch:
             req = self.requests.get(d.request_id)
             if req is not None:
-                modes.add(d.participation if req.drafted else None)
+                participations.add(d.participation if req.drafted else None)
                 scored += 0 if req.drafted else len(d.context)
                 req.participation, req.drafted = d.participation, True
         t, work = time.perf_counter(), WORK.snapshot()
@@ -310,7 +310,7 @@ class VerifyLoop:
         self.stats.device_round(max(d.k for d in batch), WORK.since(work))
         if self.trace:
             self.trace.draft(len(batch), max(d.k for d in batch), scored, seconds)
-        self.planner.observe_round(batch, modes, seconds)
+        self.planner.observe_round(batch, participations, seconds)
         return drafts
 
     def _draft_ahead(self, drafts: dict[str, Draft]) -> tuple[dict[str, list[int]], asyncio.Task] | None:

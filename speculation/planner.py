@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from config import AppConfig, SpeculationSpec
 from speculation.controller import DraftLengthController
-from speculation.goodput import SpeculationController
+from speculation.goodput import GoodputController
 from speculation.guard import SpeculationGuard
 from speculation.hill_climb import HillClimbController
 from speculation.messages import DraftRequest, Participation, SpeculationOverrides
@@ -71,7 +71,7 @@ class DraftPlanner:
     def participation(self, o: SpeculationOverrides) -> Participation:
         """How a request drafts this round: the controller's choice unless the request fixes its drafters, their
         number or lockstep (then lockstep is the configured one, or the controller's where the number matches)."""
-        spec, mode = self.cfg.speculation, self.controller.mode if self.controller else None
+        spec, mode = self.cfg.speculation, self.controller.participation if self.controller else None
         strategy = strategy_class(o.mode or spec.mode)
         fixed = strategy.participation(self.cfg, o) if strategy is not None else None
         if fixed is not None:
@@ -95,12 +95,13 @@ class DraftPlanner:
             lockstep = spec.lockstep
         return Participation(n, lockstep and _routed(spec.mode))
 
-    def observe_round(self, batch: list[DraftRequest], modes: set[Participation | None], seconds: float) -> None:
+    def observe_round(self, batch: list[DraftRequest], participations: set[Participation | None],
+                      seconds: float) -> None:
         """Price a drafting round: per lockstep depth by the number of requests drafting, or, choosing the
-        participation, per mode in the round's depth and requests (only a round of one mode without prompt scoring, marked
-        None in `modes`, says what that mode costs)."""
+        participation, per participation in the round's depth and requests (only a round of one participation
+        without prompt scoring, marked None in `participations`, says what it costs)."""
         if self.controller is not None:
-            self.controller.observe_round(len(batch), max(d.k for d in batch), modes, seconds)
+            self.controller.observe_round(len(batch), max(d.k for d in batch), participations, seconds)
 
     def observe_step(self, tokens: int, seconds: float, wall_s: float) -> None:
         """A verify step of `tokens` took `seconds`; `wall_s` since the previous step ended (drafting included)."""
@@ -129,7 +130,7 @@ class DraftPlanner:
         common = {"kind": self.cfg.speculation.controller.kind, "mean_k_recent": sum(ks) / max(1, len(ks)),
                   "zero_k_share": ks.count(0) / max(1, len(ks)),
                   "drafting_overlaps_verification": drafting_overlaps_verification,
-                  "participation": str(c.mode) if c.mode else None}
+                  "participation": str(c.participation) if c.participation else None}
         if self.retirement is not None:
             common |= {"domain_drafters_retired": self.retirement.retired, "routed_share": self.retirement.share()}
         return common | guard | c.state()
@@ -146,20 +147,20 @@ def make_controller(cfg: AppConfig) -> DraftLengthController | None:
         return HillClimbController(spec.k, spec.controller.window, spec.controller.hold)
     # a multi-drafter round verifies up to drafters_per_request nodes per depth (the chain and its branches)
     per_depth = cfg.routing.drafters_per_request if _routed(spec.mode) else 1
-    modes: tuple[Participation, ...] = ()
+    participations: tuple[Participation, ...] = ()
     if spec.adaptive_drafters and _routed(spec.mode):
         # the generalist instead of the routed drafter: one batched step per depth for the whole round, where
         # routing spreads a batch over several drafters (measured, 8 requests on two cores: 226 tok/s on the
         # generic drafter alone against 166 routed; routed wins alone, 97 against 90)
         shared = (Participation(1, generalist=True),) if any(d.generalist for d in cfg.drafters) else ()
         # (the generalist first: where the measurements tie, the round that uses fewer drafters)
-        modes = shared + (Participation(1),) + tuple(Participation(n, lockstep)
+        participations = shared + (Participation(1),) + tuple(Participation(n, lockstep)
                                                      for lockstep in ((True, False) if spec.lockstep else (False,))
                                                      for n in range(2, per_depth + 1))
-        if len(modes) == 1:
-            modes = ()
+        if len(participations) == 1:
+            participations = ()
     not_its = {"verify_seed_ms", "draft_seed_ms", "kind", "window", "hold"}  # seeds set below; the hill climber's
-    c = SpeculationController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True, modes=modes,
+    c = GoodputController(k_max=spec.k, drafters_per_request=per_depth, parallel_groups=True, participations=participations,
                               **spec.controller.model_dump(exclude=not_its))
     for model, seed in ((c.verify, spec.controller.verify_seed_ms), (c.draft, spec.controller.draft_seed_ms)):
         if seed is not None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from config import AppConfig
-from speculation.goodput import RoundLatency, SpeculationController, expected_tokens
+from speculation.goodput import RoundLatency, GoodputController, expected_tokens
 from speculation.messages import Draft, DraftRequest
 
 COLOCATED, REMOTE = "colocated", "deployments"
@@ -231,7 +231,7 @@ class AutoDraftingTier:
 
     def _model(self) -> tuple[Callable[[float], float], float]:
         c = self.loop.controller if self.loop is not None else None
-        if not isinstance(c, SpeculationController):  # config validation requires the goodput controller
+        if not isinstance(c, GoodputController):  # config validation requires the goodput controller
             raise TypeError("drafting_tier auto needs the goodput controller")
         return c.verify, c.pool_acceptance if c.pool_acceptance is not None else c.prior_acceptance
 

@@ -1,6 +1,6 @@
 import pytest
 
-from speculation.goodput import LinearLatency, SpeculationController, expected_tokens
+from speculation.goodput import LinearLatency, GoodputController, expected_tokens
 from speculation.messages import Participation
 
 ONE, FUSED = Participation(1), Participation(2, lockstep=True)
@@ -12,7 +12,7 @@ def test_expected_tokens():
 
 
 def _ctrl(verify_a, verify_b, draft_a, draft_b, acc):
-    c = SpeculationController(k_max=8, prior_acceptance=acc)
+    c = GoodputController(k_max=8, prior_acceptance=acc)
     c.verify.a, c.verify.b, c.draft.a, c.draft.b = verify_a, verify_b, draft_a, draft_b
     return c
 
@@ -85,7 +85,7 @@ def test_drafter_groups_stepping_one_after_another_cost_more_than_in_parallel():
 
 
 def test_acceptance_estimate_is_the_geometric_mle():
-    c = SpeculationController(prior_acceptance=0.5, ema=1.0)  # no memory: only the last round counts
+    c = GoodputController(prior_acceptance=0.5, ema=1.0)  # no memory: only the last round counts
     c.observe_acceptance("a", drafted=4, accepted=3)
     assert abs(c.acceptance["a"] - 3 / 4) < 1e-9  # three accepted, one rejection
     c.observe_acceptance("a", drafted=4, accepted=4)
@@ -104,14 +104,14 @@ def test_fused_trees_accepted_along_their_depth_grow_to_long_drafts():
     assert ks["a"] == c.k_max
 
 
-def _participation_ctrl(verify_a, verify_b, accepted_by_mode, modes=(ONE, FUSED)):
-    c = SpeculationController(k_max=4, drafters_per_request=2, modes=modes, participation_probe=1000)
+def _participation_ctrl(verify_a, verify_b, accepted_by_mode, participations=(ONE, FUSED)):
+    c = GoodputController(k_max=4, drafters_per_request=2, participations=participations, participation_probe=1000)
     c.verify.a, c.verify.b = verify_a, verify_b
-    for m in modes:  # drafting time per round, per mode
+    for m in participations:  # drafting time per round, per participation
         c.draft_model(m).a, c.draft_model(m).b = 0.005, 0.001
     for _ in range(20):  # rounds measured in each mode (pool-wide acceptance per mode)
         for m, accepted in accepted_by_mode.items():  # of 4 drafted: MLE 2 -> 0.67, 3 -> 0.75
-            c.observe_acceptance(f"pool-{m}", drafted=4, accepted=accepted, mode=m)
+            c.observe_acceptance(f"pool-{m}", drafted=4, accepted=accepted, participation=m)
     return c
 
 
@@ -119,7 +119,7 @@ def test_idle_verifier_lets_more_drafters_participate():
     # extra verify tokens are nearly free and two fused drafters are accepted more often than one
     c = _participation_ctrl(0.030, 0.0001, {ONE: 2, FUSED: 3})
     ks = c.choose(["a", "b"])
-    assert c.mode == FUSED and min(ks.values()) >= 3
+    assert c.participation == FUSED and min(ks.values()) >= 3
 
 
 def test_loaded_verifier_drafts_with_fewer_drafters():
@@ -127,20 +127,20 @@ def test_loaded_verifier_drafts_with_fewer_drafters():
     # drafter's sibling branches double the verify work, so one drafter per request pays more
     c = _participation_ctrl(0.030, 0.003, {ONE: 2, FUSED: 3})
     ks = c.choose([str(i) for i in range(8)])
-    assert c.mode == ONE and any(ks.values())
+    assert c.participation == ONE and any(ks.values())
 
 
 def test_lockstep_round_trips_priced_against_one_shot_drafting():
     # fusion in lockstep is accepted a little more often than one-shot, but pays a 10 ms round trip per depth
     one_shot = Participation(2, lockstep=False)
-    c = _participation_ctrl(0.030, 0.0001, {ONE: 2, FUSED: 3, one_shot: 3}, modes=(ONE, FUSED, one_shot))
+    c = _participation_ctrl(0.030, 0.0001, {ONE: 2, FUSED: 3, one_shot: 3}, participations=(ONE, FUSED, one_shot))
     c.draft_model(FUSED).b = 0.010
-    c.observe_acceptance("pool-fused", drafted=4, accepted=4, mode=FUSED)
+    c.observe_acceptance("pool-fused", drafted=4, accepted=4, participation=FUSED)
     c.choose(["a"])
-    assert c.mode == one_shot
+    assert c.participation == one_shot
     c.draft_model(FUSED).b = 0.001  # hops as cheap as one-shot's engine steps: the better acceptance wins
     c.choose(["a"])
-    assert c.mode == FUSED
+    assert c.participation == FUSED
 
 
 def test_a_batch_spread_over_routed_drafters_consolidates_on_the_generalist_and_one_request_never_does():
@@ -148,60 +148,60 @@ def test_a_batch_spread_over_routed_drafters_consolidates_on_the_generalist_and_
     generalist steps the batch at once (1.5 ms per depth), for a little less acceptance: the batch drafts with the
     generalist. One request drafts with one drafter either way: the generalist is not offered."""
     shared = Participation(1, generalist=True)
-    c = _participation_ctrl(0.030, 0.001, {ONE: 3, shared: 2}, modes=(ONE, shared))
+    c = _participation_ctrl(0.030, 0.001, {ONE: 3, shared: 2}, participations=(ONE, shared))
     c.draft_model(ONE).c = 0.001
     c.draft_model(shared).b = 0.0015
     c.choose([str(i) for i in range(8)])
-    assert c.mode == shared
+    assert c.participation == shared
     for _ in range(40):
         c.choose(["alone"])
-        assert c.mode == ONE
+        assert c.participation == ONE
 
 
 def test_modes_that_measure_alike_do_not_alternate():
     """A routed round whose domain drafters are parked routes to the generalist: the two modes then measure alike,
-    within noise. The mode in use stays until another predicts `mode_hysteresis` more goodput."""
+    within noise. The mode in use stays until another predicts `participation_hysteresis` more goodput."""
     shared = Participation(1, generalist=True)
-    c = _participation_ctrl(0.030, 0.001, {ONE: 2, shared: 2}, modes=(ONE, shared))
+    c = _participation_ctrl(0.030, 0.001, {ONE: 2, shared: 2}, participations=(ONE, shared))
     chosen = []
     for i in range(20):  # each mode's drafting 1% cheaper than the other's, by turns
         c.draft_model(ONE).a, c.draft_model(shared).a = (0.0050, 0.0049) if i % 2 else (0.0049, 0.0050)
         c.choose([str(r) for r in range(8)])
-        chosen.append(c.mode)
+        chosen.append(c.participation)
     assert len(set(chosen)) == 1
     c.draft_model(chosen[0]).a = 0.030  # now clearly slower: the other mode takes over
     c.choose([str(r) for r in range(8)])
-    assert c.mode != chosen[0]
+    assert c.participation != chosen[0]
     # a lone request is routed (the generalist is not offered to it), and that does not become the mode held
     c.draft_model(ONE).a = c.draft_model(shared).a = 0.005
-    c.held_mode = shared
+    c.held_participation = shared
     c.choose(["alone"])
     c.choose([str(r) for r in range(8)])
-    assert c.mode == shared
+    assert c.participation == shared
 
 
 def test_a_request_estimate_moves_by_the_pools_difference_between_modes():
     c = _participation_ctrl(0.030, 0.0001, {ONE: 2, FUSED: 3})
     for _ in range(10):
-        c.observe_acceptance("r", drafted=4, accepted=1, mode=ONE)  # measured with one drafter
+        c.observe_acceptance("r", drafted=4, accepted=1, participation=ONE)  # measured with one drafter
     assert c._acceptance_at("r", ONE) < 0.55 and c._acceptance_at("r", FUSED) > c._acceptance_at("r", ONE) + 0.05
 
 
 def test_an_untried_participation_mode_is_probed():
-    c = SpeculationController(k_max=4, drafters_per_request=2, modes=(ONE, FUSED), participation_probe=4)
+    c = GoodputController(k_max=4, drafters_per_request=2, participations=(ONE, FUSED), participation_probe=4)
     c.verify.a, c.verify.b = 0.030, 0.002
     c.draft_model(FUSED).a = 0.050  # fused drafting looks too slow to ever be chosen
     seen, probes = set(), set()
     for _ in range(12):
         c.choose(["a", "b"])
-        seen.add(c.mode)
+        seen.add(c.participation)
         if c.probing:
-            probes.add(c.mode)
+            probes.add(c.participation)
     assert seen == {ONE, FUSED} and probes == {FUSED}  # a probe says so: its drafting was not asked for
 
 
 def test_a_mode_far_behind_is_probed_ever_less_often_and_at_the_base_rate_once_in_reach():
-    c = SpeculationController(k_max=4, drafters_per_request=2, modes=(ONE, FUSED), participation_probe=4,
+    c = GoodputController(k_max=4, drafters_per_request=2, participations=(ONE, FUSED), participation_probe=4,
                               participation_probe_max=16)
     c.verify.a, c.verify.b = 0.030, 0.002
     c.draft_model(FUSED).a = 0.050  # far behind: fused drafting costs more than a round's verification
@@ -211,7 +211,7 @@ def test_a_mode_far_behind_is_probed_ever_less_often_and_at_the_base_rate_once_i
         for i in range(n):
             c.choose(["a", "b"])
             if c.probing:
-                assert c.mode == FUSED
+                assert c.participation == FUSED
                 at.append(i)
         return at
 
@@ -248,11 +248,11 @@ def test_a_request_drafting_alone_is_priced_as_one_not_as_the_batch():
     m.observe(2, 1, 0.001 + 2 * 0.002)
     m.refit()
     assert m(4, 1) == pytest.approx(0.009, rel=0.05) and m(4, 6) == pytest.approx(0.049, rel=0.05)
-    c = SpeculationController(k_max=4, drafters_per_request=2, modes=(ONE,), participation_probe=1000)
+    c = GoodputController(k_max=4, drafters_per_request=2, participations=(ONE,), participation_probe=1000)
     c.verify.a, c.verify.b = 0.030, 0.0015
-    c.mode_draft[ONE] = m
+    c.participation_draft[ONE] = m
     for _ in range(5):
-        c.observe_acceptance("last", drafted=4, accepted=3, mode=ONE)
+        c.observe_acceptance("last", drafted=4, accepted=3, participation=ONE)
     assert c.choose(["last"])["last"] >= 3
 
 

@@ -41,17 +41,17 @@ def test_participation_follows_the_request_then_the_configuration():
 
 def test_the_adaptive_controller_offers_every_participation_mode():
     planner = DraftPlanner(_cfg(adaptive=True))
-    assert set(planner.controller.modes) == {Participation(1), Participation(2, True), Participation(2, False)}
-    assert DraftPlanner(_cfg(adaptive=True, adaptive_drafters=False)).controller.modes == ()
+    assert set(planner.controller.participations) == {Participation(1), Participation(2, True), Participation(2, False)}
+    assert DraftPlanner(_cfg(adaptive=True, adaptive_drafters=False)).controller.participations == ()
     assert DraftPlanner(_cfg(mode="off", adaptive=True)).controller is None
     # with a generalist drafter, one more: every request on it (also with one drafter per request)
     cfg = _cfg(adaptive=True)
     cfg.drafters[2].generalist = True
-    assert Participation(1, generalist=True) in DraftPlanner(cfg).controller.modes
+    assert Participation(1, generalist=True) in DraftPlanner(cfg).controller.participations
     cfg.routing.drafters_per_request = 1
     planner = DraftPlanner(cfg)
-    assert set(planner.controller.modes) == {Participation(1), Participation(1, generalist=True)}
-    planner.controller.mode = Participation(1, generalist=True)
+    assert set(planner.controller.participations) == {Participation(1), Participation(1, generalist=True)}
+    planner.controller.participation = Participation(1, generalist=True)
     assert planner.participation(SpeculationOverrides()) == Participation(1, generalist=True)
     # a request that fixes its drafters or their number is routed as it asks
     assert planner.participation(SpeculationOverrides(drafters_per_request=1)) == Participation(1)
@@ -157,7 +157,7 @@ def test_the_planner_retires_domain_drafters_only_where_the_autoscaler_can_take_
     c, chosen = planner.controller, [Participation(1, generalist=True)]
 
     def choose(rids, caps, **_):  # the controller's choice of participation, set by the test
-        c.mode, c.probing = chosen[0], False
+        c.participation, c.probing = chosen[0], False
         return dict(caps)
 
     c.choose = choose

@@ -10,7 +10,7 @@ things for the requests it claims:
    is named in `RoundRecord.strategy`), and `observe_call` / `started` / `ended` for timings.
 
 `SpeculationCoordinator` drives the rounds (depths, drafter calls, deadlines, drafter health and parking) and asks
-the strategies in `rank` order which one claims a request this round. The state they share is the `Pool`: the
+the strategies in `rank` order which one claims a request this round. The state they share is the `Roster`: the
 drafters, the routing matrix (`Router`, which every non-voting round teaches: `routing_feedback`) and the
 requests whose prompt no drafter has scored yet. A strategy module imports only this one (import-linter's
 independence contract); `speculation/strategies/__init__.py` finds the modules and keys the registry on `name`.
@@ -32,7 +32,7 @@ from speculation.voting import MajorityVote
 
 
 @dataclass
-class Pool:
+class Roster:
     """What every strategy shares: the drafters, the routing matrix and routing's cold start."""
 
     drafters: list[str]
@@ -43,9 +43,9 @@ class Pool:
 
 @dataclass
 class Setup:
-    """What a strategy is built from: the pool and the configuration (in process, tests pass their own)."""
+    """What a strategy is built from: the roster and the configuration (in process, tests pass their own)."""
 
-    pool: Pool
+    roster: Roster
     speculation: SpeculationSpec
     fixed_drafters: list[str] | None = None
     vote: MajorityVote | None = None  # the voters and their weights (default: from speculation.vote)
@@ -76,8 +76,8 @@ class DraftingStrategy(ABC):
     # modes); otherwise a request drafts with one drafter unless it names its own
     routed: ClassVar[bool] = False
 
-    def __init__(self, pool: Pool):
-        self.pool = pool
+    def __init__(self, roster: Roster):
+        self.roster = roster
 
     @classmethod
     @abstractmethod
@@ -101,8 +101,8 @@ class DraftingStrategy(ABC):
         """After a scoring depth: the prompt's log-likelihood per drafter starts its routing (cold start), and the
         routed drafters draft on."""
         rid = req.request_id
-        self.pool.router.add_request(rid, logliks)
-        return self.pool.router.route(rid, req.participation.drafters_per_request)
+        self.roster.router.add_request(rid, logliks)
+        return self.roster.router.route(rid, req.participation.drafters_per_request)
 
     def fused(self, req: DraftRequest) -> bool:
         """Are the drafters fed the fused token at each depth (lockstep), or each its own?"""
@@ -117,7 +117,7 @@ class DraftingStrategy(ABC):
     def observe(self, rid: str, committed: list[int], rnd: RoundRecord) -> None:
         """The target committed `committed` after `rnd`: by default its drafters' routing scores learn from it."""
         if rnd.strategy == self.name:
-            routing_feedback(self.pool, rid, committed, rnd)
+            routing_feedback(self.roster, rid, committed, rnd)
 
     def observe_call(self, name: str, seconds: float, steps: int) -> None:
         """A drafter answered a call of `steps` tokens (prompt scoring excluded) in `seconds`."""
@@ -136,15 +136,15 @@ class DraftingStrategy(ABC):
         return {}
 
 
-def route(pool: Pool, req: DraftRequest, up: list[str]) -> Choice:
+def route(roster: Roster, req: DraftRequest, up: list[str]) -> Choice:
     """The routed drafters: a random pick, every drafter to score a new request's prompt, or Eq. 3."""
     rid, n = req.request_id, req.participation.drafters_per_request
     if req.routing == "random":
-        return Choice(pool.router.rng.sample(up, min(len(up), n)))
-    if rid in pool.unscored:
-        pool.unscored.discard(rid)
+        return Choice(roster.router.rng.sample(up, min(len(up), n)))
+    if rid in roster.unscored:
+        roster.unscored.discard(rid)
         return Choice(up, scoring=True)
-    return Choice(pool.router.route(rid, n, exclude=set(pool.drafters) - set(up)), ranked=True)
+    return Choice(roster.router.route(rid, n, exclude=set(roster.drafters) - set(up)), ranked=True)
 
 
 def accepted_prefix(committed: list[int], drafted: list[int]) -> int:
@@ -154,13 +154,13 @@ def accepted_prefix(committed: list[int], drafted: list[int]) -> int:
     return n
 
 
-def routing_feedback(pool: Pool, rid: str, committed: list[int], rnd: RoundRecord) -> None:
+def routing_feedback(roster: Roster, rid: str, committed: list[int], rnd: RoundRecord) -> None:
     """Eq. 1-2 for each drafter of the round (exact prefix matches without embeddings), into the routing matrix."""
     scores = {}
     for name, props in rnd.proposals.items():
         toks = [t for t, _ in props]
-        if pool.embeddings is not None:
-            scores[name] = alignment(committed, toks, [c for _, c in props], pool.embeddings, rnd.fused)
+        if roster.embeddings is not None:
+            scores[name] = alignment(committed, toks, [c for _, c in props], roster.embeddings, rnd.fused)
         else:
             scores[name] = accepted_prefix(committed, toks) / max(1, len(toks))
-    pool.router.update(rid, float(len(committed)), scores)
+    roster.router.update(rid, float(len(committed)), scores)

@@ -15,7 +15,7 @@ class CosineRouting(DraftingStrategy):
 
     @classmethod
     def build(cls, setup: Setup) -> CosineRouting | None:
-        return cls(setup.pool) if setup.pool.router.config.chain_choice == "score" else None
+        return cls(setup.roster) if setup.roster.router.config.chain_choice == "score" else None
 
     def choose(self, req: DraftRequest, up: list[str], last: RoundRecord | None) -> Choice:
-        return route(self.pool, req, up)
+        return route(self.roster, req, up)

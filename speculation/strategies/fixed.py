@@ -13,12 +13,12 @@ class FixedDrafters(DraftingStrategy):
     rank = 10
 
     def __init__(self, setup: Setup, fixed: list[str] | None):
-        super().__init__(setup.pool)
+        super().__init__(setup.roster)
         self.fixed = fixed
 
     @classmethod
     def build(cls, setup: Setup) -> FixedDrafters:
-        chain = setup.pool.drafters[:1] if setup.speculation.mode == cls.name else None
+        chain = setup.roster.drafters[:1] if setup.speculation.mode == cls.name else None
         return cls(setup, setup.fixed_drafters or chain)  # a request may name its drafters in any mode
 
     def claims(self, req: DraftRequest, up: list[str]) -> bool:

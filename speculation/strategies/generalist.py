@@ -14,10 +14,10 @@ class Generalist(DraftingStrategy):
 
     @classmethod
     def build(cls, setup: Setup) -> Generalist:
-        return cls(setup.pool)
+        return cls(setup.roster)
 
     def _generalist(self, up: list[str]) -> list[str]:
-        return [d for d in up if d in self.pool.router.generalists][:1]
+        return [d for d in up if d in self.roster.router.generalists][:1]
 
     def claims(self, req: DraftRequest, up: list[str]) -> bool:
         return req.participation.generalist and bool(self._generalist(up))

@@ -13,8 +13,8 @@ class SingleDrafter(DraftingStrategy):
     rank = 20
 
     def __init__(self, setup: Setup):
-        super().__init__(setup.pool)
-        self.drafter = setup.speculation.drafter or setup.pool.drafters[0]
+        super().__init__(setup.roster)
+        self.drafter = setup.speculation.drafter or setup.roster.drafters[0]
 
     @classmethod
     def build(cls, setup: Setup) -> SingleDrafter | None:

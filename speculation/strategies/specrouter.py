@@ -18,16 +18,16 @@ class SpecRouterChains(DraftingStrategy):
     rank = 100
 
     def __init__(self, setup: Setup):
-        super().__init__(setup.pool)
+        super().__init__(setup.roster)
         self.costs = ChainCosts(families=dict(setup.families))
         self.round_end: dict[str, float] = {}  # when a request's last round ended (its verify cycle's start)
 
     @classmethod
     def build(cls, setup: Setup) -> SpecRouterChains | None:
-        return cls(setup) if setup.pool.router.config.chain_choice == "latency" else None
+        return cls(setup) if setup.roster.router.config.chain_choice == "latency" else None
 
     def choose(self, req: DraftRequest, up: list[str], last: RoundRecord | None) -> Choice:
-        choice = route(self.pool, req, up)
+        choice = route(self.roster, req, up)
         rid = req.request_id
         if choice.ranked and req.participation.drafters_per_request == 1 and choice.drafters:
             # the routed chain, or a tried one that is cheaper

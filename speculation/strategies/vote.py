@@ -17,9 +17,9 @@ class MinionsVote(DraftingStrategy):
     rank = 0
 
     def __init__(self, setup: Setup):
-        super().__init__(setup.pool)
+        super().__init__(setup.roster)
         spec = setup.speculation.vote
-        self.vote = setup.vote or MajorityVote(spec.drafters or setup.pool.drafters,
+        self.vote = setup.vote or MajorityVote(spec.drafters or setup.roster.drafters,
                                                **spec.model_dump(exclude={"drafters"}))
 
     @classmethod
