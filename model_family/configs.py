@@ -27,3 +27,10 @@ def target_config() -> LlamaConfig:
 def drafter_config() -> LlamaConfig:
     """~1.5M parameters, about 5x cheaper per decode step than the target on a CPU."""
     return _llama(hidden=128, layers=2, intermediate=352, heads=4)
+
+
+def lm_target_config() -> LlamaConfig:
+    """~29M parameters (8 layers of 512): the larger target trained on a GPU on all the corpora (model_family/
+    lm_target.py). Its decode step costs well under the bench target's (138M, the 10M target widened 4x), and its
+    fp16 weights (58 MB) come back from a lent GPU machine in one call (64 MiB at most, in pieces of 16 MiB)."""
+    return _llama(hidden=512, layers=8, intermediate=1344, heads=8)

@@ -244,12 +244,15 @@ def chunk(text: str, size: int = CHUNK_CHARS) -> Iterator[str]:
         yield buf.strip()
 
 
-def build_domain(domain: str, raw: Path, seed: int = 0) -> tuple[list[str], list[str], list[dict]]:
-    """Chunks of every source of `domain`, deduplicated, shuffled and split into (train, test)."""
+def build_domain(domain: str, raw: Path, seed: int = 0, sources: tuple[Source, ...] = SOURCES,
+                 max_train_chars: int | None = MAX_TRAIN_CHARS) -> tuple[list[str], list[str], list[dict]]:
+    """Chunks of every source of `domain`, deduplicated, shuffled and split into (train, test); the train split
+    capped at `max_train_chars` (shared equally by the sources; None: uncapped). A source's split depends only on
+    the sources before it: sources added after the others leave the others' split as it was."""
     seen: set[bytes] = set()
     per_source: list[list[str]] = []
     stats = []
-    for src in (s for s in SOURCES if s.domain == domain):
+    for src in (s for s in sources if s.domain == domain):
         chunks = []
         for doc in src.read(raw):
             for piece in chunk(normalize(doc)):
@@ -262,7 +265,7 @@ def build_domain(domain: str, raw: Path, seed: int = 0) -> tuple[list[str], list
                       "chunks": len(chunks), "chars": sum(map(len, chunks))})
     rng = random.Random(f"{seed}-{domain}")
     train, test = [], []
-    budget = MAX_TRAIN_CHARS // max(1, len(per_source))
+    budget = max_train_chars // max(1, len(per_source)) if max_train_chars else float("inf")
     for chunks in per_source:
         rng.shuffle(chunks)
         n_test = max(20, int(len(chunks) * TEST_FRACTION))
@@ -290,13 +293,14 @@ def read_jsonl(path: Path) -> list[str]:
         return [json.loads(line)["text"] for line in f]
 
 
-def prepare(data_dir: Path, seed: int = 0, progress=None) -> dict:
+def prepare(data_dir: Path, seed: int = 0, progress=None, sources: tuple[Source, ...] = SOURCES,
+            max_train_chars: int | None = MAX_TRAIN_CHARS) -> dict:
     """Fetch every source and write data_dir/<domain>/{train,test}.jsonl plus a stats.json."""
     raw = (data_dir / "raw").resolve()
     raw.mkdir(parents=True, exist_ok=True)
     report = {}
     for domain in DOMAINS:
-        train, test, stats = build_domain(domain, raw, seed)
+        train, test, stats = build_domain(domain, raw, seed, sources, max_train_chars)
         write_jsonl(data_dir / domain / "train.jsonl", train)
         write_jsonl(data_dir / domain / "test.jsonl", test)
         report[domain] = {"train_chunks": len(train), "test_chunks": len(test),

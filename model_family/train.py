@@ -55,17 +55,27 @@ def train_target(config, streams: dict[str, np.ndarray], steps: int, batch: int,
     return model, {"steps": steps, "tokens": steps * batch * seq_len, "seconds": seconds}
 
 
+class TrainingCut(Exception):
+    """A run stopped at its time budget with its checkpoint saved: the same call again goes on from there."""
+
+    def __init__(self, steps_done: int):
+        super().__init__(f"stopped at step {steps_done} (its time budget); run again to resume")
+        self.steps_done = steps_done
+
+
 def fit(model, steps: int, lr: float, seed: int, desc: str,
         batch_loss: Callable[[np.random.Generator], torch.Tensor], checkpoint: Path | None = None,
-        every: int = 100, on_step: Callable[[int], None] | None = None) -> float:
+        every: int = 100, on_step: Callable[[int], None] | None = None, budget_s: float | None = None) -> float:
     """The training loop every model of the family shares: AdamW with warm-up and schedule (`lr_at`), gradient
     clipping at 1, a progress bar; `batch_loss(rng)` draws a batch and returns its loss. Returns the seconds.
 
     With `checkpoint`, the model, optimiser, data order and seconds so far are saved there every `every` steps,
     and a run that finds one resumes from it (a session cut off mid-model loses at most `every` steps); the
     file is removed once training completes. `on_step(steps_done)` runs after every step (evaluations along
-    the way)."""
+    the way). `budget_s` (with `checkpoint`): once this call has run that long, the checkpoint is saved and
+    `TrainingCut` raised (runs on a machine lent for minutes at a time)."""
     opt = _optimizer(model, lr)
+    called = time.time()
     rng = np.random.default_rng(seed)
     first, spent = 0, 0.0
     if checkpoint is not None and checkpoint.exists():
@@ -90,13 +100,17 @@ def fit(model, steps: int, lr: float, seed: int, desc: str,
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if on_step is not None:
             on_step(step + 1)
-        if checkpoint is not None and (step + 1) % every == 0 and step + 1 < steps:
+        cut = budget_s is not None and time.time() - called >= budget_s and step + 1 < steps
+        if checkpoint is not None and ((step + 1) % every == 0 or cut) and step + 1 < steps:
             checkpoint.parent.mkdir(parents=True, exist_ok=True)
             partial = checkpoint.with_suffix(".partial")
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng.bit_generator.state,
                         "torch_rng": torch.get_rng_state(), "step": step + 1, "seconds": time.time() - start},
                        partial)
             partial.replace(checkpoint)  # a cut-off mid-write leaves the previous checkpoint whole
+        if cut:
+            bar.close()
+            raise TrainingCut(step + 1)
     if checkpoint is not None:
         checkpoint.unlink(missing_ok=True)
     return round(time.time() - start, 1)
