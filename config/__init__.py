@@ -296,6 +296,8 @@ class GuardSpec(_Strict):
     window: int = Field(16, ge=2, description="speculating verify steps per verdict")
     margin: float = Field(0.03, ge=0, lt=1, description="speculation is switched off when its realised tokens per "
                           "second fall more than this share below plain decoding's")
+    patience: int = Field(2, ge=1, description="windows in a row that must lose before speculation is switched "
+                          "off (one, when it is tried again after being off)")
     probe_steps: int = Field(2, ge=1, description="plain steps taken to measure plain decoding where no plain "
                              "step was measured at a batch size near the window's")
     off_steps: int = Field(32, ge=1, description="plain steps after a lost window before speculation is tried "

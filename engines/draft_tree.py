@@ -41,6 +41,14 @@ class Draft:
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), q,
                    [drafter] * len(tokens) if drafter else None, probs)
 
+    @property
+    def depth(self) -> int:
+        """The longest root-to-leaf path, in nodes (a chain's length)."""
+        depths: list[int] = []
+        for p in self.parents:  # parents precede their children
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return max(depths, default=0)
+
     def children(self) -> dict[int, list[int]]:
         kids: dict[int, list[int]] = {-1: []}
         for j, p in enumerate(self.parents):

@@ -5,9 +5,10 @@ can be wrong where the hardware does what it was not fitted on (a GPU round that
 drafters far slower than their fit). The guard does not model anything: it compares what speculation really gave,
 tokens committed per second of wall time over a window of `window` speculating steps (drafting waits, verify and
 the loop's own work included), with what plain decoding gives at the same batch sizes, measured on steps without
-drafts. Where speculation was more than `margin` slower, it is switched off (k = 0 for every request) for
-`off_steps` steps, twice as long after each further loss (up to `off_steps_max`), then tried again for one window;
-a window that pays resets the wait.
+drafts. Where speculation was more than `margin` slower in `patience` windows in a row (one noisy window on a
+busy machine is not a verdict), it is switched off (k = 0 for every request) for `off_steps` steps, then tried again
+for one window: a loss there switches it off again at once, for twice as long (up to `off_steps_max`); a window
+that pays resets the wait.
 
 Plain steps are measured where they happen anyway (speculation off, requests held at k = 0), and otherwise by a
 probe when a window is full: `probe_steps` steps without drafts, where no measured size stands for the window's
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 class SpeculationGuard:
     window: int = 16
     margin: float = 0.03
+    patience: int = 2
     probe_steps: int = 2
     off_steps: int = 32
     off_steps_max: int = 512
@@ -42,7 +44,9 @@ class SpeculationGuard:
     probing: int = 0  # plain probe steps still to take
     probed: bool = False  # the full window has had its probe
     last_ratio: float | None = None  # realised speculative goodput over plain's, in the last window
-    switched_off: int = 0  # windows that lost (times speculation was switched off)
+    switched_off: int = 0  # times speculation was switched off
+    losses: int = 0  # losing windows in a row
+    trial: bool = False  # speculating again after being switched off: one losing window suffices
 
     def __post_init__(self):
         self.wait = self.off_steps
@@ -50,7 +54,8 @@ class SpeculationGuard:
     @classmethod
     def from_spec(cls, spec) -> SpeculationGuard:
         """From `speculation.guard` (config.GuardSpec)."""
-        return cls(window=spec.window, margin=spec.margin, probe_steps=spec.probe_steps, off_steps=spec.off_steps,
+        return cls(window=spec.window, margin=spec.margin, patience=spec.patience, probe_steps=spec.probe_steps,
+                   off_steps=spec.off_steps,
                    off_steps_max=spec.off_steps_max, refresh_steps=spec.refresh_steps)
 
     @property
@@ -80,6 +85,7 @@ class SpeculationGuard:
         if not speculated:
             if self.off_left > 0:
                 self.off_left -= 1
+                self.trial = self.off_left == 0
             if not prefill and requests > 0:
                 self.plain.setdefault(requests, deque(maxlen=8)).append(seconds)
                 self.plain_age[requests] = 0
@@ -106,12 +112,15 @@ class SpeculationGuard:
         if plain_rate <= 0:
             return
         self.last_ratio = spec_rate / plain_rate
-        if self.last_ratio < 1 - self.margin:
+        if self.last_ratio >= 1 - self.margin:
+            self.wait, self.losses, self.trial = self.off_steps, 0, False
+            return
+        self.losses += 1
+        if self.trial or self.losses >= self.patience:
             self.off_left = self.wait
             self.wait = min(2 * self.wait, self.off_steps_max)
             self.switched_off += 1
-        else:
-            self.wait = self.off_steps
+            self.losses, self.trial = 0, False
 
     def state(self) -> dict:
         return {"speculating": self.speculating, "off_steps_left": self.off_left,

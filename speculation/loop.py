@@ -307,7 +307,8 @@ class VerifyLoop:
             return {}
         seconds = time.perf_counter() - t
         self.stats.draft_round(seconds)
-        self.stats.device_round(max(d.k for d in batch), WORK.since(work))
+        # the depth drafted, not asked for: a fused tree that reaches its node budget ends the round earlier
+        self.stats.device_round(max((d.depth for d in drafts.values()), default=0), WORK.since(work))
         if self.trace:
             self.trace.draft(len(batch), max(d.k for d in batch), scored, seconds)
         self.planner.observe_round(batch, participations, seconds)

@@ -30,7 +30,7 @@ def _spec(g: SpeculationGuard, n: int, committed: int, seconds: float, steps: in
 
 
 def test_losing_speculation_is_switched_off_after_a_window_and_tried_again_later():
-    g = SpeculationGuard(window=4, margin=0.03, probe_steps=2, off_steps=3, off_steps_max=6)
+    g = SpeculationGuard(window=4, margin=0.03, patience=1, probe_steps=2, off_steps=3, off_steps_max=6)
     _spec(g, 8, 16, 0.5, steps=4)  # a full window and no plain step measured: a probe first
     assert not g.allow(8) and g.probing == 2
     _plain(g, 8, 0.1, steps=2)  # plain: 8 tokens in 0.1 s = 80/s; speculation gave 16 in 0.5 s = 32/s
@@ -40,11 +40,25 @@ def test_losing_speculation_is_switched_off_after_a_window_and_tried_again_later
     assert [g.allow(8) for _ in range(3)] == [False] * 3  # asking does not count down, steps do
     _plain(g, 8, 0.1, steps=3)
     assert g.allow(8)  # tried again after off_steps plain steps
-    _spec(g, 8, 16, 0.5, steps=4)  # loses again: off twice as long
+    _spec(g, 8, 16, 0.5, steps=4)  # loses again (on trial): off twice as long
     assert g.off_left == 6 and g.wait == 6  # capped at off_steps_max
     _plain(g, 8, 0.1, steps=6)
     _spec(g, 8, 80, 0.5, steps=4)  # now it pays (160/s against 80/s): on, and the wait back to off_steps
     assert g.allow(8) and g.wait == 3 and g.last_ratio == pytest.approx(2.0)
+
+
+def test_one_losing_window_is_not_a_verdict_but_two_in_a_row_are():
+    g = SpeculationGuard(window=2, patience=2, off_steps=4)
+    _plain(g, 4, 0.1)
+    _spec(g, 4, 4, 0.2, steps=2)  # half plain's speed: one loss
+    assert g.allow(4) and g.losses == 1
+    _spec(g, 4, 12, 0.1, steps=2)  # a window that pays clears it
+    assert g.allow(4) and g.losses == 0
+    _spec(g, 4, 4, 0.2, steps=4)  # two losses in a row
+    assert not g.allow(4) and g.switched_off == 1
+    _plain(g, 4, 0.1, steps=4)
+    _spec(g, 4, 4, 0.2, steps=2)  # tried again: one loss suffices
+    assert not g.allow(4) and g.switched_off == 2 and g.off_left == 8
 
 
 def test_paying_speculation_stays_on_and_short_runs_never_see_the_guard():
@@ -119,7 +133,7 @@ def test_slow_drafting_is_switched_off_by_the_guard_and_the_output_stays_the_tar
                                                                                     heldout):
     """Every drafting round made to take ~10 verify steps, which the goodput controller is kept from pricing (as on
     a GPU, where rounds that mixed participation modes went unpriced and it kept drafting at ~20x a verify step):
-    the guard switches speculation off after its first window and the later steps decode without drafts; the output
+    the guard switches speculation off after two losing windows and the later steps decode without drafts; the output
     is target-only's. What it chose is checked, not a clock."""
     max_len, new = 256, 96
     drafter = AutoModelForCausalLM.from_pretrained(models / "drafter-generic", dtype=torch.float32).eval()
@@ -143,6 +157,6 @@ def test_slow_drafting_is_switched_off_by_the_guard_and_the_output_stays_the_tar
     guard = loop.planner.guard
     assert out == reference
     assert guard.switched_off == 1 and not guard.speculating and guard.last_ratio < 0.5
-    # one window of 8 speculating steps (and the prompts' first) plus the plain probes, then no drafting at all
-    assert loop.drafting.rounds <= 8 + 2 + 2
+    # two windows of 8 speculating steps (patience 2; and the prompts' first) plus the plain probes, then none
+    assert loop.drafting.rounds <= 2 * 8 + 2 + 2
     assert loop.stats.totals["steps"] > 40
