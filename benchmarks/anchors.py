@@ -1,7 +1,8 @@
 """`cosine bench anchors`: ours with the vLLM verifier against vLLM's own methods and HF, side by side.
 
-The same held-out mixed-domain prompts (2 per domain, 64 tokens), the bench target, greedy, 128 new tokens
-(`ignore_eos`), at each concurrency (a closed loop: that many requests in flight). Systems:
+The same held-out mixed-domain prompts (2 per domain, 64 tokens), the bench target, 128 new tokens (`ignore_eos`), at
+each concurrency (a closed loop: that many requests in flight), greedy or sampled (`--temperature`, `--top-p`,
+`--seed`: every system at the same settings, each request with its own seed, the same in every system). Systems:
 - vLLM target-only; vLLM `draft_model` speculation with the generic drafter, and with the prompt's own domain
   drafter (vLLM takes one draft model per engine: each domain's prompts run on their domain's engine, at the
   concurrency or as many prompts as the domain has; these engines run first, one at a time, since nine vLLM
@@ -14,7 +15,10 @@ The same held-out mixed-domain prompts (2 per domain, 64 tokens), the bench targ
 Every system lives in its own process (one vLLM engine per process), is warmed up, and the other systems are
 interleaved over the repeats; each row is the median run with min and max. Reported: tokens/s, time per output
 token, mean accepted length (vLLM's definition: 1 + accepted / drafts), target passes per token where the engine
-counts them, speed-up over vLLM target-only, and whether the output equals vLLM target-only's.
+counts them, speed-up over vLLM target-only, and the output check: greedy, whether the output equals vLLM
+target-only's; sampled, the chi-square p-value of the row's tokens (every repeat's) against the target's own
+distribution (benchmarks/sampled.py), with a warning below the table for a row under 0.001. Beside each row, the text
+statistics of its outputs (distinct tokens per output, the share of 4-grams that repeat an earlier one).
 
 Drafting cost, as figures of its own (in process only: the served row's drafting happens in the replica): ms per
 drafted token (vLLM's count: draft tokens sent to verification) and ms per round (one round drafts for the whole
@@ -41,6 +45,9 @@ from pathlib import Path
 from model_family import DOMAINS
 from benchmarks.common import ServedApp, cell, heldout_prompts, tps_cell
 from benchmarks.metrics import save_json
+from benchmarks.sampled import (P_FLOOR, Sampling, check_cell, check_header, distribution_pvalue, reference_model,
+                                text_columns)
+from model_family.text_stats import text_stats
 
 TARGET_ONLY = "vLLM target-only"
 SERVED = "ours: vLLM verifier + drafting tier, served (Ray Serve, HTTP)"
@@ -107,7 +114,7 @@ def _vllm_worker(spec: dict, max_batch: int):
     drafting = _time_vllm_drafting()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory])
 
-    def run(prompts, concurrency, max_tokens, domains):
+    def run(prompts, concurrency, max_tokens, domains, sampling):
         before, drafting_before = dict(counters.totals), dict(drafting)
         todo, live, done, starts, ids = list(enumerate(prompts)), {}, {}, {}, 0
         t0 = time.perf_counter()
@@ -115,8 +122,9 @@ def _vllm_worker(spec: dict, max_batch: int):
         while todo or live:
             while todo and len(live) < concurrency:
                 i, p = todo.pop(0)
-                params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False,
-                                        output_kind=RequestOutputKind.DELTA)
+                params = SamplingParams(max_tokens=max_tokens, temperature=sampling["temperature"],
+                                        top_p=sampling["top_p"], seed=_seed(sampling, i), ignore_eos=True,
+                                        detokenize=False, output_kind=RequestOutputKind.DELTA)
                 rid = f"{ids}-{i}"
                 ids += 1
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
@@ -152,11 +160,12 @@ def _ours_worker(spec: dict, max_batch: int):
     loop = build_loop(AppConfig.model_validate(args))
     aio = asyncio.new_event_loop()
 
-    async def go(prompts, concurrency, max_tokens):
+    async def go(prompts, concurrency, max_tokens, sampling):
         sem = asyncio.Semaphore(concurrency)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
-        async def one(p):
+        async def one(i, p):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=sampling["temperature"],
+                                    top_p=sampling["top_p"], seed=_seed(sampling, i))
             async with sem:
                 t, ids, usage = time.perf_counter(), [], {}
                 async for chunk in loop.generate(p, params):
@@ -165,14 +174,14 @@ def _ours_worker(spec: dict, max_batch: int):
                 return ids, time.perf_counter() - t, usage
 
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(one(p) for p in prompts))
+        res = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         return res, time.perf_counter() - t0
 
     coordinator = loop.drafting.coordinator
 
-    def run(prompts, concurrency, max_tokens, domains):
+    def run(prompts, concurrency, max_tokens, domains, sampling):
         rounds, draft_s = coordinator.stats["rounds"], coordinator.stats["step_seconds"]
-        res, wall = aio.run_until_complete(go(prompts, concurrency, max_tokens))
+        res, wall = aio.run_until_complete(go(prompts, concurrency, max_tokens, sampling))
         return {"outputs": [r[0] for r in res], "seconds": [r[1] for r in res], "wall": wall,
                 "drafts": sum(r[2].get("num_drafts", 0) for r in res),
                 "accepted": sum(r[2].get("num_accepted_tokens", 0) for r in res),
@@ -191,25 +200,38 @@ def _hf_worker(spec: dict, max_batch: int):
     from model_family.paths import model_path
 
     def load(name):
-        return AutoModelForCausalLM.from_pretrained(model_path(name), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path(name), dtype=torch.float32).eval()
+        # no EOS: generation runs to max_new_tokens with EOS sampled like any token, as vLLM's ignore_eos does
+        # (min_new_tokens would take EOS out of the distribution)
+        model.generation_config.eos_token_id = None
+        return model
 
     target = load("bench-target")
     drafters = {d: load(f"drafter-{d}") for d in DOMAINS}
 
     @torch.no_grad()
-    def run(prompts, concurrency, max_tokens, domains):
+    def run(prompts, concurrency, max_tokens, domains, sampling):
         outs, secs = [], []
         t0 = time.perf_counter()
-        for p, d in zip(prompts, domains):
+        for i, (p, d) in enumerate(zip(prompts, domains)):
+            sample = {"do_sample": False} if sampling["temperature"] == 0 else {
+                "do_sample": True, "temperature": sampling["temperature"], "top_p": sampling["top_p"]}
+            if sample["do_sample"]:
+                torch.manual_seed(_seed(sampling, i))
             t = time.perf_counter()
             out = target.generate(torch.tensor([p]), assistant_model=drafters[d], max_new_tokens=max_tokens,
-                                  min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+                                  pad_token_id=0, **sample)
             outs.append(out[0, len(p):].tolist())
             secs.append(time.perf_counter() - t)
         return {"outputs": outs, "seconds": secs, "wall": time.perf_counter() - t0, "drafts": 0, "accepted": 0,
                 "steps": None}
 
     return run
+
+
+def _seed(sampling: dict, i: int) -> int | None:
+    """Request `i`'s seed (None when greedy)."""
+    return sampling["seeds"][i] if sampling.get("seeds") else None
 
 
 def worker_main(spec_json: str) -> int:
@@ -219,7 +241,7 @@ def worker_main(spec_json: str) -> int:
     print("READY", flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        res = run(req["prompts"], req["concurrency"], req["max_tokens"], req["domains"])
+        res = run(req["prompts"], req["concurrency"], req["max_tokens"], req["domains"], req["sampling"])
         print("RESULT " + json.dumps(res), flush=True)
     return 0
 
@@ -243,9 +265,9 @@ class _Worker:
         tail = "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-30:])
         raise RuntimeError(f"benchmark worker exited ({self.proc.wait()}); the end of its log ({self.log_path}):\n{tail}")
 
-    def run(self, prompts, concurrency, max_tokens, domains) -> dict:
+    def run(self, prompts, concurrency, max_tokens, domains, sampling: dict) -> dict:
         self.proc.stdin.write(json.dumps({"prompts": prompts, "concurrency": concurrency, "max_tokens": max_tokens,
-                                          "domains": domains}) + "\n")
+                                          "domains": domains, "sampling": sampling}) + "\n")
         self.proc.stdin.flush()
         return json.loads(self._wait("RESULT "))
 
@@ -259,13 +281,15 @@ class _Worker:
 
 def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: int = 128, concurrencies=(1, 8),
         prompt_len: int = 64, repeats: int = 3, served: bool = True, port: int = 8011, k: int = 4,
-        log=print) -> dict:
+        sampling: Sampling = Sampling(), log=print) -> dict:
+    """`sampling`: every system at these settings, each request with its own seed, the same for every system
+    (benchmarks/sampled.py); sampled outputs are checked by distribution instead of against target-only's."""
     from transformers import AutoTokenizer
 
     from model_family.bench_target import ensure_bench_target
     from model_family.paths import model_path, models_dir
 
-    ensure_bench_target(models_dir(), log)
+    bench_dir = ensure_bench_target(models_dir(), log)
 
     tok = AutoTokenizer.from_pretrained(model_path("tokenizer"))
     prompts = heldout_prompts(tok, per_domain, prompt_len)
@@ -277,7 +301,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     # The domain-drafter rows need one vLLM engine per domain, and this machine's memory does not hold nine vLLM
     # engines at once: they run first, one domain's engine at a time (warm-up, then the repeats).
     runs: dict[tuple[str, int], list[dict]] = _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch,
-                                                            k, logs, log)
+                                                            k, logs, log, sampling)
     runners: dict[str, object] = {}
     try:
         for i, (name, spec) in enumerate(systems.items()):
@@ -289,29 +313,58 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
             else:
                 runners[name] = _Worker(dict(spec, config=config, max_batch=max_batch, k=k), logs / f"{i}.log")
 
-        def measure(name: str, concurrency: int, subset, max_tokens: int) -> dict:
-            return runners[name].run([p for _, p in subset], concurrency, max_tokens, [d for d, _ in subset])
+        def measure(name: str, concurrency: int, subset, max_tokens: int, run: int) -> dict:
+            return runners[name].run([p for _, p in subset], concurrency, max_tokens, [d for d, _ in subset],
+                                     _request_sampling(sampling, len(subset), run))
 
         interleaved = [(name, c) for name, c in plan if name != ORACLE]
         for i, (name, c) in enumerate(interleaved):
             log(f"[warm-up {i + 1}/{len(interleaved)}] concurrency {c}: {name}")
-            measure(name, c, prompts[::per_domain][:max(2, c)], 16)
+            measure(name, c, prompts[::per_domain][:max(2, c)], 16, 0)
         for rep in range(repeats):
             for i, (name, c) in enumerate(interleaved):
                 log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(interleaved)}] concurrency {c}: {name}")
-                res = measure(name, c, prompts, new_tokens)
+                res = measure(name, c, prompts, new_tokens, rep + 1)
                 res["tokens"] = sum(len(o) for o in res["outputs"])
                 runs.setdefault((name, c), []).append(res)
     finally:
         for r in runners.values():
             r.stop()
-    rows = [_row(name, c, runs[(name, c)], runs[(TARGET_ONLY, c)][0]["outputs"], tok) for name, c in plan]
+    rows = [_row(name, c, runs[(name, c)], runs[(TARGET_ONLY, c)][0]["outputs"], tok, sampling.greedy)
+            for name, c in plan]
     for row in rows:
         base = next(r for r in rows if r["system"] == TARGET_ONLY and r["concurrency"] == row["concurrency"])
         row["speedup_vs_vllm_target_only"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+    warnings = [] if sampling.greedy else _check_distributions(rows, runs, [p for _, p in prompts], bench_dir,
+                                                                sampling, log)
     return {"config": {"prompts": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens, "k": k,
-                       "repeats": repeats, "ours": config, "cpus": os.cpu_count()},
-            "rows": rows, "goals": _goals(rows, concurrencies)}
+                       "repeats": repeats, "ours": config, "cpus": os.cpu_count(), "sampling": sampling.as_dict()},
+            # what the target writes on these prompts at these settings (vLLM target-only's outputs, every run's)
+            "workload": text_stats([o for r in runs[(TARGET_ONLY, min(concurrencies))] for o in r["outputs"]]),
+            "rows": rows, "goals": _goals(rows, concurrencies), "warnings": warnings}
+
+
+def _request_sampling(sampling: Sampling, n: int, run: int) -> dict:
+    """What a worker is sent: the settings and the seeds of `n` requests of run `run` (0: the warm-up)."""
+    return {"temperature": sampling.temperature, "top_p": sampling.top_p, "seeds": sampling.seeds(n, run)}
+
+
+def _check_distributions(rows: list[dict], runs: dict, prompts: list[list[int]], bench_dir: Path,
+                         sampling: Sampling, log) -> list[str]:
+    """Each row's sampled outputs, every repeat's, tested against the target's distribution (its p-value in the
+    row); a warning for every row that fails. The served row is tested on the token ids the API returned."""
+    model = reference_model(bench_dir)
+    warnings = []
+    for row in rows:
+        test = distribution_pvalue(model, prompts, [r["outputs"] for r in runs[(row["system"], row["concurrency"])]],
+                                   sampling)
+        row["distribution_p"], row["distribution_tokens"] = test["p"], test["tokens"]
+        if test["p"] is not None and test["p"] < P_FLOOR:
+            warnings.append(f"{row['system']}, concurrency {row['concurrency']}: its sampled tokens do not follow "
+                            f"the target's distribution (chi-square p = {test['p']:.2g} over {test['tokens']} "
+                            f"tokens)")
+            log("WARNING: " + warnings[-1])
+    return warnings
 
 
 def _with_k(config: str, k: int, work: Path) -> str:
@@ -325,20 +378,29 @@ def _with_k(config: str, k: int, work: Path) -> str:
     return str(path)
 
 
-def _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch, k: int, logs: Path, log) -> dict:
+def _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch, k: int, logs: Path, log,
+                  sampling: Sampling) -> dict:
     """vLLM draft_model with each prompt's own domain drafter: each domain's prompts on an engine with that
-    domain's drafter, one engine at a time; a repeat's result sums the domains' walls."""
+    domain's drafter, one engine at a time; a repeat's result sums the domains' walls. Each prompt keeps the seed
+    it has in the other systems' runs."""
     parts: dict[tuple[int, int], dict[str, dict]] = {}
     for n, d in enumerate(DOMAINS):
         log(f"[{ORACLE} {n + 1}/{len(DOMAINS)}] {d}")
-        mine = [p for dd, p in prompts if dd == d]
+        index = [i for i, (dd, _) in enumerate(prompts) if dd == d]
+        mine = [prompts[i][1] for i in index]
+
+        def mine_sampling(run: int) -> dict:
+            req = _request_sampling(sampling, len(prompts), run)
+            return req | {"seeds": [req["seeds"][i] for i in index] if req["seeds"] else None}
+
         worker = _Worker({"kind": "vllm", "draft": d, "max_batch": max_batch, "k": k}, logs / f"oracle-{d}.log")
         try:
             for c in concurrencies:
-                worker.run(mine[:1], c, 16, [d])
+                worker.run(mine[:1], c, 16, [d], mine_sampling(0))
             for rep in range(repeats):
                 for c in concurrencies:
-                    parts.setdefault((c, rep), {})[d] = worker.run(mine, c, new_tokens, [d] * len(mine))
+                    parts.setdefault((c, rep), {})[d] = worker.run(mine, c, new_tokens, [d] * len(mine),
+                                                                   mine_sampling(rep + 1))
         finally:
             worker.stop()
     runs: dict[tuple[str, int], list[dict]] = {}
@@ -356,7 +418,7 @@ def _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch, k: int
     return runs
 
 
-def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int]], tok) -> dict:
+def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int]], tok, greedy: bool = True) -> dict:
     tps = sorted(r["tokens"] / r["wall"] for r in runs)
     mid = sorted(runs, key=lambda r: r["tokens"] / r["wall"])[(len(runs) - 1) // 2]
     tpot = statistics.median(s / max(1, len(o)) for s, o in zip(mid["seconds"], mid["outputs"]))
@@ -370,7 +432,10 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             if mid.get("draft_tokens") else None,
             "draft_ms_per_round": round(1000 * mid["draft_s"] / mid["draft_rounds"], 3)
             if mid.get("draft_rounds") else None,
-            "identical_to_vllm_target_only": all(_same(r, reference, tok) for r in runs)}
+            # greedy: token for token; sampled: None (the distribution test's p-value is added instead)
+            "identical_to_vllm_target_only": all(_same(r, reference, tok) for r in runs)
+            if greedy else None,
+            "text": text_stats([o for r in runs for o in r["outputs"]])}
 
 
 def _same(run: dict, reference: list[list[int]], tok) -> bool:
@@ -398,24 +463,30 @@ def _goals(rows: list[dict], concurrencies) -> dict:
 
 
 def format_table(result: dict) -> str:
+    text_head, text_sep, text_cells = text_columns(result)
     lines = [("| system | concurrency | tok/s median (min-max) | time per output token ms | mean accepted length "
               "| target passes/token | drafting ms per drafted token | drafting ms per round "
-              "| speed-up vs vLLM target-only | output = vLLM target-only |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+              f"| speed-up vs vLLM target-only | {check_header(result, 'output = vLLM target-only')} |{text_head}"),
+             "|---|---|---|---|---|---|---|---|---|---|" + text_sep]
     for r in result["rows"]:
         lines.append(f"| {r['system']} | {r['concurrency']} | {tps_cell(r)} | {r['tpot_ms']:.1f} "
                      f"| {cell(r['mean_accepted_length'])} | {cell(r['target_passes_per_token'], '{:.3f}')} "
                      f"| {cell(r.get('draft_ms_per_drafted_token'))} | {cell(r.get('draft_ms_per_round'))} "
-                     f"| {r['speedup_vs_vllm_target_only']:.2f}x | {'yes' if r['identical_to_vllm_target_only'] else 'NO'} |")
+                     f"| {r['speedup_vs_vllm_target_only']:.2f}x | {check_cell(r, 'identical_to_vllm_target_only')} "
+                     f"|{text_cells(r)}")
     lines.append("")
+    sampling = result.get("config", {}).get("sampling")
+    if sampling:
+        lines.append(f"- sampling: {Sampling.of(sampling).describe()}")
     lines += [f"- {k}: {v:.2f}x" for k, v in result["goals"].items()]
+    lines += [f"- WARNING: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)
 
 
 def main(args) -> int:
     result = run(args.config, per_domain=args.per_domain, new_tokens=args.new_tokens,
                  concurrencies=tuple(args.concurrency), repeats=args.repeats, served=not args.no_served,
-                 port=args.port, k=args.k)
+                 port=args.port, k=args.k, sampling=Sampling.from_args(args))
     print(format_table(result))
     save_json(result, args.json)
     return 0

@@ -76,6 +76,13 @@ class Row:
     tokens_per_s_min: float | None = None  # over the repeats
     tokens_per_s_max: float | None = None
     runs: int = 1
+    # device work (engines/device_work.py): drafter forwards per drafting depth, host reads (syncs on a GPU) per
+    # drafting round and per verify step, CUDA graph captures during the run (0 after warm-up)
+    drafter_forwards_per_depth: float | None = None
+    host_reads_per_round: float | None = None
+    host_reads_per_verify_step: float | None = None
+    graph_captures: int | None = None
+    guard_switched_off: int | None = None  # times the guard switched speculation off (speculation/guard.py)
 
 
 def median_row(rows: list[Row]) -> Row:
@@ -107,27 +114,31 @@ class ServedApp:
             time.sleep(3)
         self.model = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
 
-    def run(self, prompts, concurrency, max_tokens, domains) -> dict:
+    def run(self, prompts, concurrency, max_tokens, domains, sampling: dict | None = None) -> dict:
+        """`sampling`: {"temperature", "top_p", "seeds": one per prompt or None}; greedy without it."""
+        sampling = sampling or {"temperature": 0, "top_p": 1.0, "seeds": None}
+
         async def go():
             sem = asyncio.Semaphore(concurrency)
             async with httpx.AsyncClient(timeout=600) as client:
-                async def one(p):
+                async def one(i, p):
                     async with sem:
                         t = time.perf_counter()
                         r = await client.post(f"{self.url}/v1/completions", json={
-                            "model": self.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True})
+                            "model": self.model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
+                            "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+                            "seed": sampling["seeds"][i] if sampling["seeds"] else None, "return_token_ids": True})
                         r.raise_for_status()
                         return r.json(), time.perf_counter() - t
 
                 t0 = time.perf_counter()
-                res = await asyncio.gather(*(one(p) for p in prompts))
+                res = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
                 return res, time.perf_counter() - t0
 
         res, wall = asyncio.run(go())
-        # the API returns text: the output check compares it with the reference's decoded text
+        # the output check compares the text with the reference's decoded text, as a client reads it
         return {"texts": [r[0]["choices"][0]["text"] for r in res], "seconds": [r[1] for r in res],
-                "outputs": [[0] * r[0]["usage"]["completion_tokens"] for r in res],
+                "outputs": [r[0]["choices"][0].get("token_ids") or [0] * r[0]["usage"]["completion_tokens"] for r in res],
                 "wall": wall, "drafts": sum(r[0]["usage"].get("num_drafts", 0) for r in res),
                 "accepted": sum(r[0]["usage"].get("num_accepted_tokens", 0) for r in res),
                 "steps": sum(r[0]["usage"].get("verify_steps", 0) for r in res)}

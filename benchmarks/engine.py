@@ -4,10 +4,9 @@ Fixed-length generations of held-out prompts from all six domains on the bench t
 target), each prompt drafted by its own domain's drafter; greedy, or sampled at `--temperature`/`--top-p` with a seed
 per request (every method the same seeds; outputs then checked by distribution, benchmarks/sampled.py, not against
 target-only's). Beside every row the text statistics of its outputs (distinct tokens, repeated 4-gram share).
-Everything runs side by side in one process, so the ratios are meaningful on a noisy shared machine. Besides
-tokens/s it reports the hardware-independent figures (mean accepted length, target forward passes per generated
-token) and the limit: the speed-up a system with free drafting and no overhead would reach with the measured
-acceptance and step costs.
+Everything runs side by side in one process, so the ratios are meaningful on a noisy shared machine. Besides tokens/s it reports the hardware-
+independent figures (mean accepted length, target forward passes per generated token) and the limit: the
+speed-up a system with free drafting and no overhead would reach with the measured acceptance and step costs.
 """
 
 from __future__ import annotations
@@ -24,13 +23,14 @@ from transformers import AutoTokenizer
 
 from config import AppConfig
 from engines.cpu_kernels import packing_available
+from engines.device_work import WORK, warmed_up
 from engines.sampling import SamplingParams
 from engines.drafter import DrafterEngine
 from engines.runner import step_seconds
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
 from model_family.bench_target import ensure_bench_target, realistic_target
-from speculation.goodput import SpeculationController
+from speculation.goodput import GoodputController
 from speculation.profiling import fit_draft_latency, fit_verify_latency
 from speculation.inprocess import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
@@ -58,6 +58,8 @@ class Method:
     vote_per_request: bool = False
     levels: bool = False  # SpecRouter's chains: the target's 10M original as a drafter, alone or assisted
     chain_choice: bool = False  # SpecRouter's choice among every chain (routing.chain_choice: latency)
+    slowed: bool = False  # every drafting round made `slow_ms` longer on purpose (`SlowedDrafting`)
+    blind: bool = False  # the controller does not see what rounds cost: only the guard can switch speculation off
 
 
 def _methods(k: int) -> list[Method]:
@@ -83,14 +85,34 @@ def _methods(k: int) -> list[Method]:
             Method(f"ours: 3-level chain, domain drafter -> 10M original, goodput-adaptive k<={2 * k}",
                    lambda d: [f"3level-{d}"], adaptive=True, levels=True),
             # SpecRouter's choice per request and round among all of them: domain, generic, 2- and 3-level chains
-            Method(f"ours: SpecRouter chain choice among all chains, k={k}", None, levels=True, chain_choice=True)]
+            Method(f"ours: SpecRouter chain choice among all chains, k={k}", None, levels=True, chain_choice=True),
+            # never slower than plain decoding: drafting made slow on purpose, as shipped and with only the guard
+            Method(f"ours: full CoSine, k<={2 * k}, drafting slowed on purpose", None, True, True, slowed=True),
+            Method(f"ours: full CoSine, k<={2 * k}, drafting slowed on purpose, controller blind to it (the guard "
+                   "alone)", None, True, True, slowed=True, blind=True)]
+
+
+class SlowedDrafting:
+    """A drafting tier with every round made `delay_s` longer on purpose (its drafts unchanged): how the loop and
+    its guard behave when drafting costs more than it saves."""
+
+    def __init__(self, tier, delay_s: float):
+        self.tier, self.delay_s, self.rounds = tier, delay_s, 0
+
+    async def draft(self, batch):
+        self.rounds += 1
+        await asyncio.sleep(self.delay_s)
+        return await self.tier.draft(batch)
+
+    def __getattr__(self, name):  # release, stats, servers, coordinator: the tier's own
+        return getattr(self.tier, name)
 
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
         prompt_len: int = 64, include_hf: bool = True, repeats: int = 3, device: str = "cpu", log=print,
         only: list[str] | None = None, pool: tuple[str, ...] = ("off",), target_scale: tuple[int, int] | None = None,
         dtype: str = "float32", on_repeat: Callable[[dict], None] | None = None,
-        sampling: Sampling = Sampling()) -> dict:
+        sampling: Sampling = Sampling(), slow_ms: float = 200.0) -> dict:
     """Every method at every batch size, warmed up, then `repeats` times round-robin; the median run counts.
     `device`: where every model runs ("cuda" on a GPU). `only`: the methods whose names contain one of these
     (target-only always runs: it is the reference; "HF" selects HF assisted generation). `pool`: the
@@ -99,7 +121,8 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     that on the device instead of the bench target (model_family/bench_target.py `realistic_target`; HF assisted
     generation is left out then). `dtype`: every model's weights. `on_repeat`: given the result so far after every
     repeat but the last (its `config.repeats_done` says how many). `sampling`: every method at these settings
-    (benchmarks/sampled.py), each prompt with its own seed, the same in every method."""
+    (benchmarks/sampled.py), each prompt with its own seed, the same in every method. `slow_ms`: how much longer
+    the methods with drafting slowed on purpose make every round."""
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
     torch_dtype = getattr(torch, dtype)
     if target_scale:
@@ -157,7 +180,11 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         engines = {n: kept((n, batch), lambda n=n: DrafterEngine(drafters[n], name=n, max_requests=2 * batch,
                                                                  max_len=max_len)) for n in names}
         loop = build_loop(cfg, verifier, {**drafters, **engines})
-        if isinstance(loop.controller, SpeculationController) and not loop.controller.modes:
+        if m.slowed:
+            loop.drafting = SlowedDrafting(loop.drafting, slow_ms / 1000)
+        if m.blind:
+            loop.planner.observe_round = lambda *args: None
+        if isinstance(loop.controller, GoodputController) and not loop.controller.participations:
             if batch not in seeds:
                 seeds[batch] = (fit_verify_latency(target, batch, prompt_len),
                                 fit_draft_latency(drafters["generic"], batch, prompt_len))
@@ -166,9 +193,10 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         todo = [p for _, p in prompts]
         if warmup and device == "cpu":  # on a GPU every prompt: the run's step shapes get their graphs captured
             todo, overrides = todo[:2], overrides[:2]
-        t = time.perf_counter()
+        t, captures = time.perf_counter(), WORK.graph_captures
         res = asyncio.run(generate_all(loop, todo, params_of(len(todo)), overrides))
         dt = time.perf_counter() - t
+        captures = WORK.graph_captures - captures
         for server in (loop.drafting.servers.values() if loop.drafting else ()):
             server.executor.shutdown(wait=True)  # its releases done before the next loop uses the engine
         outputs[(name, batch)] = [r.token_ids for r in res]
@@ -189,7 +217,9 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                    round(t_verify, 3), round(1000 * t_wait / rounds, 2),
                    round(1000 * t_verify / rounds, 2), round(1000 * (dt - t_verify - t_wait) / rounds, 2),
                    round(1000 * tier["step_seconds"] / tier["rounds"], 3) if tier and tier["rounds"] else None,
-                   round(1000 * tier["step_seconds"] / drafted, 3) if tier and drafted else None)
+                   round(1000 * tier["step_seconds"] / drafted, 3) if tier and drafted else None,
+                   **_device(loop.stats.device_summary()), graph_captures=captures,
+                   guard_switched_off=loop.planner.guard.switched_off if loop.planner.guard else None)
 
     def hf(packed: bool, warmup: bool = False) -> Row:
         if packed not in hf_models:  # HF runs the model's own forward: give it the same packed kernels as ours
@@ -218,6 +248,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     for i, (method, batch, fn) in enumerate(plan):
         log(f"[warm-up] [{i + 1}/{len(plan)}] batch {batch}: {method}")
         fn(batch, True)
+    warmed_up()  # every engine built and its graphs captured: a capture from now on is one in a timed run
     runs: dict[tuple[str, int], list[Row]] = {}
     config = {"new_tokens": new_tokens, "k": k, "prompts": len(prompts), "prompt_len": prompt_len,
               "threads": torch.get_num_threads(), "repeats": repeats,
@@ -264,6 +295,12 @@ def _check_distributions(result: dict, sampled: dict, prompts: list[list[int]], 
             log("WARNING: " + result["warnings"][-1])
 
 
+def _device(summary: dict) -> dict:
+    """The loop's device work for a row (`LoopStats.device_summary`), rounded."""
+    return {k: None if summary[k] is None else round(summary[k], 2) for k in
+            ("drafter_forwards_per_depth", "host_reads_per_round", "host_reads_per_verify_step")}
+
+
 def _summary(runs: dict, plan: list, outputs: dict, batches, config: dict, sampled: dict) -> dict:
     """The median row of every method's runs so far, with its speed-up, output identity (greedy) and the limit with
     free drafting: target-only's verify forward time over the row's (its measured acceptance at the step costs
@@ -280,9 +317,21 @@ def _summary(runs: dict, plan: list, outputs: dict, batches, config: dict, sampl
         if row.mean_accepted_length and row.forward_seconds:
             row.limit_speedup = round(base.forward_seconds / row.forward_seconds, 3)
             row.efficiency = round(row.speedup_vs_target / row.limit_speedup, 3)
+    first = batches[0]
     return {"config": config, "tokens_per_s_per_run": per_run,
             "rows": [asdict(r) | {"text": text_stats([o for run in sampled[(r.method, r.batch)] for o in run])}
+                     | ({"identity": {"vs_target_only": identity(outputs[(r.method, r.batch)], ref[r.batch]),
+                                      f"vs_target_only_batch_{first}": identity(outputs[(r.method, r.batch)],
+                                                                                 ref[first])}} if greedy else {})
                      for r in rows]}
+
+
+def identity(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How many outputs equal the reference's, and per prompt the first position where they differ (None: equal).
+    In bf16 on a GPU a verify forward of several tokens rounds otherwise than one-token decoding: this says where."""
+    first = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None if len(o) == len(r) else min(len(o), len(r)))
+             for o, r in zip(outputs, reference)]
+    return {"prompts_identical": sum(f is None for f in first), "prompts": len(first), "first_difference": first}
 
 
 @torch.no_grad()
@@ -333,6 +382,20 @@ def format_table(result: dict) -> str:
     return "\n".join(lines) + f"\n\nstep costs (median): {costs}" + "".join(f"\n{n}" for n in notes)
 
 
+def device_table(result: dict) -> str:
+    """Per row, the device work of its median run: drafter forwards per drafting depth, host reads (syncs on a GPU)
+    per drafting round and per verify step, CUDA graph captures during the run."""
+    f = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731
+    lines = ["| method | batch | drafter forwards per depth | host reads per round / per verify step "
+             "| graph captures in the run |", "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "graph_captures" in r and r["rounds"] is not None:
+            lines.append(f"| {r['method']} | {r['batch']} | {f(r['drafter_forwards_per_depth'])} "
+                         f"| {f(r['host_reads_per_round'])} / {f(r['host_reads_per_verify_step'])} "
+                         f"| {f(r['graph_captures'])} |")
+    return "\n".join(lines)
+
+
 def pool_table(result: dict) -> str:
     """Each method run with the drafter pool on and off: the tokens/s ratio per repeat (median, min-max; the runs
     were interleaved, so repeat i of both ran side by side), drafting costs, acceptance and output identity."""
@@ -361,8 +424,10 @@ def main(args) -> int:
                  batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device,
                  only=args.methods, pool=tuple(args.pool),
                  target_scale=tuple(args.target_scale) if args.target_scale else None, dtype=args.dtype,
+                 slow_ms=args.slow_drafting_ms,
                  on_repeat=lambda partial: save_json(partial, args.json), sampling=Sampling.from_args(args))
     print(format_table(result))
+    print("\n" + device_table(result))
     if len(args.pool) > 1:
         print("\n" + pool_table(result))
     save_json(result, args.json)

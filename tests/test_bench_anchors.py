@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from benchmarks import anchors
+from benchmarks.sampled import Sampling
 from config import AppConfig
 
 BENCH = Path(__file__).resolve().parent.parent / "examples" / "bench.yaml"
@@ -42,6 +43,7 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
     from model_family.paths import models_dir
 
     ensure_bench_target(models_dir())  # as `run` does: a fresh checkout has none
+    greedy = Sampling()
     prompts = [tokenizer(heldout[d][0], add_special_tokens=False).input_ids[:24] for d in ("code", "legal")]
     systems = {"vLLM draft_model, generic drafter": {"kind": "vllm", "draft": "generic"},
                anchors.OURS: {"kind": "ours", "config": str(BENCH)}}
@@ -49,8 +51,8 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
     for i, (name, spec) in enumerate(systems.items()):
         worker = anchors._Worker(dict(spec, max_batch=2, k=3), tmp_path / f"{i}.log")
         try:
-            worker.run(prompts[:1], 1, 4, ["code"])  # warm-up
-            runs[name] = worker.run(prompts, 2, 16, ["code", "legal"])
+            worker.run(prompts[:1], 1, 4, ["code"], anchors._request_sampling(greedy, 1, 0))  # warm-up
+            runs[name] = worker.run(prompts, 2, 16, ["code", "legal"], anchors._request_sampling(greedy, 2, 1))
         finally:
             worker.stop()
     reference = runs[anchors.OURS]["outputs"]
@@ -64,3 +66,25 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
     table = anchors.format_table({"rows": rows, "goals": {}})
     assert "drafting ms per drafted token" in table
     assert f"{rows[0]['draft_ms_per_drafted_token']:.2f}" in table
+
+
+def test_sampled_rows_report_a_p_value_text_statistics_and_a_warning():
+    """A sampled run: no token identity, each row's distribution test in the table, a failed one warned about."""
+    def row(system, p, outputs):
+        res = {"outputs": outputs, "tokens": sum(map(len, outputs)), "wall": 1.0, "seconds": [0.5] * len(outputs),
+               "accepted": 0, "drafts": 0, "steps": None}
+        r = anchors._row(system, 1, [res], [[9] * 8] * len(outputs), None, greedy=False)
+        return r | {"speedup_vs_vllm_target_only": 1.0, "distribution_p": p}
+
+    rows = [row(anchors.TARGET_ONLY, 0.41, [[1, 2, 3, 4, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 12]]),
+            row("vLLM ngram", 1e-7, [[7] * 8, [7] * 8])]
+    assert rows[0]["identical_to_vllm_target_only"] is None
+    assert rows[0]["text"]["repeated_4gram_share"] == {"median": 0.1, "min": 0.0, "max": 0.2}
+    result = {"config": {"sampling": Sampling(0.7, 0.95, 0).as_dict()}, "rows": rows, "goals": {},
+              "warnings": ["vLLM ngram, concurrency 1: ..."]}
+    table = anchors.format_table(result)
+    assert "| p = 0.41 | 6 (4-8) | 0.10 (0.00-0.20) |" in table
+    assert "| p = 1e-07 FAILED | 1 (1-1) | 0.80 (0.80-0.80) |" in table
+    assert "- sampling: T = 0.7, top_p 0.95, seed 0" in table and "- WARNING: vLLM ngram" in table
+    assert anchors._request_sampling(Sampling(0.7, 0.95, 3), 2, 1) == {"temperature": 0.7, "top_p": 0.95,
+                                                                      "seeds": [10_003, 10_004]}
