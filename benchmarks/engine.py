@@ -182,6 +182,8 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         loop = build_loop(cfg, verifier, {**drafters, **engines})
         if m.slowed:
             loop.drafting = SlowedDrafting(loop.drafting, slow_ms / 1000)
+            # the guard keeps what it learnt across the method's runs (warm-up included), as a running server does
+            loop.planner.guard = kept(("guard", name, batch), lambda: loop.planner.guard)
         if m.blind:
             loop.planner.observe_round = lambda *args: None
         if isinstance(loop.controller, GoodputController) and not loop.controller.participations:

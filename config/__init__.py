@@ -298,6 +298,8 @@ class GuardSpec(_Strict):
                           "second fall more than this share below plain decoding's")
     patience: int = Field(2, ge=1, description="windows in a row that must lose before speculation is switched "
                           "off (one, when it is tried again after being off)")
+    severe: float = Field(0.5, gt=0, le=1, description="speculation realising less than this share of plain "
+                          "decoding's tokens per second is switched off after a quarter window, whatever the patience")
     probe_steps: int = Field(2, ge=1, description="plain steps taken to measure plain decoding where no plain "
                              "step was measured at a batch size near the window's")
     off_steps: int = Field(32, ge=1, description="plain steps after a lost window before speculation is tried "

@@ -5,10 +5,11 @@ can be wrong where the hardware does what it was not fitted on (a GPU round that
 drafters far slower than their fit). The guard does not model anything: it compares what speculation really gave,
 tokens committed per second of wall time over a window of `window` speculating steps (drafting waits, verify and
 the loop's own work included), with what plain decoding gives at the same batch sizes, measured on steps without
-drafts. Where speculation was more than `margin` slower in `patience` windows in a row (one noisy window on a
-busy machine is not a verdict), it is switched off (k = 0 for every request) for `off_steps` steps, then tried again
-for one window: a loss there switches it off again at once, for twice as long (up to `off_steps_max`); a window
-that pays resets the wait.
+drafts. Where speculation was more than `margin` slower in `patience` windows in a row (one noisy window on a busy
+machine is not a verdict; a loss below `severe` of plain decoding's speed is one, after a quarter window once plain
+steps are measured), it is switched off (k = 0 for every request) for `off_steps` steps, then tried again for one
+window: a loss there switches it off again at once, for twice as long (up to `off_steps_max`); a window that pays
+resets the wait.
 
 Plain steps are measured where they happen anyway (speculation off, requests held at k = 0), and otherwise by a
 probe when a window is full: `probe_steps` steps without drafts, where no measured size stands for the window's
@@ -17,7 +18,8 @@ typical batch (a measured size m stands for sizes n with m / 2 <= n <= 2 m) or i
 never sees the guard. A plain step of n requests is estimated from the nearest measured size m as t(m) for n <= m
 and t(m) n / m above it: both over-estimate plain decoding's time on a GPU (nearly flat in the batch), so the guard
 errs towards leaving speculation on. Steps that prefill a prompt are left out on both sides (their cost is the
-prompt's, not the method's). method's). Probes and the guard's choice never change the output: drafts or not, every token is the target's.
+prompt's, not the method's). Probes and the guard's choice never change the output: drafts or not, every token is
+the target's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class SpeculationGuard:
     window: int = 16
     margin: float = 0.03
     patience: int = 2
+    severe: float = 0.5
     probe_steps: int = 2
     off_steps: int = 32
     off_steps_max: int = 512
@@ -54,7 +57,8 @@ class SpeculationGuard:
     @classmethod
     def from_spec(cls, spec) -> SpeculationGuard:
         """From `speculation.guard` (config.GuardSpec)."""
-        return cls(window=spec.window, margin=spec.margin, patience=spec.patience, probe_steps=spec.probe_steps,
+        return cls(window=spec.window, margin=spec.margin, patience=spec.patience, severe=spec.severe,
+                   probe_steps=spec.probe_steps,
                    off_steps=spec.off_steps,
                    off_steps_max=spec.off_steps_max, refresh_steps=spec.refresh_steps)
 
@@ -95,6 +99,10 @@ class SpeculationGuard:
             return
         self.spec.append((requests, committed, seconds))
         if len(self.spec) < self.window:
+            # a loss far beyond noise (below `severe` of plain) is a verdict after a quarter window
+            early = len(self.spec) >= max(2, self.window // 4) and self._measured_near(requests)
+            if early and (ratio := self._ratio()) is not None and ratio < self.severe:
+                self._verdict()
             return
         typical = int(statistics.median(n for n, _, _ in self.spec))
         if not self._measured_near(typical) and not self.probed:
@@ -103,20 +111,24 @@ class SpeculationGuard:
         self.probed = False
         self._verdict()
 
-    def _verdict(self) -> None:
+    def _ratio(self) -> float | None:
+        """The window's realised tokens per second over plain decoding's at its batch sizes (None: no plain)."""
         plain_time = sum(self.plain_seconds(n) or 0.0 for n, _, _ in self.spec)
         spec_time = sum(s for _, _, s in self.spec)
-        plain_rate = sum(n for n, _, _ in self.spec) / plain_time if plain_time > 0 else 0.0
-        spec_rate = sum(c for _, c, _ in self.spec) / spec_time if spec_time > 0 else 0.0
-        self.spec = []
-        if plain_rate <= 0:
+        if plain_time <= 0 or spec_time <= 0:
+            return None
+        return (sum(c for _, c, _ in self.spec) / spec_time) / (sum(n for n, _, _ in self.spec) / plain_time)
+
+    def _verdict(self) -> None:
+        ratio, self.spec = self._ratio(), []
+        if ratio is None:
             return
-        self.last_ratio = spec_rate / plain_rate
-        if self.last_ratio >= 1 - self.margin:
+        self.last_ratio = ratio
+        if ratio >= 1 - self.margin:
             self.wait, self.losses, self.trial = self.off_steps, 0, False
             return
         self.losses += 1
-        if self.trial or self.losses >= self.patience:
+        if ratio < self.severe or self.trial or self.losses >= self.patience:
             self.off_left = self.wait
             self.wait = min(2 * self.wait, self.off_steps_max)
             self.switched_off += 1

@@ -53,8 +53,10 @@ def one_machine_app(drafting_tier: str, domains, draft_timeout_ms: int, model_na
     return {
         "ingress": {"model_name": model_name},
         "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 512, "kv_cache_gib": 1},
+        # the guard off: these graphs' tests check that drafts flow, and on a shared 2-core CPU it may rightly find
+        # speculation slower than plain decoding and switch it off (its own tests: tests/test_guard.py)
         "speculation": {"mode": "cosine", "k": 4, "draft_timeout_ms": draft_timeout_ms,
-                        "drafting_tier": drafting_tier},
+                        "drafting_tier": drafting_tier, "guard": {"enabled": False}},
         "drafters": [{"name": d, "model": f"drafter-{d}"} for d in domains]
         + [{"name": "generic", "model": "drafter-generic", "generalist": True}],
     }

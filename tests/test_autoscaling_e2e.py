@@ -60,8 +60,10 @@ def serve_config(port: int, layout: Layout) -> dict:
     args = {
         "ingress": {"model_name": MODEL, "max_queued_requests": 32},
         "verifier": {"engine": "vllm", "model": "target", "max_batch": 8, "max_len": 384, "kv_cache_gib": 1},
+        # the guard off: the replicas follow the drafting these tests load on, and on a shared 2-core CPU the guard
+        # may rightly find speculation slower than plain decoding and switch it off (tests/test_guard.py)
         "speculation": {"mode": "cosine", "k": layout.k, "draft_timeout_ms": 10000,
-                        "adaptive_drafters": layout.adaptive_drafters},
+                        "adaptive_drafters": layout.adaptive_drafters, "guard": {"enabled": False}},
         "routing": {"drafters_per_request": 2},
         "drafters": [{"name": d, "model": f"drafter-{d}", "generalist": d == "generic", "max_len": 384,
                       "deployment": {"autoscaling_config": scaling}} for d in layout.drafters],

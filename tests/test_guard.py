@@ -61,6 +61,15 @@ def test_one_losing_window_is_not_a_verdict_but_two_in_a_row_are():
     assert not g.allow(4) and g.switched_off == 2 and g.off_left == 8
 
 
+def test_a_loss_far_beyond_noise_is_a_verdict_after_a_quarter_window():
+    g = SpeculationGuard(window=16, patience=2, severe=0.5)
+    _plain(g, 8, 0.1)
+    _spec(g, 8, 8, 0.3, steps=3)  # a third of plain's speed
+    assert g.allow(8)
+    _spec(g, 8, 8, 0.3)  # the fourth step: a quarter window
+    assert not g.allow(8) and g.switched_off == 1 and g.last_ratio == pytest.approx(1 / 3)
+
+
 def test_paying_speculation_stays_on_and_short_runs_never_see_the_guard():
     g = SpeculationGuard(window=16)
     _spec(g, 4, 12, 0.05, steps=15)
