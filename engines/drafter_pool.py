@@ -360,7 +360,8 @@ class DrafterPool:
         pv, bv, tv = valid.nonzero(as_tuple=True)  # the real new tokens: where their keys/values go
         w_pool, w_slot, w_pos, w_row = pidx[pv, bv], slot[pv, bv], pos[pv, bv, tv], pv * B + bv
         r_pool, r_slot = pidx.reshape(-1), slot.reshape(-1)
-        cos, sin = self.w0.cos[pos.view(P * B, N)], self.w0.sin[pos.view(P * B, N)]
+        clamped = pos.clamp(max=self.max_len - 1).view(P * B, N)  # padding may run past the cache's end: masked
+        cos, sin = self.w0.cos[clamped], self.w0.sin[clamped]
 
         def store(li: int, k: torch.Tensor, v: torch.Tensor) -> None:
             self.k[li, w_pool, w_slot, :, w_pos] = k[w_row, :, tv]

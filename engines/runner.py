@@ -268,7 +268,9 @@ class LlamaRunner:
                 return self.k[li, :B, :, :total], self.v[li, :B, :, :total]
             return self.k[li, slot_idx, :, :total], self.v[li, slot_idx, :, :total]
 
-        h = self._layers(w.embed(ids), *w.rotary(pos), mask, store, attended)
+        # a padded token's position may run past the cache's end (a short run beside a longer one): clamped for
+        # the rotary table; it is masked and never written
+        h = self._layers(w.embed(ids), *w.rotary(pos.clamp(max=self.max_len - 1)), mask, store, attended)
         if hidden_only_last:
             return w.lm_head(h[torch.arange(B, device=self.device), last]).unsqueeze(1)
         return w.lm_head(h)

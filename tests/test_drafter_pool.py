@@ -203,3 +203,28 @@ def test_a_round_costs_one_forward_per_drafter_shape_and_depth(drafter_models, t
             assert work.host_reads == shapes * k
         for s in servers.values():
             s.executor.shutdown(wait=True)
+
+
+def test_prompts_prefilled_together_beside_a_long_context_equal_each_alone(drafter_models, texts):
+    """Runs longer than LONG_PENDING of requests with different cached lengths go in one forward (one drafter's
+    step, and pooled): the short run's padding reaches past the end of the cache (a request near max_len beside a
+    new prompt); every proposal equals the request's stepped alone."""
+    max_len = 64
+    names = ("code", "legal")
+
+    def engines():
+        return {n: DrafterEngine(drafter_models[n], name=n, max_requests=4, max_len=max_len) for n in names}
+
+    ctx = {"old": texts[0][:40], "new": texts[1][:44]}
+    for pooled in (False, True):
+        together, alone = engines(), engines()
+        for e in (*together.values(), *alone.values()):
+            e.sync("old", ctx["old"])
+            e.step(["old"])
+            e.sync("old", texts[0][:40 + 20])  # 20 pending: a long run at cached length 40 (padding past 64)
+            e.sync("new", ctx["new"])  # 44 pending from nothing
+        got = DrafterPool(list(together.values())).step({n: ["old", "new"] for n in names}) if pooled else \
+            {n: together[n].step(["old", "new"]) for n in names}
+        for n in names:
+            for r in ("old", "new"):
+                _same(alone[n].step([r])[r], got[n][r])
