@@ -58,7 +58,7 @@ class Method:
     vote_per_request: bool = False
     levels: bool = False  # SpecRouter's chains: the target's 10M original as a drafter, alone or assisted
     chain_choice: bool = False  # SpecRouter's choice among every chain (routing.chain_choice: latency)
-    slowed: bool = False  # every drafting round made `slow_ms` longer on purpose (`SlowedDrafting`)
+    slowed: bool = False  # every drafting round made `slow_factor` verify steps longer on purpose (`SlowedDrafting`)
     blind: bool = False  # the controller does not see what rounds cost: only the guard can switch speculation off
 
 
@@ -93,15 +93,17 @@ def _methods(k: int) -> list[Method]:
 
 
 class SlowedDrafting:
-    """A drafting tier with every round made `delay_s` longer on purpose (its drafts unchanged): how the loop and
-    its guard behave when drafting costs more than it saves."""
+    """A drafting tier with every round made longer on purpose (its drafts unchanged): by `delay_s`, or by `factor`
+    times the loop's recent verify step (median of the last 32 in `stats`; `delay_s` before any), so that drafting
+    costs more than it saves on any machine. How the loop and its guard behave then."""
 
-    def __init__(self, tier, delay_s: float):
-        self.tier, self.delay_s, self.rounds = tier, delay_s, 0
+    def __init__(self, tier, delay_s: float, factor: float | None = None, stats=None):
+        self.tier, self.delay_s, self.factor, self.stats, self.rounds = tier, delay_s, factor, stats, 0
 
     async def draft(self, batch):
         self.rounds += 1
-        await asyncio.sleep(self.delay_s)
+        recent = list(self.stats.verify_seconds)[-32:] if self.stats is not None else []
+        await asyncio.sleep(self.factor * statistics.median(recent) if self.factor and recent else self.delay_s)
         return await self.tier.draft(batch)
 
     def __getattr__(self, name):  # release, stats, servers, coordinator: the tier's own
@@ -112,7 +114,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         prompt_len: int = 64, include_hf: bool = True, repeats: int = 3, device: str = "cpu", log=print,
         only: list[str] | None = None, pool: tuple[str, ...] = ("off",), target_scale: tuple[int, int] | None = None,
         dtype: str = "float32", on_repeat: Callable[[dict], None] | None = None,
-        sampling: Sampling = Sampling(), slow_ms: float = 200.0) -> dict:
+        sampling: Sampling = Sampling(), slow_factor: float = 5.0) -> dict:
     """Every method at every batch size, warmed up, then `repeats` times round-robin; the median run counts.
     `device`: where every model runs ("cuda" on a GPU). `only`: the methods whose names contain one of these
     (target-only always runs: it is the reference; "HF" selects HF assisted generation). `pool`: the
@@ -121,8 +123,8 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     that on the device instead of the bench target (model_family/bench_target.py `realistic_target`; HF assisted
     generation is left out then). `dtype`: every model's weights. `on_repeat`: given the result so far after every
     repeat but the last (its `config.repeats_done` says how many). `sampling`: every method at these settings
-    (benchmarks/sampled.py), each prompt with its own seed, the same in every method. `slow_ms`: how much longer
-    the methods with drafting slowed on purpose make every round."""
+    (benchmarks/sampled.py), each prompt with its own seed, the same in every method. `slow_factor`: the methods
+    with drafting slowed on purpose make every round this many recent verify steps longer."""
     tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
     torch_dtype = getattr(torch, dtype)
     if target_scale:
@@ -181,7 +183,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
                                                                  max_len=max_len)) for n in names}
         loop = build_loop(cfg, verifier, {**drafters, **engines})
         if m.slowed:
-            loop.drafting = SlowedDrafting(loop.drafting, slow_ms / 1000)
+            loop.drafting = SlowedDrafting(loop.drafting, 0.2, slow_factor, loop.stats)
             # the guard keeps what it learnt across the method's runs (warm-up included), as a running server does
             loop.planner.guard = kept(("guard", name, batch), lambda: loop.planner.guard)
         if m.blind:
@@ -426,7 +428,7 @@ def main(args) -> int:
                  batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device,
                  only=args.methods, pool=tuple(args.pool),
                  target_scale=tuple(args.target_scale) if args.target_scale else None, dtype=args.dtype,
-                 slow_ms=args.slow_drafting_ms,
+                 slow_factor=args.slow_drafting,
                  on_repeat=lambda partial: save_json(partial, args.json), sampling=Sampling.from_args(args))
     print(format_table(result))
     print("\n" + device_table(result))

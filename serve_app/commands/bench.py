@@ -58,8 +58,8 @@ def _engine(bsub) -> None:
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="every model's weights (bfloat16 on a GPU, as served)")
     add_sampling_arguments(e)
-    e.add_argument("--slow-drafting-ms", type=float, default=200.0, help="how much longer the methods with "
-                   "drafting slowed on purpose make every round (the guard's benchmark)")
+    e.add_argument("--slow-drafting", type=float, default=5.0, metavar="FACTOR", help="the methods with drafting "
+                   "slowed on purpose make every round this many recent verify steps longer (the guard's benchmark)")
     e.add_argument("--json", default="bench_results/engine.json")
     e.set_defaults(func=_runs("engine"))
 
