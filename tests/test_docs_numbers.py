@@ -114,6 +114,8 @@ PRINTED = [("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_
            ("docs/benchmarks.md", "engine-chain-choice.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "collaborative.json", "benchmarks.collaborative:format_table"),
            ("docs/benchmarks.md", "drafter-pool.json", "benchmarks.engine:pool_table"),
+           ("docs/benchmarks.md", "engine-guard-b8.json", "benchmarks.engine:format_table"),
+           ("docs/benchmarks.md", "engine-guard-b8.json", "benchmarks.engine:device_table"),
            ("docs/benchmarks.md", "steps-h100.json", "benchmarks.steps:summary_table"),
            ("docs/simulation.md", "steps-h100.json", "benchmarks.steps:summary_table"),
            ("docs/simulation.md", "simulate-remote.json", "simulate.report:remote_pays_table"),
