@@ -113,7 +113,7 @@ PRINTED = [("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_
            ("docs/benchmarks.md", "engine-modes.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "engine-chain-choice.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "collaborative.json", "benchmarks.collaborative:format_table"),
-           ("docs/benchmarks.md", "drafter-pool.json", "benchmarks.engine:pool_table"),
+           ("docs/benchmarks-history.md", "drafter-pool.json", "benchmarks.engine:pool_table"),
            ("docs/benchmarks.md", "engine-guard-b8.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "engine-guard-b8.json", "benchmarks.engine:device_table"),
            ("docs/benchmarks.md", "steps-h100.json", "benchmarks.steps:summary_table"),
