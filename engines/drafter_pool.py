@@ -38,7 +38,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engines.device_work import count
 from engines.drafter import LOGLIK_FLOOR, LONG_PENDING, DrafterEngine
-from engines.graphs import GRAPH_MAX_NEW, CapturedGraphs, bucket
+from engines.graphs import GRAPH_MAX_NEW, CapturedGraphs, bucket, buckets
 from engines.interface import Proposal
 from engines.runner import LlamaRunner
 
@@ -295,20 +295,12 @@ class DrafterPool:
         if not (self.padded and self.graphs.cuda):
             return 0
         before = len(self.graphs.graphs)
-        b = 1
-        while True:
-            n = 1
-            while True:
+        for b in buckets(self.max_rows):
+            for n in buckets(GRAPH_MAX_NEW):
                 host = torch.zeros(len(self.engines), b, n + 4, dtype=torch.long)
                 host[..., n] = torch.arange(len(self.engines))[:, None]
                 host[..., n + 1] = self.scratch
                 self.graphs.capture((b, n), host, self._padded_forward)
-                if n >= GRAPH_MAX_NEW:
-                    break
-                n = bucket(n + 1, GRAPH_MAX_NEW)
-            if b >= self.max_rows:
-                break
-            b = bucket(b + 1, self.max_rows)
         return len(self.graphs.graphs) - before
 
     def _padded_forward(self, host: torch.Tensor) -> torch.Tensor:

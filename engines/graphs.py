@@ -36,6 +36,14 @@ def bucket(n: int, cap: int) -> int:
     return max(n, min(b, cap))
 
 
+def buckets(cap: int) -> list[int]:
+    """Every bucket `bucket` rounds up to, below `cap`: 1, 2, 4, ... and cap."""
+    out = [1]
+    while out[-1] < cap:
+        out.append(bucket(out[-1] + 1, cap))
+    return out
+
+
 class CapturedGraphs:
     """CUDA graphs of a step function of one int64 host tensor, one per shape key: `run` copies the host tensor into
     the key's static input and replays (capturing on first use, counted); on a CPU it calls the function directly.
@@ -105,21 +113,13 @@ class StepGraphs:
         if not self.cuda:
             return 0
         r, before = self.runner, len(self.graphs.graphs)
-        b = 1
-        while True:
-            n = 1
-            while True:
+        for b in buckets(r.max_slots):
+            for n in buckets(GRAPH_MAX_NEW):
                 host = torch.zeros(b, n + 3, dtype=torch.long)
                 host[:, n] = r.scratch  # every row padding, writing to the scratch slot only
                 for contiguous in (True, False):
                     self.graphs.capture((b, n, hidden_only_last, contiguous), host,
                                         self._fn(n, hidden_only_last, contiguous))
-                if n >= GRAPH_MAX_NEW:
-                    break
-                n = bucket(n + 1, GRAPH_MAX_NEW)
-            if b >= r.max_slots:
-                break
-            b = bucket(b + 1, r.max_slots)
         return len(self.graphs.graphs) - before
 
     def _fn(self, n: int, hidden_only_last: bool, contiguous: bool):

@@ -228,3 +228,12 @@ def test_prompts_prefilled_together_beside_a_long_context_equal_each_alone(draft
         for n in names:
             for r in ("old", "new"):
                 _same(alone[n].step([r])[r], got[n][r])
+
+
+@pytest.mark.parametrize("cap", [1, 6, 8, 16])
+def test_startup_captures_cover_every_bucket_a_step_can_meet(cap):
+    """`capture` (the pool's and the runners') walks `buckets`: every shape a step of 1..cap rows rounds up to, and
+    no other, so no step captures while serving."""
+    from engines.graphs import bucket, buckets
+
+    assert set(buckets(cap)) == {bucket(n, cap) for n in range(1, cap + 1)}
