@@ -123,7 +123,9 @@ class DrafterEngine:
         out: dict[str, Proposal] = {}
         long = [r for r in rids if len(self.states[r].pending) > LONG_PENDING]
         short = [r for r in rids if len(self.states[r].pending) <= LONG_PENDING]
-        for group in _prefill_groups(long, lambda r: len(self.states[r].pending)) + ([short] if short else []):
+        prompts = _prefill_groups(long, lambda r: len(self.states[r].pending)) if self.runner.pads_prompts else \
+            [[r] for r in long]
+        for group in prompts + ([short] if short else []):
             inputs = [self.states[r].pending for r in group]
             full = want_loglik and any(len(x) > 1 for x in inputs)
             logits = self.runner.forward(group, inputs, hidden_only_last=not full)

@@ -48,6 +48,7 @@ class DrafterRunner(Protocol):
     vocab_size: int
     kv_cache_bytes: int  # the most memory the requests' keys/values take (all slots at max_len)
     forward_seconds: float  # wall time spent in `forward`, accumulated (benchmarks split it from orchestration)
+    pads_prompts: bool  # prompts of different lengths in one `forward` cost one padded pass (else one each)
 
     def add(self, rid: str) -> None:
         """Take a slot for a new request with an empty cache; KeyError if present, CacheFull if none is free."""

@@ -104,6 +104,7 @@ def fast_runner_refusal(config, max_len: int | None) -> str | None:
 
 
 class LlamaRunner:
+    pads_prompts = True  # prompts of different lengths go in one forward, padded (DrafterEngine prefills them so)
     def __init__(self, model, max_slots: int = 16, max_len: int | None = None, prepack: bool = True,
                  graphs: bool | None = None):
         """`model`: a causal LM of an architecture in `FAST_MODEL_TYPES` (ValueError otherwise, or where

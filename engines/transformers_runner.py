@@ -39,6 +39,7 @@ class _Request:
 class TransformersRunner:
     """The `DrafterRunner` protocol (engines/interface.py) over the model's own forward; chains only (a commit keeps
     a prefix of what was fed)."""
+    pads_prompts = False  # one forward per (cached length, new tokens): prompts are prefilled one by one
 
     def __init__(self, model, max_slots: int = 16, max_len: int | None = None):
         self.model = model.eval()

@@ -40,6 +40,9 @@ CONFIGS = {  # (config, the runner "auto" picks)
 ARCHS = list(CONFIGS)
 MIN_MARGIN = 1e-3  # logits of the greedy token and the runner-up, in every reference step
 PROB_ATOL = 1e-5  # the proposals' probabilities against transformers' softmax (fp32)
+# requests stepped together against each alone: a batched matmul may sum in another order (transformers 5.19's Phi-3
+# differed by 1.3e-5 from its own one-request step)
+BATCHED_PROB_ATOL = 5e-5
 
 
 def _context(n: int, seed: int) -> list[int]:
@@ -79,13 +82,13 @@ def greedy(model, context: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     return out.sequences[0, len(context):].tolist(), [torch.softmax(lg[0].float(), -1) for lg in out.logits]
 
 
-def _assert_matches(chain, reference) -> None:
+def _assert_matches(chain, reference, atol: float = PROB_ATOL) -> None:
     tokens, probs = reference
     assert [p.token for p in chain] == tokens
     for p, q in zip(chain, probs):
         assert p.top_tokens[0] == p.token
-        assert abs(p.prob - float(q[p.token])) <= PROB_ATOL
-        assert torch.allclose(torch.tensor(p.top_probs), q[p.top_tokens], atol=PROB_ATOL, rtol=0)
+        assert abs(p.prob - float(q[p.token])) <= atol
+        assert torch.allclose(torch.tensor(p.top_probs), q[p.top_tokens], atol=atol, rtol=0)
 
 
 def _draft_alone(engine: DrafterEngine, rid: str, context: list[int]):
@@ -133,8 +136,8 @@ def test_batched_requests_equal_each_alone(models, arch):
     for rid, ctx in contexts.items():
         alone = _draft_alone(DrafterEngine(model, max_requests=1, max_len=MAX_LEN), rid, ctx)
         assert [p.token for p in chains[rid]] == [p.token for p in alone]
-        assert [p.prob for p in chains[rid]] == pytest.approx([p.prob for p in alone], abs=PROB_ATOL, rel=0)
-        _assert_matches(chains[rid], greedy(model, ctx))
+        assert [p.prob for p in chains[rid]] == pytest.approx([p.prob for p in alone], abs=BATCHED_PROB_ATOL, rel=0)
+        _assert_matches(chains[rid], greedy(model, ctx), BATCHED_PROB_ATOL)
 
 
 def test_both_runners_keep_the_protocols(models):
