@@ -7,9 +7,11 @@ tokens committed per second of wall time over a window of `window` speculating s
 the loop's own work included), with what plain decoding gives at the same batch sizes, measured on steps without
 drafts. Where speculation was more than `margin` slower in `patience` windows in a row (one noisy window on a busy
 machine is not a verdict; a loss below `severe` of plain decoding's speed is one, after a quarter window once plain
-steps are measured), it is switched off (k = 0 for every request) for `off_steps` steps, then tried again for one
-window: a loss there switches it off again at once, for twice as long (up to `off_steps_max`); a window that pays
-resets the wait.
+steps are measured), it is switched off (k = 0 for every request) for `off_steps` steps, then tried again: a trial
+that loses is a verdict after a quarter window and switches it off again, for twice as long (up to `off_steps_max`);
+a window that pays resets the wait. Each wait is also long enough that a trial losing what the last verdict's steps
+lost costs at most half the margin of the plain steps before it: a trial's price, not a fixed count, sets how often
+speculation that keeps losing is tried.
 
 Plain steps are measured where they happen anyway (speculation off, requests held at k = 0), and otherwise by a
 probe when a window is full: `probe_steps` steps without drafts, where no measured size stands for the window's
@@ -24,6 +26,7 @@ the target's.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -100,8 +103,10 @@ class SpeculationGuard:
         self.spec.append((requests, committed, seconds))
         if len(self.spec) < self.window:
             # a loss far beyond noise (below `severe` of plain) is a verdict after a quarter window
+            # (on trial, any loss beyond the margin: it lost a full verdict before)
             early = len(self.spec) >= max(2, self.window // 4) and self._measured_near(requests)
-            if early and (ratio := self._ratio()) is not None and ratio < self.severe:
+            if early and (ratio := self._ratio()) is not None and (
+                    ratio < self.severe or (self.trial and ratio < 1 - self.margin)):
                 self._verdict()
             return
         typical = int(statistics.median(n for n, _, _ in self.spec))
@@ -119,8 +124,17 @@ class SpeculationGuard:
             return None
         return (sum(c for _, c, _ in self.spec) / spec_time) / (sum(n for n, _, _ in self.spec) / plain_time)
 
+    def _lost_steps(self) -> float:
+        """The window's loss in plain steps of its typical size: its wall time less what plain decoding would have
+        taken to commit the same tokens."""
+        plain_time = sum((self.plain_seconds(n) or 0.0) * c / n for n, c, _ in self.spec)
+        typical = self.plain_seconds(int(statistics.median(n for n, _, _ in self.spec))) or 0.0
+        lost = sum(s for _, _, s in self.spec) - plain_time
+        return lost / typical if typical > 0 else 0.0
+
     def _verdict(self) -> None:
-        ratio, self.spec = self._ratio(), []
+        ratio = self._ratio()
+        lost, self.spec = (self._lost_steps() if ratio is not None else 0.0), []
         if ratio is None:
             return
         self.last_ratio = ratio
@@ -129,8 +143,9 @@ class SpeculationGuard:
             return
         self.losses += 1
         if ratio < self.severe or self.trial or self.losses >= self.patience:
-            self.off_left = self.wait
-            self.wait = min(2 * self.wait, self.off_steps_max)
+            priced = math.ceil(lost / (self.margin / 2)) if self.margin > 0 else self.off_steps_max
+            self.off_left = min(max(self.wait, priced), self.off_steps_max)
+            self.wait = min(2 * self.off_left, self.off_steps_max)
             self.switched_off += 1
             self.losses, self.trial = 0, False
 

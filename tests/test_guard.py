@@ -30,7 +30,7 @@ def _spec(g: SpeculationGuard, n: int, committed: int, seconds: float, steps: in
 
 
 def test_losing_speculation_is_switched_off_after_a_window_and_tried_again_later():
-    g = SpeculationGuard(window=4, margin=0.03, patience=1, probe_steps=2, off_steps=3, off_steps_max=6)
+    g = SpeculationGuard(window=4, margin=0.5, patience=1, probe_steps=2, off_steps=3, off_steps_max=6)
     _spec(g, 8, 16, 0.5, steps=4)  # a full window and no plain step measured: a probe first
     assert not g.allow(8) and g.probing == 2
     _plain(g, 8, 0.1, steps=2)  # plain: 8 tokens in 0.1 s = 80/s; speculation gave 16 in 0.5 s = 32/s
@@ -38,27 +38,39 @@ def test_losing_speculation_is_switched_off_after_a_window_and_tried_again_later
     _spec(g, 8, 16, 0.5)  # the verdict
     assert g.switched_off == 1 and g.last_ratio == pytest.approx(0.4)
     assert [g.allow(8) for _ in range(3)] == [False] * 3  # asking does not count down, steps do
-    _plain(g, 8, 0.1, steps=3)
-    assert g.allow(8)  # tried again after off_steps plain steps
-    _spec(g, 8, 16, 0.5, steps=4)  # loses again (on trial): off twice as long
-    assert g.off_left == 6 and g.wait == 6  # capped at off_steps_max
+    _plain(g, 8, 0.1, steps=6)  # off for the window's price, capped at off_steps_max (see below)
+    assert g.allow(8)  # tried again
+    _spec(g, 8, 16, 0.5, steps=2)  # loses again on trial: a verdict after a quarter window (here 2 steps)
+    assert not g.allow(8) and g.switched_off == 2 and g.off_left == 6 and g.wait == 6
     _plain(g, 8, 0.1, steps=6)
     _spec(g, 8, 80, 0.5, steps=4)  # now it pays (160/s against 80/s): on, and the wait back to off_steps
     assert g.allow(8) and g.wait == 3 and g.last_ratio == pytest.approx(2.0)
 
 
+def test_the_wait_is_at_least_what_keeps_the_next_trial_within_half_the_margin():
+    g = SpeculationGuard(window=4, margin=0.04, patience=1, off_steps=3, off_steps_max=10_000)
+    _plain(g, 8, 0.1)
+    _spec(g, 8, 16, 0.5, steps=4)  # 2 s for 64 tokens that plain decoding commits in 0.8 s: 12 plain steps lost
+    assert g.off_left == 600  # 12 / (0.04 / 2): a trial losing as much costs 2% of the plain steps before it
+    _plain(g, 8, 0.1, steps=600)
+    _spec(g, 8, 16, 0.5)
+    assert g.allow(8)  # a trial is judged after a quarter window
+    _spec(g, 8, 16, 0.5)  # 6 plain steps lost in the trial: priced 300, doubled wait 1200
+    assert g.off_left == 1200 and g.wait == 2400
+
+
 def test_one_losing_window_is_not_a_verdict_but_two_in_a_row_are():
-    g = SpeculationGuard(window=2, patience=2, off_steps=4)
+    g = SpeculationGuard(window=2, patience=2, margin=0.5, severe=0.2, off_steps=16)
     _plain(g, 4, 0.1)
-    _spec(g, 4, 4, 0.2, steps=2)  # half plain's speed: one loss
+    _spec(g, 4, 4, 0.21, steps=2)  # below half plain's speed: one loss (2.2 plain steps lost: priced 9 steps)
     assert g.allow(4) and g.losses == 1
     _spec(g, 4, 12, 0.1, steps=2)  # a window that pays clears it
     assert g.allow(4) and g.losses == 0
-    _spec(g, 4, 4, 0.2, steps=4)  # two losses in a row
-    assert not g.allow(4) and g.switched_off == 1
-    _plain(g, 4, 0.1, steps=4)
-    _spec(g, 4, 4, 0.2, steps=2)  # tried again: one loss suffices
-    assert not g.allow(4) and g.switched_off == 2 and g.off_left == 8
+    _spec(g, 4, 4, 0.21, steps=4)  # two losses in a row
+    assert not g.allow(4) and g.switched_off == 1 and g.off_left == 16  # off_steps: more than the price
+    _plain(g, 4, 0.1, steps=16)
+    _spec(g, 4, 4, 0.21, steps=2)  # tried again: one loss suffices, and the wait doubles
+    assert not g.allow(4) and g.switched_off == 2 and g.off_left == 32
 
 
 def test_a_loss_far_beyond_noise_is_a_verdict_after_a_quarter_window():
