@@ -152,7 +152,7 @@ def _ours_worker(spec: dict, max_batch: int):
 
     from config import AppConfig
     from engines.sampling import SamplingParams
-    from speculation.inprocess import build_loop
+    from assembly.loop import build_loop
 
     args = yaml.safe_load(Path(spec["config"]).read_text())["applications"][0]["args"]
     args["verifier"].update(engine="vllm", max_batch=max_batch, kv_cache_gib=1)

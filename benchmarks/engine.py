@@ -32,7 +32,7 @@ from model_family import DOMAINS
 from model_family.bench_target import ensure_bench_target, realistic_target
 from speculation.goodput import GoodputController
 from speculation.profiling import fit_draft_latency, fit_verify_latency
-from speculation.inprocess import build_loop, generate_all
+from assembly.loop import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
 from benchmarks.common import Row, heldout_prompts, load_model, median_row
 from benchmarks.metrics import save_json

@@ -3,7 +3,7 @@
 All variants run against the same deployed graph, chosen per request with the `speculation` extension field, so
 they share the process layout, the models and the machine's state. With `--config` (the Serve config the graph
 was deployed from) every variant also runs through the same `VerifyLoop` in this process, drafters included
-(speculation/inprocess.py): the same algorithm and models without Ray's processes and hops, and the table prints
+(assembly/): the same algorithm and models without Ray's processes and hops, and the table prints
 served / in-process. Every variant is warmed up first; then the variants (and both transports) are interleaved
 over the repeats and each row reports the median run with its min and max. Greedy decoding with `ignore_eos`
 gives every variant the same output length (and, losslessness, the same output). Reports tokens/s, time per
@@ -186,7 +186,7 @@ class _InProcess:
         import yaml
 
         from config import AppConfig
-        from speculation.inprocess import build_loop
+        from assembly.loop import build_loop
 
         args = yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
         self.loop = build_loop(AppConfig.model_validate(args))

@@ -1,4 +1,4 @@
-"""The drafter deployment: one per domain, a thin Serve wrapper around `speculation.inprocess.DrafterServer`."""
+"""The drafter deployment: one per domain, a thin Serve wrapper around `assembly.drafter_server.DrafterServer`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ray.serve import metrics
 
 from config import DrafterSpec
 from engines.device_work import warmed_up
-from speculation.inprocess import DrafterServer
+from assembly.drafter_server import DrafterServer
 from speculation.messages import DrafterCall, DrafterReply
 from speculation.signals import IntervalMeter, drafter_signals
 

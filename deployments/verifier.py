@@ -18,7 +18,7 @@ from deployments.coordinator import DrafterFailures
 from engines.build import build_verifier_engine, cpu_threads
 from engines.device_work import WORK, DeviceWork, warmed_up
 from engines.sampling import SamplingParams
-from speculation.inprocess import InProcessDraftingTier
+from assembly.drafting_tier import InProcessDraftingTier
 from speculation.loop import LoopStats, VerifyLoop
 from speculation.messages import Draft, DraftRequest, SpeculationOverrides, TokenChunk
 from speculation.signals import VERIFIER_RETIRED, IntervalMeter, verifier_signals

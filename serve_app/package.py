@@ -13,8 +13,10 @@ from pathlib import Path
 
 from model_family.paths import REPO_ROOT
 
-PACKAGES = ["config", "engines", "speculation", "deployments", "autoscale", "serve_app", "model_family",
-            "benchmarks", "simulate"]
+# the project's packages, every one (pyproject.toml's import-linter root_packages and setuptools' include list the
+# same: tests/test_layers.py)
+PACKAGES = ["config", "model_family", "engines", "speculation", "assembly", "deployments", "autoscale", "benchmarks",
+            "simulate", "serve_app"]
 
 
 def build_package(out: Path) -> Path:

@@ -173,7 +173,7 @@ RECORDED = Path(__file__).parent / "traces" / "inprocess"  # committed: `cosine 
 
 def record(config: str, requests_from: Path, out: Path = RECORDED, concurrencies=(1, 2, 4), repeats: int = 3,
            adaptive: bool | None = None, log=print) -> list[Path]:
-    """Closed-loop runs of the config's verify loop in this process (speculation/inprocess.py: the torch engine
+    """Closed-loop runs of the config's verify loop in this process (assembly/loop.py: the torch engine
     as verifier, the drafters on threads of their own; no Ray, no HTTP), the runs interleaved. Writes the
     application args used (`args.json`) and a gzipped trace per run (`c{C}-r{R}.jsonl.gz`: concurrency C, repeat
     R). Each run gets a loop of its own, warmed up, so that it starts from the state a simulated run starts from (a
@@ -185,7 +185,7 @@ def record(config: str, requests_from: Path, out: Path = RECORDED, concurrencies
     import torch
 
     from engines.sampling import SamplingParams
-    from speculation.inprocess import build_loop
+    from assembly.loop import build_loop
 
     prompts = Trace.load(requests_from).requests
     domain = {tuple(r["prompt"]): r.get("domain") for r in prompts}

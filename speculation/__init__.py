@@ -6,8 +6,7 @@ The loop and its messages:
   halves and drafting ahead, which the simulator runs too);
   `planner.DraftPlanner`: what each request drafts this round; `messages`: the typed messages between the
   verifier, the speculation cluster and the drafters; `trace`: run traces for `cosine simulate`.
-- `inprocess`: the drafting tier in one process (`DrafterServer`, `InProcessDraftingTier`, `build_loop`);
-  `tiers`: choosing between the colocated and the deployed drafting tier each round.
+- `tiers`: choosing between the colocated and the deployed drafting tier each round.
 
 Drafting (speculation/strategies/: one module per strategy behind `strategies.base.DraftingStrategy`):
 - `coordinator.SpeculationCoordinator`: the speculation cluster's central node: drives the rounds (depths, drafter

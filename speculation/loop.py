@@ -9,7 +9,7 @@ drafting ahead) is `StepGrouping` (speculation/stepping.py), which the cluster s
 
 The drafting tier is the only thing that differs between deployments: `DraftingTier.draft` is a call to the
 Speculation deployment through a Serve handle in the service, and a local coordinator over in-process drafter
-engines otherwise (speculation/inprocess.py). No Ray here.
+engines otherwise (assembly/). No Ray here.
 """
 
 from __future__ import annotations

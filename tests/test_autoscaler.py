@@ -235,7 +235,7 @@ def test_policy_kwargs_are_validated():
 def test_a_drafter_measures_the_part_of_its_step_that_grows_with_its_requests():
     """`DrafterServer.batch_cost`, what a drafter replica's `scalable` signal is computed from: a fixed part and a
     part per request, both measured on the drafter's own thread and hardware."""
-    from speculation.inprocess import DrafterServer
+    from assembly.drafter_server import DrafterServer
 
     server = DrafterServer.from_spec(DrafterSpec(name="code", model="drafter-code"))
     cost = server.batch_cost(8)

@@ -14,7 +14,7 @@ from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
-from speculation.inprocess import build_loop, generate_all
+from assembly.loop import build_loop, generate_all
 
 
 @pytest.fixture(scope="module")

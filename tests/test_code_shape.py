@@ -1,19 +1,19 @@
 """The code's shape, read from its syntax trees: modules of at most 450 lines and functions of at most 80 in the
-packages held to it (ASSERTED), and no test importing a private name (a leading underscore) from serve_app.
+packages held to it (ASSERTED: every package without an entry in ALLOWED), and no test importing a private name (a
+leading underscore) from serve_app.
 
 The other packages' modules and functions over the limits are listed in ALLOWED with their sizes when the limits
 came in; the test prints any that is new or has grown (`pytest -s`), and the list may only shrink: take an entry
-out once it is within the limits, and a package into ASSERTED once it has none left."""
+out once it is within the limits (its package is then held to them once it has no entry left)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+from serve_app.package import PACKAGES
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("config", "model_family", "engines", "speculation", "deployments", "autoscale", "benchmarks", "simulate",
-            "serve_app")
-ASSERTED = ("serve_app",)
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 80
 ALLOWED = {  # module, or module:function (its qualified name) -> lines
     "config/__init__.py": 584,
@@ -24,6 +24,8 @@ ALLOWED = {  # module, or module:function (its qualified name) -> lines
     "simulate/studies.py": 473,
     "simulate/studies.py:validate": 88,
 }
+# held to the limits: every package without an entry in ALLOWED
+ASSERTED = tuple(p for p in PACKAGES if not any(name.startswith(f"{p}/") for name in ALLOWED))
 
 
 def _functions(tree: ast.AST, prefix: str = ""):

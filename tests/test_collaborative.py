@@ -15,7 +15,7 @@ from config import AppConfig
 from engines.collaborative import CollaborativeEngine, Combination
 from engines.interface import VerifierEngine
 from engines.sampling import SamplingParams, target_probs
-from speculation.inprocess import build_loop, generate_all
+from assembly.loop import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
 
 ENSEMBLE = Combination("ensemble", weight=0.4)

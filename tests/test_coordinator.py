@@ -15,7 +15,7 @@ from model_family.distill import greedy_continue
 from speculation.coordinator import SpeculationCoordinator
 from speculation.fusion import FusionTree
 from speculation.health import DrafterHealth
-from speculation.inprocess import DrafterServer
+from assembly.drafter_server import DrafterServer
 from speculation.messages import DrafterCall, DraftRequest, Participation
 from speculation.voting import MajorityVote
 

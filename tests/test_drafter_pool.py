@@ -15,7 +15,7 @@ from engines.drafter_pool import DrafterPool, pool_shape
 from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
 from model_family.distill import greedy_continue
-from speculation.inprocess import build_loop, generate_all
+from assembly.loop import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
 
 NAMES = ("code", "legal", "literature", "generic")
@@ -171,7 +171,8 @@ def test_a_round_costs_one_forward_per_drafter_shape_and_depth(drafter_models, t
     read; a drafter of another shape (the target's own model as a drafter) adds its own forward per depth. The
     first round's first depth prefills every prompt in every drafter in that one forward too."""
     from engines.device_work import WORK
-    from speculation.inprocess import DrafterServer, InProcessDraftingTier
+    from assembly.drafter_server import DrafterServer
+    from assembly.drafting_tier import InProcessDraftingTier
     from speculation.coordinator import SpeculationCoordinator
     from speculation.messages import DraftRequest
 

@@ -19,7 +19,7 @@ from engines.interface import VerifierEngine
 from engines.runner import LlamaRunner
 from engines.sampling import SamplingParams, target_probs
 from engines.verifier import TorchVerifierEngine
-from speculation.inprocess import build_loop, generate_all
+from assembly.loop import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
 from model_family import DOMAINS
 from model_family.distill import greedy_continue

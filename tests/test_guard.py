@@ -15,7 +15,7 @@ from config import AppConfig
 from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
 from speculation.guard import SpeculationGuard
-from speculation.inprocess import build_loop, generate_all
+from assembly.loop import build_loop, generate_all
 from speculation.planner import DraftPlanner, draft_timeout_s
 
 

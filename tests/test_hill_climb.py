@@ -136,7 +136,7 @@ def test_greedy_output_is_the_targets_while_k_moves(target, tokenizer, heldout, 
     from engines.sampling import SamplingParams
     from engines.verifier import TorchVerifierEngine
     from model_family.distill import greedy_continue
-    from speculation.inprocess import build_loop, generate_all
+    from assembly.loop import build_loop, generate_all
 
     prompts = [tokenizer(heldout[d][3], add_special_tokens=False).input_ids[:n]
                for d, n in (("code", 40), ("literature", 12), ("legal", 60))]

@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-PACKAGES = ("config", "model_family", "engines", "speculation", "deployments", "autoscale", "serve_app", "benchmarks")
+from serve_app.package import PACKAGES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_package_is_layered_installed_and_packaged():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert sorted(project["tool"]["importlinter"]["root_packages"]) == sorted(PACKAGES)
+    assert sorted(p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]) \
+        == sorted(PACKAGES)
+    on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"}
+    assert on_disk == set(PACKAGES)
 
 
 def test_import_contracts_are_kept():
     lint = Path(sys.executable).with_name("lint-imports")
     out = subprocess.run([str(lint), "--no-cache", "--no-logo"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "0 broken" in out.stdout
 

@@ -16,7 +16,7 @@ from model_family.paths import REPO_ROOT
 from simulate.cluster import Autoscaling, Simulation, Workload
 from simulate.hardware import PROFILES, Hardware, Linear, fit
 from simulate.replay import annotate
-from speculation.inprocess import build_loop, generate_all
+from assembly.loop import build_loop, generate_all
 from speculation.trace import Trace
 
 LOCAL = REPO_ROOT / "examples" / "local.yaml"

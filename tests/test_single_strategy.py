@@ -12,7 +12,7 @@ from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
 from model_family.distill import greedy_continue
 from speculation.coordinator import SpeculationCoordinator
-from speculation.inprocess import DrafterServer
+from assembly.drafter_server import DrafterServer
 from speculation.messages import DraftRequest, SpeculationOverrides
 from speculation.planner import DraftPlanner
 

@@ -203,7 +203,8 @@ def test_auto_in_the_loop_drafts_on_both_tiers_then_colocated_with_the_targets_o
     from engines.build import build_verifier_engine
     from engines.sampling import SamplingParams
     from model_family.distill import greedy_continue
-    from speculation.inprocess import InProcessDraftingTier, generate_all
+    from assembly.drafting_tier import InProcessDraftingTier
+    from assembly.loop import generate_all
     from speculation.loop import VerifyLoop
     from speculation.tiers import AutoDraftingTier
 

@@ -22,7 +22,8 @@ from engines.interface import VerifierEngine
 from engines.sampling import SamplingParams, target_probs
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
-from speculation.inprocess import InProcessDraftingTier, build_loop, generate_all
+from assembly.drafting_tier import InProcessDraftingTier
+from assembly.loop import build_loop, generate_all
 from speculation.loop import VerifyLoop
 
 pytestmark = pytest.mark.slow

@@ -73,7 +73,7 @@ def _speculative(prompts: list[list[int]], args, domains: list[str]):
     """Each prompt alone through the service's draft/verify loop, in this process."""
     from config import AppConfig
     from engines.sampling import SamplingParams
-    from speculation.inprocess import build_loop, generate_all
+    from assembly.loop import build_loop, generate_all
     from speculation.messages import SpeculationOverrides
 
     # --drafter auto: the prompt's own domain when it is a held-out sample, else the generic drafter; a shipped

@@ -1,0 +1,151 @@
+"""The drafting tier in one process: drafter servers driven by a local coordinator, the `DraftingTier` of
+`VerifyLoop` without Ray: the same coordinator, the same messages, direct calls instead of deployment handles."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from assembly.drafter_server import DrafterServer
+from config import AppConfig
+from engines.build import check_models, set_thread_torch_threads
+from engines.drafter_pool import DrafterPool, pool_shape
+from speculation.coordinator import SpeculationCoordinator
+from speculation.messages import Draft, DrafterCall, DrafterReply, DraftRequest, Proposal
+
+
+class InProcessDraftingTier:
+    """Drafter servers in this process; a drafter's step runs on the drafter's own thread (torch releases the GIL),
+    so several drafters and the verifier's step can overlap where there are cores for them. An engine is not
+    re-entrant: calls to one drafter queue on its lock, as they do on a replica.
+
+    With `pool_drafters` "auto", drafters of one shape form a `DrafterPool` (engines/drafter_pool.py) on one thread
+    of its own (their steps and releases in order there): the coordinator's calls to several of them at one depth
+    (`asyncio.gather`ed, so they all arrive before the loop's next turn) are coalesced into one `_PooledCalls`
+    batch, whose chains advance one pooled forward per depth."""
+
+    def __init__(self, coordinator: SpeculationCoordinator, servers: dict[str, DrafterServer],
+                 pool_drafters: str = "off", pool_padded: bool | None = None):
+        self.coordinator = coordinator
+        self.servers = servers
+        self.locks = {name: asyncio.Lock() for name in servers}
+        self.pools: dict[str, _PooledCalls] = {}  # drafter name -> its pool
+        if pool_drafters == "auto":
+            shapes: dict[tuple, list[str]] = {}
+            for name, server in servers.items():
+                shape = pool_shape(server.engine)
+                if shape is not None:
+                    shapes.setdefault(shape, []).append(name)
+            for names in shapes.values():
+                if len(names) > 1:
+                    pooled = _PooledCalls({n: servers[n] for n in names}, pool_padded)
+                    self.pools |= dict.fromkeys(names, pooled)
+        for name, server in servers.items():
+            if name not in self.pools:
+                server.capture()
+
+    @classmethod
+    def from_config(cls, cfg: AppConfig, models: dict | None = None) -> InProcessDraftingTier:
+        """The configured drafters, checked against the target (`check_models`); `models` (name -> loaded model)
+        replaces loading them from their paths."""
+        models = models or {}
+        vocab = check_models(cfg, preloaded=set(models))
+        servers = {d.name: DrafterServer.from_spec(d, models.get(d.name), vocab_limit=vocab) for d in cfg.drafters}
+        return cls(SpeculationCoordinator.from_config(cfg), servers, cfg.speculation.pool_drafters)
+
+    async def _step(self, name: str, calls: list[DrafterCall]) -> dict[str, list[Proposal]]:
+        if name in self.pools:
+            return (await self.pools[name].run(name, calls)).chains
+        async with self.locks[name]:
+            return (await self.servers[name].run(calls)).chains
+
+    async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]:
+        return await self.coordinator.draft(batch, self._step)
+
+    async def stats(self) -> dict:
+        return self.coordinator.state()
+
+    def release(self, request_ids: list[str]) -> None:
+        per: dict[str, list[str]] = {}
+        for r in request_ids:
+            for name in self.coordinator.release(r):
+                per.setdefault(name, []).append(r)
+        for name, rids in per.items():
+            self.servers[name].release_later(rids)
+
+
+class _PooledCalls:
+    """The calls to a pool's drafters, coalesced: calls that arrive in one event-loop turn become one batch, run on
+    the pool's thread as `DrafterServer.step` runs one drafter's (sync, the first pooled step, then the chains),
+    each drafter's reply as its own step would give it. The pooled servers' executor becomes the pool's thread, so
+    their releases stay ordered with the steps."""
+
+    def __init__(self, servers: dict[str, DrafterServer], padded: bool | None = None):
+        self.servers = servers
+        self.pool = DrafterPool([s.engine for s in servers.values()], padded)
+        threads = max(s.threads for s in servers.values())
+        # on a GPU the pool's thread issues its work on a stream of its own: it neither waits for the verifier's
+        # work on the default stream nor breaks a capture there
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-pool", initializer=_drafting_thread,
+                                           initargs=(threads, self.pool.device))
+        for s in servers.values():
+            s.executor.shutdown(wait=True)
+            s.executor = self.executor
+        self.executor.submit(self.pool.capture).result()  # every bucket's CUDA graph, before serving
+        self.waiting: list[tuple[str, list[DrafterCall], asyncio.Future]] = []
+
+    async def run(self, name: str, calls: list[DrafterCall]) -> DrafterReply:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self.waiting:
+            loop.call_soon(self._flush, loop)
+        self.waiting.append((name, calls, fut))
+        return await fut
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        waiting, self.waiting = self.waiting, []
+        while waiting:  # a drafter called twice in one turn (overlapping rounds): its second call in a later batch
+            batch, seen, later = [], set(), []
+            for item in waiting:
+                (later if item[0] in seen else batch).append(item)
+                seen.add(item[0])
+            waiting = later
+            job = loop.run_in_executor(self.executor, self.step, [(n, c) for n, c, _ in batch])
+            job.add_done_callback(lambda j, batch=batch: self._answer(j, batch))
+
+    @staticmethod
+    def _answer(job: asyncio.Future, batch) -> None:
+        for name, _, fut in batch:
+            if fut.done():  # its caller gave up (a timeout)
+                continue
+            if job.exception() is not None:
+                fut.set_exception(job.exception())
+            else:
+                fut.set_result(job.result()[name])
+
+    def step(self, batch: list[tuple[str, list[DrafterCall]]]) -> dict[str, DrafterReply]:
+        t = time.perf_counter()
+        rids = {name: self.servers[name].admit(calls) for name, calls in batch}
+        rids = {n: r for n, r in rids.items() if r}
+        first = self.pool.step(rids, want_loglik={n for n, calls in batch if any(c.score_context for c in calls)})
+        chains = {n: {r: [p] for r, p in got.items()} for n, got in first.items()}
+        more = {n: {c.request_id: c.steps - 1 for c in calls if c.steps > 1 and c.request_id in first.get(n, {})}
+                for n, calls in batch}
+        more = {n: m for n, m in more.items() if m}
+        for n, m in more.items():
+            for r in m:
+                self.pool.engines[n].feed(r, [first[n][r].token])
+        for n, got in self.pool.draft({n: list(m) for n, m in more.items()}, more).items():
+            for r, chain in got.items():
+                chains[n][r].extend(chain)
+        ms = (time.perf_counter() - t) * 1000
+        return {name: DrafterReply(chains.get(name, {}), ms) for name, _ in batch}
+
+
+def _drafting_thread(threads: int, device: torch.device) -> None:
+    set_thread_torch_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_stream(torch.cuda.Stream(device))
