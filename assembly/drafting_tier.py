@@ -22,22 +22,22 @@ class InProcessDraftingTier:
     so several drafters and the verifier's step can overlap where there are cores for them. An engine is not
     re-entrant: calls to one drafter queue on its lock, as they do on a replica.
 
-    With `pool_drafters` "auto", drafters of one shape form a `DrafterPool` (engines/drafter_pool.py) on one thread
+    With `pool_drafters` "on" ("auto": on where they run on a GPU), drafters of one shape form a `DrafterPool` (engines/drafter_pool.py) on one thread
     of its own (their steps and releases in order there): the coordinator's calls to several of them at one depth
     (`asyncio.gather`ed, so they all arrive before the loop's next turn) are coalesced into one `_PooledCalls`
     batch, whose chains advance one pooled forward per depth."""
 
     def __init__(self, coordinator: SpeculationCoordinator, servers: dict[str, DrafterServer],
-                 pool_drafters: str = "off", pool_padded: bool | None = None):
+                 pool_drafters: str = "auto", pool_padded: bool | None = None):
         self.coordinator = coordinator
         self.servers = servers
         self.locks = {name: asyncio.Lock() for name in servers}
         self.pools: dict[str, _PooledCalls] = {}  # drafter name -> its pool
-        if pool_drafters == "auto":
+        if pool_drafters != "off":
             shapes: dict[tuple, list[str]] = {}
             for name, server in servers.items():
                 shape = pool_shape(server.engine)
-                if shape is not None:
+                if shape is not None and (pool_drafters == "on" or str(server.engine.runner.device).startswith("cuda")):
                     shapes.setdefault(shape, []).append(name)
             for names in shapes.values():
                 if len(names) > 1:

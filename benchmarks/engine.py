@@ -112,7 +112,7 @@ class SlowedDrafting:
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
         prompt_len: int = 64, include_hf: bool = True, repeats: int = 3, device: str = "cpu", log=print,
-        only: list[str] | None = None, pool: tuple[str, ...] = ("off",), target_scale: tuple[int, int] | None = None,
+        only: list[str] | None = None, pool: tuple[str, ...] = ("auto",), target_scale: tuple[int, int] | None = None,
         dtype: str = "float32", on_repeat: Callable[[dict], None] | None = None,
         sampling: Sampling = Sampling(), slow_factor: float = 5.0) -> dict:
     """Every method at every batch size, warmed up, then `repeats` times round-robin; the median run counts.
@@ -400,6 +400,9 @@ def device_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+POOLED_NAMES = (" [pool on]", " [pool auto]")  # runs before `auto` came to mean "on a GPU" named the pooled rows auto
+
+
 def pool_table(result: dict) -> str:
     """Each method run with the drafter pool on and off: the tokens/s ratio per repeat (median, min-max; the runs
     were interleaved, so repeat i of both ran side by side), drafting costs, acceptance and output identity."""
@@ -409,9 +412,10 @@ def pool_table(result: dict) -> str:
              "| drafting ms per round, pool / no pool | mean accepted length, pool / no pool | output = target-only |",
              "|---|---|---|---|---|---|"]
     for (name, batch), on in rows.items():
-        if not name.endswith(" [pool auto]"):
+        pooled = next((p for p in POOLED_NAMES if name.endswith(p)), None)
+        if pooled is None:
             continue
-        off = rows[(name.replace("[pool auto]", "[pool off]"), batch)]
+        off = rows[(name.replace(pooled, " [pool off]"), batch)]
         ratios = sorted(a / b for a, b in zip(runs[f"{name} | batch {batch}"], runs[f"{off['method']} | batch {batch}"]))
         pair = lambda k: f"{on[k]:.3f} / {off[k]:.3f}"  # noqa: E731
         yes = lambda r: "yes" if r["identical_to_target"] else "NO"  # noqa: E731

@@ -27,7 +27,7 @@ methods=("ours: chain, domain" "ours: chain, generic" "ours: chain, goodput" "fu
 bench() {
   # shellcheck disable=SC2086  # SCALE is two numbers
   "$PY" -m serve_app.cli bench engine --device "$DEVICE" --target-scale $SCALE --no-hf --new-tokens "$NEW" \
-    --per-domain "$PER" --pool auto --methods "${methods[@]}" "$@"
+    --per-domain "$PER" --pool on --methods "${methods[@]}" "$@"
 }
 bench --dtype bfloat16 --batches 1 8 16 --repeats "$REPEATS" --json "$OUT/engine-9b-bf16.json" 2>&1 \
   | grep -v "Loading weights" | tee "$OUT/engine-9b-bf16.log"

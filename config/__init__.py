@@ -379,12 +379,13 @@ class SpeculationSpec(_Strict):
         "goodput at the current load from the measured round times of each and the goodput controller's verify "
         "model and acceptance (speculation/tiers.py); the drafter autoscaler gives the drafter deployments "
         "min_replicas while the verifier drafts on its own hardware. Needs the goodput controller")
-    pool_drafters: Literal["auto", "off"] = Field(
-        "off", description="drafters in one process (the colocated layout, `cosine generate`, benchmarks): auto: "
-        "the drafters of one shape (same config apart from the weights, the fast runner on a CPU) advance together, "
-        "one batched forward per depth for all of them and their requests (engines/drafter_pool.py); off: each "
-        "drafter steps on its own. Off by default: on a 2-core CPU the pooled step measured 0.97x the separate "
-        "steps' tokens/s at batch 1 and 8 (bench_results/drafter-pool.json)")
+    pool_drafters: Literal["auto", "on", "off"] = Field(
+        "auto", description="drafters in one process (the colocated layout, `cosine generate`, benchmarks): on: "
+        "the drafters of one shape (same config apart from the weights, the fast runner) advance together, one "
+        "batched forward per depth for all of them and their requests (engines/drafter_pool.py), on a GPU one CUDA "
+        "graph replay per depth; off: each drafter steps on its own; auto: on where the drafters run on a GPU, off "
+        "on a CPU, where the pooled step measured 0.97x the separate steps' tokens/s at batch 1 and 8 on 2 cores "
+        "(bench_results/drafter-pool.json)")
     record_trace: str | None = Field(None, description="a JSON-lines file (absolute path on the verifier's node) "
                                      "the verify loop appends to: every finished request's prompt and output, "
                                      "every verify step's and drafting round's timing, each request's draft depth "

@@ -31,7 +31,7 @@ RERUN = {
                    "'ours: chain, goodput-adaptive' 'full CoSine (routing' 'best chain of each tree' HF "
                    "--json bench_results/engine.json",
     "drafter-pool.json": "cosine bench engine --per-domain 1 --new-tokens 32 --k 4 --batches 1 8 --no-hf --repeats 3 "
-                         "--methods 'full CoSine (routing' --pool auto off --json bench_results/drafter-pool.json",
+                         "--methods 'full CoSine (routing' --pool on off --json bench_results/drafter-pool.json",
     "engine-modes.json": "cosine bench engine --per-domain 1 --batches 1 8 --repeats 3 --methods 'chain, domain' "
                          "'chain, generic' Minions level 'full CoSine (routing' 'chain, goodput-adaptive' "
                          "--json bench_results/engine-modes.json",

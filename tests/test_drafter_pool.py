@@ -130,7 +130,7 @@ def test_only_same_shape_drafters_pool(drafter_models, target):
     assert pool_shape(DrafterEngine(drafter_models["code"], runner="transformers", max_len=256)) is None
 
 
-@pytest.mark.parametrize("pool", ["auto", "off"])
+@pytest.mark.parametrize("pool", ["on", "off"])
 def test_loop_with_pooled_drafters_is_lossless(target, drafter_models, tokenizer, heldout, pool):
     """The in-process loop, every request drafting with 3 drafters (one-shot fusion), then routed CoSine (cold
     start scoring by every drafter, lockstep fusion): greedy output equal to target-only, the pool doing the
@@ -182,7 +182,7 @@ def test_a_round_costs_one_forward_per_drafter_shape_and_depth(drafter_models, t
         drafters = names + (["big"] if other else [])
         servers = {n: DrafterServer(n, DrafterEngine(drafter_models[n] if n != "big" else target, name=n,
                                                      max_requests=8, max_len=256)) for n in drafters}
-        tier = InProcessDraftingTier(SpeculationCoordinator(drafters), servers, "auto", pool_padded=padded)
+        tier = InProcessDraftingTier(SpeculationCoordinator(drafters), servers, "on", pool_padded=padded)
         contexts = {f"r{i}": texts[i][:30 + 5 * i] for i in range(6)}
 
         def round_():
@@ -204,6 +204,26 @@ def test_a_round_costs_one_forward_per_drafter_shape_and_depth(drafter_models, t
             assert work.host_reads == shapes * k
         for s in servers.values():
             s.executor.shutdown(wait=True)
+
+
+def test_the_pool_by_default_only_where_the_drafters_run_on_a_gpu(drafter_models):
+    """`pool_drafters: auto` (the default) pools same-shape drafters on a GPU only: on a CPU each steps alone (the
+    pooled step measured no faster there); `on` pools them wherever they run."""
+    from assembly.drafter_server import DrafterServer
+    from assembly.drafting_tier import InProcessDraftingTier
+    from config import SpeculationSpec
+    from speculation.coordinator import SpeculationCoordinator
+
+    assert SpeculationSpec().pool_drafters == "auto"
+    pooled = {}
+    for setting in ("auto", "on", "off"):
+        servers = {n: DrafterServer(n, DrafterEngine(drafter_models[n], name=n, max_requests=4, max_len=128))
+                   for n in NAMES}
+        tier = InProcessDraftingTier(SpeculationCoordinator(list(NAMES)), servers, setting)
+        pooled[setting] = sorted(tier.pools)
+        for s in servers.values():
+            s.executor.shutdown(wait=True)
+    assert pooled == {"auto": [], "on": sorted(NAMES), "off": []}
 
 
 def test_prompts_prefilled_together_beside_a_long_context_equal_each_alone(drafter_models, texts):

@@ -50,8 +50,9 @@ def _engine(bsub) -> None:
     e.add_argument("--device", default="cpu", help="where the models run: cpu, or cuda on a GPU machine")
     e.add_argument("--methods", nargs="+", help="run only the methods whose names contain one of these (and "
                    "target-only, the reference), e.g. 'Minions' 'chain, generic'; 'HF' for HF assisted generation")
-    e.add_argument("--pool", nargs="+", choices=["auto", "off"], default=["off"], help="speculation.pool_drafters "
-                   "for our methods; both: side by side, with the pool's ratio per batch")
+    e.add_argument("--pool", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+                   help="speculation.pool_drafters for our methods (auto, the default: on a GPU, off on a CPU); on "
+                   "and off: side by side, with the pool's ratio per batch")
     e.add_argument("--target-scale", type=int, nargs=2, metavar=("FACTOR", "LAYERS"), help="instead of the bench "
                    "target, the trained target widened FACTOR times and deepened to LAYERS (identity layers), built "
                    "on the device: a target of realistic cost on a GPU (16 16: 7.3B parameters); no HF rows then")
