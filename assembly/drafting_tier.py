@@ -106,25 +106,36 @@ class _PooledCalls:
         return await fut
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One pooled step for the calls of this turn. Calls to one drafter from overlapping rounds (the pipeline's
+        two halves drafting at once) share it when their requests differ; a request called twice goes to a later
+        step."""
         waiting, self.waiting = self.waiting, []
-        while waiting:  # a drafter called twice in one turn (overlapping rounds): its second call in a later batch
-            batch, seen, later = [], set(), []
+        while waiting:
+            merged: dict[str, list[DrafterCall]] = {}
+            batch, later = [], []
             for item in waiting:
-                (later if item[0] in seen else batch).append(item)
-                seen.add(item[0])
+                name, calls, _ = item
+                taken = {c.request_id for c in merged.get(name, [])}
+                if taken & {c.request_id for c in calls}:
+                    later.append(item)
+                    continue
+                merged.setdefault(name, []).extend(calls)
+                batch.append(item)
             waiting = later
-            job = loop.run_in_executor(self.executor, self.step, [(n, c) for n, c, _ in batch])
+            job = loop.run_in_executor(self.executor, self.step, list(merged.items()))
             job.add_done_callback(lambda j, batch=batch: self._answer(j, batch))
 
     @staticmethod
     def _answer(job: asyncio.Future, batch) -> None:
-        for name, _, fut in batch:
+        for name, calls, fut in batch:
             if fut.done():  # its caller gave up (a timeout)
                 continue
             if job.exception() is not None:
                 fut.set_exception(job.exception())
             else:
-                fut.set_result(job.result()[name])
+                reply = job.result()[name]
+                mine = {c.request_id for c in calls}
+                fut.set_result(DrafterReply({r: ch for r, ch in reply.chains.items() if r in mine}, reply.compute_ms))
 
     def step(self, batch: list[tuple[str, list[DrafterCall]]]) -> dict[str, DrafterReply]:
         t = time.perf_counter()

@@ -202,6 +202,21 @@ def test_a_round_costs_one_forward_per_drafter_shape_and_depth(drafter_models, t
             assert len(drafts) == len(contexts)
             assert work.drafter_forwards == shapes * k
             assert work.host_reads == shapes * k
+        # two rounds at once over the same drafters (the pipeline's halves, each with its own requests): still one
+        # forward per depth (the pool's drafters only), each round given its own requests' drafts
+        halves = [list(contexts)[:3], list(contexts)[3:]]
+        contexts = {r: c + [c[-1]] for r, c in contexts.items()}
+
+        async def both():
+            return await asyncio.gather(*(tier.draft([DraftRequest(r, contexts[r], k, budget=3 * k,
+                                                                   drafters=[names[i % 4], names[(i + 1) % 4]])
+                                                      for i, r in enumerate(half, start=3 * h)])
+                                          for h, half in enumerate(halves)))
+
+        before = WORK.snapshot()
+        drafts = asyncio.run(both())
+        assert WORK.since(before).drafter_forwards == k
+        assert [sorted(d) for d in drafts] == [sorted(h) for h in halves]
         for s in servers.values():
             s.executor.shutdown(wait=True)
 
