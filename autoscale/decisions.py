@@ -1,6 +1,6 @@
 """The drafter autoscaler's decisions, without Ray: one drafter deployment's replica count from its replicas' and
 the verifier's signals (the rules are described in autoscale/policy.py, which feeds these from Serve's autoscaling
-context). Pure, so the simulator (simulate/cluster.py) and the tests run the same decisions without a cluster."""
+context). Pure, so the simulator (simulate/fleet.py) and the tests run the same decisions without a cluster."""
 
 from __future__ import annotations
 

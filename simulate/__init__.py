@@ -4,6 +4,8 @@ models of GPUs (or of this machine, fitted from a trace) and acceptance replayed
 
 - `replay`: what every drafter would propose at every position of a recorded output; exact greedy verification.
 - `hardware`: the latency and price models, with their sources.
-- `cluster`: the simulated verifier loop, drafter replicas on GPUs, network hops and the autoscaler.
+- `cluster`: the simulated run: its workload, the verifier loop and its drafting rounds.
+- `fleet`: drafter replicas on GPUs behind network hops, and the drafter autoscaler.
+- `result`: what a run returns, and its aggregates.
 - `studies`: validation against a real run, the paper's settings, and drafter sizing.
 """

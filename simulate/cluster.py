@@ -1,5 +1,7 @@
 """The simulated cluster: a verifier (continuous batching, CoSine's pipeline halves or whole-batch steps), drafter
-replicas on GPUs behind network hops, and the drafter autoscaler, on simpy's clock.
+replicas on GPUs behind network hops, and the drafter autoscaler, on simpy's clock. This module holds the run
+(`Simulation`: its workload's arrivals, the verify loop, the drafting rounds' planning); fleet.py the drafter
+replicas and the autoscaler; result.py what a run returns.
 
 What decides is the project's own code, driven as the service drives it: `StepGrouping` (which requests each verify
 step takes and which drafting rounds run beside it: CoSine's pipeline halves, drafting ahead, as speculation/loop.py
@@ -15,21 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import simpy
 
-from autoscale.policy import DrafterLoad, ReplicaPlanner, VerifierLoad
-from config import AppConfig, AutoscalerSpec
+from autoscale.policy import VerifierLoad
+from config import AppConfig
 from speculation.coordinator import SpeculationCoordinator
 from speculation.messages import SpeculationOverrides
 from speculation.planner import DraftPlanner, draft_timeout_s
 from speculation.stepping import StepGrouping, carried
 from speculation.tiers import COLOCATED, REMOTE, TierChooser, resolve
+from simulate.fleet import Autoscaling, DrafterFleet
 from simulate.hardware import Hardware
 from simulate.replay import Replayer, ReplayRequest, ReplayState
+from simulate.result import Finished, Result
 
 
 @dataclass
@@ -50,81 +53,6 @@ class Workload:
         if isinstance(self.rate, (int, float)):
             return float(self.rate)
         return next((r for until, r in self.rate if t < until), self.rate[-1][1])
-
-
-@dataclass
-class Autoscaling:
-    spec: AutoscalerSpec = field(default_factory=AutoscalerSpec)
-    min_replicas: int = 1
-    max_replicas: int = 4
-    period_s: float = 2.0  # Serve's metrics interval / policy period, as look-back
-    upscale_delay_s: float = 10.0
-    downscale_delay_s: float = 60.0
-
-
-@dataclass
-class Finished:
-    rid: str  # the trace's request id, '#' and its arrival's number
-    output: list[int]  # what the replayed verification committed
-    arrival: float  # sent by its client
-    started: float  # admitted into the running batch
-    first: float
-    end: float
-    tokens: int
-    passes: int
-    rounds: int
-    accepted: int
-
-
-@dataclass
-class Result:
-    finished: list[Finished]
-    makespan: float
-    steps: int
-    step_tokens: int
-    drafter_gpu_seconds: float
-    cost_usd: float
-    replicas: list[tuple[float, int]]  # (time, drafter replicas running)
-    ahead: tuple[int, int] = (0, 0)  # drafts made ahead of a step, and of them used
-    tier_rounds: dict[str, int] = field(default_factory=dict)  # drafting rounds per tier (`drafting_tier: auto`)
-
-    def summary(self, slo_ms_per_token: float | None = None) -> dict:
-        """Aggregates of the run. Goodput counts the tokens of requests whose latency per token from sending
-        met `slo_ms_per_token` (every request's without one)."""
-        f = self.finished
-        tokens = sum(r.tokens for r in f)
-        good = sum(r.tokens for r in f if slo_ms_per_token is None
-                   or 1000 * (r.end - r.arrival) <= slo_ms_per_token * r.tokens)
-        rounds = sum(r.rounds for r in f)
-        per_token = [(r.end - r.arrival) / r.tokens for r in f if r.tokens]
-        tpot = [(r.end - r.first) / (r.tokens - 1) for r in f if r.tokens > 1]
-        return {"requests": len(f), "tokens": tokens, "throughput_tok_s": tokens / max(self.makespan, 1e-9),
-                "latency_ms_per_token": 1000 * statistics.fmean(per_token) if per_token else 0.0,
-                # from admission: the time per token of a running request, queueing excluded (offline batches)
-                "service_ms_per_token": 1000 * statistics.fmean((r.end - r.started) / r.tokens for r in f if r.tokens)
-                if f else 0.0,
-                "tpot_ms": 1000 * statistics.fmean(tpot) if tpot else 0.0,
-                "ttft_ms": 1000 * statistics.fmean([r.first - r.arrival for r in f]) if f else 0.0,
-                "mean_accepted_length": (sum(r.accepted for r in f) + rounds) / rounds if rounds else 1.0,
-                "target_passes_per_token": sum(r.passes for r in f) / max(tokens, 1),
-                "drafter_gpu_hours": self.drafter_gpu_seconds / 3600,
-                "ahead_used_share": self.ahead[1] / self.ahead[0] if self.ahead[0] else 0.0,
-                "remote_round_share": self.tier_rounds.get(REMOTE, 0) / max(1, sum(self.tier_rounds.values()))
-                if self.tier_rounds else None,
-                "usd_per_million_tokens": 1e6 * self.cost_usd / max(tokens, 1),
-                "goodput_tok_s": good / max(self.makespan, 1e-9),
-                "usd_per_million_good_tokens": 1e6 * self.cost_usd / good if good else None}
-
-
-class _Replica:
-    """A drafter replica on a GPU: the requests homed on it, and what it reports to the autoscaler."""
-
-    def __init__(self, gpu: simpy.Resource, ready_at: float):
-        self.gpu, self.ready_at = gpu, ready_at
-        self.homes: set[str] = set()
-        self.busy_s = 0.0
-        self.queued_s = 0.0
-        self.scalable_s = 0.0
 
 
 class Simulation:
@@ -154,15 +82,9 @@ class Simulation:
         self.planner = DraftPlanner(cfg)
         self.coordinator = SpeculationCoordinator.from_config(cfg) if cfg.speculation.mode != "off" else None
         self.aio = asyncio.new_event_loop()
-        names = [d.name for d in cfg.drafters]
-        n_gpus = drafter_gpus or replicas * len(names)
-        self.gpus = [simpy.Resource(self.env, 1) for _ in range(n_gpus)]
-        self.replicas: dict[str, list[_Replica]] = {
-            n: [_Replica(self.gpus[(i * replicas + j) % n_gpus], 0.0) for j in range(replicas)]
-            for i, n in enumerate(names)}
-        self.gpu_seconds, self.metered_at = 0.0, 0.0
-        self.uses_drafters = self.coordinator is not None and not self.colocated and hw.draft_round is None
-        self.replica_log: list[tuple[float, int]] = [(0.0, self._n_replicas())]
+        uses_drafters = self.coordinator is not None and not self.colocated and hw.draft_round is None
+        self.fleet = DrafterFleet(self.env, hw, self.verifier, [d.name for d in cfg.drafters], replicas, drafter_gpus,
+                                  metered=uses_drafters)
         # request pool
         self.queue: list[ReplayState] = []
         self.running: dict[str, ReplayState] = {}
@@ -203,9 +125,6 @@ class Simulation:
                                    for n in sorted({1, max(1, b // 2), b})])
 
     # ------------------------------------------------------------------ requests
-    def _n_replicas(self) -> int:
-        return sum(len(rs) for rs in self.replicas.values())
-
     def _arrive(self, req: ReplayRequest, tag: str):
         """A request sent now; it reaches the verifier's queue half the request overhead later."""
         rid = f"{req.rid}#{tag}"
@@ -229,9 +148,7 @@ class Simulation:
             self.planner.controller.release(rid)
         if self.coordinator:
             self.coordinator.release(rid)
-        for reps in self.replicas.values():
-            for r in reps:
-                r.homes.discard(rid)
+        self.fleet.release(rid)
         half = self.hw.request_overhead_ms / 2000
         yield self.env.timeout(half)
         self.finished.append(Finished(rid, st.output, self.arrived.pop(rid), self.started.pop(rid),
@@ -326,7 +243,7 @@ class Simulation:
             self.signals["remote_rounds"] += tier == REMOTE
             colocated = tier == COLOCATED
         t0 = self.env.now
-        drafting = self.env.process(self._drafting(batch, scored, list(self.replayer.calls), colocated))
+        drafting = self.env.process(self.fleet.drafting(batch, scored, list(self.replayer.calls), colocated))
         yield drafting | self.env.timeout(draft_timeout_s(self.cfg.speculation, self.verify_recent, scored > 0))
         if tier is not None and not scored:  # as the verifier's auto tier: late rounds count at least that long
             self.tiers.observe(tier, max(d.k for d in batch), len(batch), self.env.now - t0)
@@ -347,6 +264,25 @@ class Simulation:
         self.ahead_counts[0] += len(bases)
         self.ahead_counts[1] += len(out)
         return out
+
+    def _verified(self, members: list[str], drafts: dict) -> tuple[int, bool]:
+        """The step's verification replayed for its members (their first token, if it prefilled them; the
+        controller's acceptance observations; the finished ones leave): the tokens it committed, and whether it
+        prefilled a request."""
+        committed, prefilled = 0, False
+        for rid in members:
+            st = self.running[rid]
+            if rid in self.prefill:
+                self.prefill.discard(rid)
+                self.first[rid] = self.env.now
+                prefilled = True
+            _, accepted, depth = self.replayer.verify(rid, drafts.get(rid))
+            committed += 1 + accepted
+            self.planner.observe_acceptance(rid, depth, accepted, self.participation.get(rid))
+            if st.done:
+                del self.running[rid]
+                self.env.process(self._finish(rid))
+        return committed, prefilled
 
     def _steps(self):
         """The verify loop as speculation/loop.py runs it: `StepGrouping` groups the steps and starts the drafting
@@ -411,19 +347,7 @@ class Simulation:
             self.step_tokens += tokens
             self.planner.observe_step(tokens, seconds, self.env.now - since)
             wall, last_end = self.env.now - since, self.env.now
-            committed, prefilled = 0, False
-            for rid in members:
-                st = self.running[rid]
-                if rid in self.prefill:
-                    self.prefill.discard(rid)
-                    self.first[rid] = self.env.now
-                    prefilled = True
-                _, accepted, depth = self.replayer.verify(rid, drafts.get(rid))
-                committed += 1 + accepted
-                self.planner.observe_acceptance(rid, depth, accepted, self.participation.get(rid))
-                if st.done:
-                    del self.running[rid]
-                    self.env.process(self._finish(rid))
+            committed, prefilled = self._verified(members, drafts)
             self.planner.observe_committed(len(members), committed, wall, drafting and bool(drafts), prefilled)
             turn = self.grouping.turn
             nxt = self.grouping.verified(seconds, self.running)
@@ -431,105 +355,14 @@ class Simulation:
                 pending[turn] = self.env.process(self._round(self._contexts(nxt),
                                                              self.grouping.overlap(nxt, self.running)))
 
-    def _drafting(self, batch, scored: int, calls: list[tuple[str, str, int, int]], colocated: bool):
-        """A drafting round replayed in simulated time: its calls, wave by wave (the coordinator's depths), on the
-        verifier's GPUs (`colocated`) or the drafters'."""
-        if self.hw.draft_round is not None:  # fitted as a whole: drafters share the verifier's hardware
-            yield self.env.timeout(self.hw.draft_round(max(d.k for d in batch), len(batch), scored))
-            return
-        waves: dict[int, dict[str, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
-        for name, rid, depth, steps in calls:
-            waves[depth][name].append((rid, steps))
-        for depth in sorted(waves):
-            calls = []
-            for name, items in waves[depth].items():
-                if colocated:
-                    calls.append(self.env.process(self._colocated(items)))
-                    continue
-                by_replica: dict[int, list] = defaultdict(list)
-                for rid, steps in items:
-                    by_replica[self._home(name, rid)].append(steps)
-                for i, steps in by_replica.items():
-                    calls.append(self.env.process(self._call(self.replicas[name][i], steps)))
-            yield self.env.all_of(calls)
-
-    def _colocated(self, items):
-        with self.verifier.request() as turn:
-            yield turn
-            yield self.env.timeout(max(s for _, s in items) * self.hw.colocated_draft(len(items)))
-
-    def _home(self, name: str, rid: str) -> int:
-        reps = self.replicas[name]
-        ready = [i for i, r in enumerate(reps) if r.ready_at <= self.env.now] or [0]
-        for i in ready:
-            if rid in reps[i].homes:
-                return i
-        i = min(ready, key=lambda j: len(reps[j].homes))
-        reps[i].homes.add(rid)
-        return i
-
-    def _call(self, rep: _Replica, steps: list[int]):
-        yield self.env.timeout(self.hw.hop_ms / 2000)
-        asked = self.env.now
-        with rep.gpu.request() as turn:
-            yield turn
-            rep.queued_s += self.env.now - asked
-            busy = max(steps) * self.hw.draft(len(steps))
-            yield self.env.timeout(busy)
-            rep.busy_s += busy
-            rep.scalable_s += busy - max(steps) * self.hw.draft(0)  # all but the steps' fixed cost
-        yield self.env.timeout(self.hw.hop_ms / 2000)
-
-    # ------------------------------------------------------------------ the autoscaler
-    def _autoscaler(self, a: Autoscaling):
-        planner = ReplicaPlanner(a.spec)
-        demand: dict[str, float | None] = {n: None for n in self.replicas}
-        wanted_since: dict[str, tuple[int, float]] = {}
-        while True:
-            yield self.env.timeout(a.period_s)
-            s = self.signals
-            verifier = VerifierLoad(s["draft_wait_s"] / a.period_s,
-                                    s["speculated"] / s["rounds"] if s["rounds"] else 1.0, s["rounds"] / a.period_s,
-                                    remote=s["remote_rounds"] / s["tier_rounds"] if s["tier_rounds"] else None,
-                                    requests=float(len(self.running)))
-            self.signals = defaultdict(float)
-            for name, reps in self.replicas.items():
-                live = [r for r in reps if r.ready_at <= self.env.now]
-                load = DrafterLoad(sum(r.busy_s for r in live) / a.period_s,
-                                   sum(r.queued_s for r in live) / a.period_s,
-                                   sum(r.scalable_s for r in live) / a.period_s)
-                for r in live:
-                    r.busy_s = r.queued_s = r.scalable_s = 0.0
-                d = planner.decide(load, verifier, len(reps), a.min_replicas, a.max_replicas, demand[name])
-                demand[name] = d.demand
-                if d.replicas == len(reps):
-                    wanted_since.pop(name, None)
-                    continue
-                since = wanted_since.setdefault(name, (d.replicas, self.env.now))
-                if since[0] != d.replicas:
-                    wanted_since[name] = (d.replicas, self.env.now)
-                    continue
-                delay = a.upscale_delay_s if d.replicas > len(reps) else a.downscale_delay_s
-                if self.env.now - since[1] < delay:
-                    continue
-                wanted_since.pop(name, None)
-                self._meter()
-                while len(reps) < d.replicas:  # a new replica on a GPU of its own, ready once its model loads
-                    gpu = simpy.Resource(self.env, 1)
-                    self.gpus.append(gpu)
-                    reps.append(_Replica(gpu, self.env.now + self.hw.replica_start_s))
-                while len(reps) > d.replicas:  # the one with fewest requests goes; they rehome on their next call
-                    gone = min(reps, key=lambda r: len(r.homes))
-                    reps.remove(gone)
-                    self.gpus.remove(gone.gpu)
-            self.replica_log.append((self.env.now, self._n_replicas()))
-
-    def _meter(self) -> None:
-        """Drafter GPU-seconds so far: the GPUs holding drafter replicas, integrated over time (call before the
-        count changes)."""
-        if self.uses_drafters:
-            self.gpu_seconds += (self.env.now - self.metered_at) * len(self.gpus)
-        self.metered_at = self.env.now
+    def _verifier_load(self, period_s: float) -> VerifierLoad:
+        """What the verifier reports to the autoscaler over the last `period_s`; its signals start afresh."""
+        s = self.signals
+        self.signals = defaultdict(float)
+        return VerifierLoad(s["draft_wait_s"] / period_s, s["speculated"] / s["rounds"] if s["rounds"] else 1.0,
+                            s["rounds"] / period_s,
+                            remote=s["remote_rounds"] / s["tier_rounds"] if s["tier_rounds"] else None,
+                            requests=float(len(self.running)))
 
     # ------------------------------------------------------------------ run
     def run(self, workload: Workload, limit_s: float = 36000.0) -> Result:
@@ -537,12 +370,12 @@ class Simulation:
         self.env.process(self._workload(workload))
         self.env.process(self._steps())
         if self.autoscaling is not None:
-            self.env.process(self._autoscaler(self.autoscaling))
+            self.env.process(self.fleet.autoscaler(self.autoscaling, self._verifier_load))
         self.env.run(until=simpy.AnyOf(self.env, [self.done, self.env.timeout(limit_s)]))
-        self._meter()
+        self.fleet.meter()
         makespan = max((f.end for f in self.finished), default=self.env.now) - min(
             (f.arrival for f in self.finished), default=0.0)
         self.aio.close()
-        return Result(self.finished, makespan, self.steps, self.step_tokens, self.gpu_seconds,
-                      self.hw.cost(self.env.now, self.gpu_seconds), self.replica_log, tuple(self.ahead_counts),
+        return Result(self.finished, makespan, self.steps, self.step_tokens, self.fleet.gpu_seconds,
+                      self.hw.cost(self.env.now, self.fleet.gpu_seconds), self.fleet.log, tuple(self.ahead_counts),
                       dict(self.tier_rounds))

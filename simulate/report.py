@@ -263,25 +263,25 @@ def plot_tiers(result: dict, path: Path) -> None:
 
 def main(args) -> int:
     """Runs the study, prints its table, writes its JSON, then its plot (if asked)."""
-    from simulate import studies
+    from simulate import studies, validation
 
     plot = None
     if args.study == "record":
         adaptive = {"as-configured": None, "on": True, "off": False}[args.adaptive]
-        for path in studies.record(args.config, Path(args.trace), Path(args.out), _ints(args.concurrencies),
+        for path in validation.record(args.config, Path(args.trace), Path(args.out), _ints(args.concurrencies),
                                    args.repeats, adaptive, log=_log):
             print(f"wrote {path}")
         return 0
     if args.study == "validate" and args.recorded:
-        run_args, runs = studies.recorded(Path(args.recorded))
-        requests = studies.recorded_replay(run_args, runs)
-        result = {"recorded": args.recorded, "rows": studies.out_of_sample(run_args, runs, requests),
+        run_args, runs = validation.recorded(Path(args.recorded))
+        requests = validation.recorded_replay(run_args, runs)
+        result = {"recorded": args.recorded, "rows": validation.out_of_sample(run_args, runs, requests),
                   "runs": [{k: v for k, v in r.items() if k != "trace"} for r in runs]}
         table = out_of_sample_table(result)
     elif args.study == "validate":
-        result = studies.validate(args.config, args.per_domain, args.new_tokens,
-                                  _ints(args.concurrencies), args.repeats, args.port,
-                                  Path(args.save_trace) if args.save_trace else None, log=_log)
+        result = validation.validate(args.config, args.per_domain, args.new_tokens,
+                                     _ints(args.concurrencies), args.repeats, args.port,
+                                     Path(args.save_trace) if args.save_trace else None, log=_log)
         table = validation_table(result)
     else:
         run_args = studies.app_args(args.config)

@@ -13,7 +13,8 @@ import yaml
 from config import AppConfig
 from engines.sampling import SamplingParams
 from model_family.paths import REPO_ROOT
-from simulate.cluster import Autoscaling, Simulation, Workload
+from simulate.cluster import Simulation, Workload
+from simulate.fleet import Autoscaling
 from simulate.hardware import PROFILES, Hardware, Linear, fit
 from simulate.replay import annotate
 from assembly.loop import build_loop, generate_all
@@ -167,7 +168,7 @@ def test_simulate_cli_reproduce_and_size(cosine_trace, domain_prompt_ids, tmp_pa
 
 
 def test_goodput_counts_only_the_requests_within_the_slo():
-    from simulate.cluster import Finished, Result
+    from simulate.result import Finished, Result
 
     # two requests of 10 tokens over 1 s: 20 ms and 80 ms per token from sending
     fast = Finished("a#0", [], arrival=0.0, started=0.0, first=0.01, end=0.2, tokens=10, passes=4, rounds=4,

@@ -18,7 +18,7 @@ import json
 import pytest
 
 from model_family.paths import REPO_ROOT
-from simulate import studies
+from simulate import validation
 from simulate.hardware import (BW_EFFICIENCY, ENGINE_COSTS, FLOPS_EFFICIENCY, GPU_STEPS, GPUS, MEASURED_STEPS, PROFILES,
                                SHAPES, DraftRound, fit, measured_efficiencies)
 from speculation.trace import Trace
@@ -126,9 +126,9 @@ def recorded():
     """The runs recorded with speculation.adaptive off (k = 4 always), where every decision follows from the replay,
     so that what is checked is the latency model and the loop's mechanics (the controller's runs diverge: see
     docs/simulation.md)."""
-    args, runs = studies.recorded(studies.RECORDED.parent / "inprocess-fixed")
+    args, runs = validation.recorded(validation.RECORDED.parent / "inprocess-fixed")
     assert args["speculation"]["adaptive"] is False
-    return args, runs, studies.recorded_replay(args, runs)
+    return args, runs, validation.recorded_replay(args, runs)
 
 
 def _error(row: dict) -> float:
@@ -138,7 +138,7 @@ def _error(row: dict) -> float:
 def _in_run_error(args, run, requests) -> float:
     """A run's larger error of throughput and latency per token, predicted from the latency model fitted on the even
     half of its own steps and drafting rounds."""
-    [row] = studies.predict(args, [run], [run], requests, hw=fit(run["trace"], half=0))
+    [row] = validation.predict(args, [run], [run], requests, hw=fit(run["trace"], half=0))
     return _error(row)
 
 
@@ -149,7 +149,7 @@ def _across_runs_error(args, runs, repeat, requests, broken=None) -> float:
     fitted = [r for r in runs if r["repeat"] == repeat and r["concurrency"] != 2]
     [target] = [r for r in runs if r["repeat"] == repeat and r["concurrency"] == 2]
     hw = fit(Trace(*(sum((getattr(r["trace"], k) for r in fitted), []) for k in ("requests", "steps", "drafts"))))
-    [row] = studies.predict(args, fitted, [target], requests, hw=broken(hw) if broken else hw)
+    [row] = validation.predict(args, fitted, [target], requests, hw=broken(hw) if broken else hw)
     return _error(row)
 
 
