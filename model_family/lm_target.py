@@ -156,19 +156,7 @@ def train(pack_path: Path, work: Path, out: Path | None, *, config=None, steps: 
         return loss
 
     if not (work / "plan.json").exists() and steps is None:  # time a few steps of a throwaway copy
-        probe = make_model()
-        opt = torch.optim.AdamW(probe.parameters(), lr=lr)
-        rng = np.random.default_rng(seed)
-        for i in range(8):
-            if i == 3:
-                _sync(device)
-                t = time.perf_counter()
-            batch_loss(rng, probe).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        _sync(device)
-        step_seconds = (time.perf_counter() - t) / 5
-        del probe, opt
+        step_seconds = _step_seconds(make_model(), batch_loss, lr, seed, device)
     else:
         step_seconds = 0.0
     total = plan_steps(work, steps, step_seconds, minutes, runs)
@@ -202,6 +190,23 @@ def train(pack_path: Path, work: Path, out: Path | None, *, config=None, steps: 
     result["final_loss"] = result.pop("loss")[-1]["loss"]
     save(model, work / "model", result, out)
     return result
+
+
+def _step_seconds(model, batch_loss, lr: float, seed: int, device: str) -> float:
+    """Seconds per training step of `model` (a throwaway copy): eight steps, the last five timed."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = np.random.default_rng(seed)
+    for i in range(8):
+        if i == 3:
+            _sync(device)
+            t = time.perf_counter()
+        batch_loss(rng, model).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _sync(device)
+    return (time.perf_counter() - t) / 5
 
 
 class _nothing:

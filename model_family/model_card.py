@@ -53,6 +53,33 @@ def format_agreement(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_corpus(corpus_stats: dict) -> str:
+    """Each domain's training text and held-out passages."""
+    lines = ["| domain | train MB | train passages | held-out passages |", "|---|---|---|---|"]
+    for d in DOMAINS:
+        r = corpus_stats[d]
+        lines.append(f"| {d} | {r['train_chars'] / 1e6:.1f} | {r['train_chunks']} | {r['test_chunks']} |")
+    return "\n".join(lines)
+
+
+def format_models(models_dir: Path) -> str:
+    """Every model of the family (the bench target aside) from its family.json: size, training, held-out
+    perplexity per domain."""
+    lines = ["| model | params | trained on | steps | tokens seen | train time | " + " | ".join(DOMAINS) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(DOMAINS)]
+    for p in sorted(models_dir.iterdir()):
+        meta_path = p / "family.json"
+        if not meta_path.exists() or p.name == "bench-target":
+            continue
+        m = json.loads(meta_path.read_text())
+        data = "all six domains" if m["role"] == "target" else (
+            "distilled, all domains" if m.get("domain") == "generic" else f"distilled, {m.get('domain')}")
+        ppl = " | ".join(str(m["held_out_ppl"][d]) for d in DOMAINS)
+        lines.append(f"| {p.name} | {m['params'] / 1e6:.2f}M | {data} | {m['steps']} | {m['tokens'] / 1e6:.1f}M "
+                     f"| {m['seconds'] / 60:.1f} min | {ppl} |")
+    return "\n".join(lines)
+
+
 def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, latencies: list[dict] | None,
            ablation: list[dict] | None = None) -> str:
     out = ["# Model card: the CoSine small model family", "",
@@ -74,25 +101,10 @@ def render(models_dir: Path, corpus_stats: dict | None, matrix: dict | None, lat
             "shuffled with a fixed seed and split per source: 4% (at least 20 passages) held out for evaluation, "
             "never trained on. `models/heldout/` ships 60 held-out passages per domain.", ""]
     if corpus_stats:
-        out += ["| domain | train MB | train passages | held-out passages |", "|---|---|---|---|"]
-        for d in DOMAINS:
-            r = corpus_stats[d]
-            out.append(f"| {d} | {r['train_chars'] / 1e6:.1f} | {r['train_chunks']} | {r['test_chunks']} |")
-        out.append("")
+        out += [format_corpus(corpus_stats), ""]
     out += ["## Models", "",
             "Held-out perplexity per domain (256-token windows of the held-out split).", "",
-            "| model | params | trained on | steps | tokens seen | train time | " + " | ".join(DOMAINS) + " |",
-            "|---|---|---|---|---|---|" + "---|" * len(DOMAINS)]
-    for p in sorted(models_dir.iterdir()):
-        meta_path = p / "family.json"
-        if not meta_path.exists() or p.name == "bench-target":
-            continue
-        m = json.loads(meta_path.read_text())
-        data = "all six domains" if m["role"] == "target" else (
-            "distilled, all domains" if m.get("domain") == "generic" else f"distilled, {m.get('domain')}")
-        ppl = " | ".join(str(m["held_out_ppl"][d]) for d in DOMAINS)
-        out.append(f"| {p.name} | {m['params'] / 1e6:.2f}M | {data} | {m['steps']} | {m['tokens'] / 1e6:.1f}M "
-                   f"| {m['seconds'] / 60:.1f} min | {ppl} |")
+            format_models(models_dir)]
     out += ["", "Architectures: target 384 hidden x 4 layers, 6 heads, MLP 1024, tied embeddings; drafters 128 x 2 "
             "layers, 4 heads, MLP 352. Drafters are distilled from the target: for each domain the target greedily "
             "continues 2000 prompts cut from that domain's training text (32 + 96 tokens), and its top-16 next-token "
