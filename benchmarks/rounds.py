@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.anchors import _Worker
+from benchmarks.workers import Worker
 from benchmarks.common import cell, heldout_prompts, tps_cell
 from benchmarks.metrics import save_json
 from config import ControllerSpec
@@ -123,7 +123,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
             log(f"[start {i + 1}/{len(names)}] {name}")
             traces[name] = work / f"{i}.jsonl"
             path, ks[name] = _config(config, k, overrides, traces[name], work, str(i))
-            workers[name] = _Worker({"kind": "ours", "config": path, "max_batch": max(8, concurrency),
+            workers[name] = Worker({"kind": "ours", "config": path, "max_batch": max(8, concurrency),
                                      "k": ks[name]}, work / f"{i}.log")
         for name in names:
             log(f"[warm-up] {name}")

@@ -7,6 +7,7 @@ import yaml
 
 from benchmarks import anchors
 from benchmarks.sampled import Sampling
+from benchmarks.workers import Worker
 from config import AppConfig
 
 BENCH = Path(__file__).resolve().parent.parent / "examples" / "bench.yaml"
@@ -49,7 +50,7 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
                anchors.OURS: {"kind": "ours", "config": str(BENCH)}}
     runs = {}
     for i, (name, spec) in enumerate(systems.items()):
-        worker = anchors._Worker(dict(spec, max_batch=2, k=3), tmp_path / f"{i}.log")
+        worker = Worker(dict(spec, max_batch=2, k=3), tmp_path / f"{i}.log")
         try:
             worker.run(prompts[:1], 1, 4, ["code"], anchors._request_sampling(greedy, 1, 0))  # warm-up
             runs[name] = worker.run(prompts, 2, 16, ["code", "legal"], anchors._request_sampling(greedy, 2, 1))

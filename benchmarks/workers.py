@@ -1,0 +1,232 @@
+"""The systems that `cosine bench anchors` and `cosine bench rounds` compare, each in a process of its own (one vLLM
+engine per process): the worker side (vLLM as its users run it, ours in process, HF assisted generation; one JSON
+request per stdin line, one result per stdout line) and the benchmark's handle on a worker (`Worker`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from model_family import DOMAINS
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+def _time_vllm_drafting() -> dict:
+    """Wrap vLLM's model runner's `propose_draft_token_ids` (its whole drafting per engine step) with a wall-clock
+    timer: the returned totals ("seconds", "rounds") grow as the engine built after this call drafts. For
+    in-process engines (the worker runs in this process)."""
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    totals = {"seconds": 0.0, "rounds": 0}
+    inner = GPUModelRunner.propose_draft_token_ids
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(self, *args, **kwargs):
+        sync()
+        t = time.perf_counter()
+        out = inner(self, *args, **kwargs)
+        sync()
+        totals["seconds"] += time.perf_counter() - t
+        totals["rounds"] += 1
+        return out
+
+    GPUModelRunner.propose_draft_token_ids = timed
+    return totals
+
+
+def _vllm_worker(spec: dict, max_batch: int):
+    """Plain vLLM, as its users run it (none of our hooks), with our engine's arguments."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from engines.vllm_hooks import SpecCounters, engine_args
+    from model_family.paths import model_path
+
+    args = engine_args(str(model_path("bench-target")), max_batch, 512)
+    if spec.get("draft"):
+        args["speculative_config"] = {"method": "draft_model", "model": str(model_path(f"drafter-{spec['draft']}")),
+                                      "num_speculative_tokens": spec["k"]}
+    elif spec.get("ngram"):
+        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec["k"]}
+    counters = SpecCounters()
+    drafting = _time_vllm_drafting()
+    engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory])
+
+    def run(prompts, concurrency, max_tokens, domains, sampling):
+        before, drafting_before = dict(counters.totals), dict(drafting)
+        todo, live, done, starts, ids = list(enumerate(prompts)), {}, {}, {}, 0
+        t0 = time.perf_counter()
+        steps = 0
+        while todo or live:
+            while todo and len(live) < concurrency:
+                i, p = todo.pop(0)
+                params = SamplingParams(max_tokens=max_tokens, temperature=sampling["temperature"],
+                                        top_p=sampling["top_p"], seed=_seed(sampling, i), ignore_eos=True,
+                                        detokenize=False, output_kind=RequestOutputKind.DELTA)
+                rid = f"{ids}-{i}"
+                ids += 1
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+                live[rid], starts[rid] = [], time.perf_counter()
+            steps += 1
+            for o in engine.step():
+                live[o.request_id] += o.outputs[0].token_ids
+                if o.finished:
+                    i = int(o.request_id.split("-")[1])
+                    done[i] = (live.pop(o.request_id), time.perf_counter() - starts[o.request_id])
+        wall = time.perf_counter() - t0
+        spec_stats = {k: counters.totals[k] - before[k] for k in counters.totals}
+        return {"outputs": [done[i][0] for i in range(len(prompts))], "seconds": [done[i][1] for i in range(len(prompts))],
+                "wall": wall, "drafts": spec_stats["num_drafts"],
+                "accepted": spec_stats["num_accepted_tokens"], "steps": None,
+                "draft_tokens": spec_stats["num_draft_tokens"],
+                "draft_s": drafting["seconds"] - drafting_before["seconds"],
+                "draft_rounds": drafting["rounds"] - drafting_before["rounds"]}
+
+    return run
+
+
+def _ours_worker(spec: dict, max_batch: int):
+    import yaml
+
+    from config import AppConfig
+    from engines.sampling import SamplingParams
+    from assembly.loop import build_loop
+
+    args = yaml.safe_load(Path(spec["config"]).read_text())["applications"][0]["args"]
+    args["verifier"].update(engine="vllm", max_batch=max_batch, kv_cache_gib=1)
+    args["speculation"]["k"] = spec["k"]
+    loop = build_loop(AppConfig.model_validate(args))
+    aio = asyncio.new_event_loop()
+
+    async def go(prompts, concurrency, max_tokens, sampling):
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i, p):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=sampling["temperature"],
+                                    top_p=sampling["top_p"], seed=_seed(sampling, i))
+            async with sem:
+                t, ids, usage = time.perf_counter(), [], {}
+                async for chunk in loop.generate(p, params):
+                    ids += chunk.token_ids
+                    usage = chunk.usage or usage
+                return ids, time.perf_counter() - t, usage
+
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return res, time.perf_counter() - t0
+
+    coordinator = loop.drafting.coordinator
+
+    def run(prompts, concurrency, max_tokens, domains, sampling):
+        rounds, draft_s = coordinator.stats["rounds"], coordinator.stats["step_seconds"]
+        res, wall = aio.run_until_complete(go(prompts, concurrency, max_tokens, sampling))
+        return {"outputs": [r[0] for r in res], "seconds": [r[1] for r in res], "wall": wall,
+                "drafts": sum(r[2].get("num_drafts", 0) for r in res),
+                "accepted": sum(r[2].get("num_accepted_tokens", 0) for r in res),
+                "steps": sum(r[2].get("verify_steps", 0) for r in res),
+                "draft_tokens": sum(r[2].get("num_draft_tokens", 0) for r in res),
+                "draft_s": coordinator.stats["step_seconds"] - draft_s,
+                "draft_rounds": coordinator.stats["rounds"] - rounds}
+
+    return run
+
+
+def _hf_worker(spec: dict, max_batch: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from model_family.paths import model_path
+
+    def load(name):
+        model = AutoModelForCausalLM.from_pretrained(model_path(name), dtype=torch.float32).eval()
+        # no EOS: generation runs to max_new_tokens with EOS sampled like any token, as vLLM's ignore_eos does
+        # (min_new_tokens would take EOS out of the distribution)
+        model.generation_config.eos_token_id = None
+        return model
+
+    target = load("bench-target")
+    drafters = {d: load(f"drafter-{d}") for d in DOMAINS}
+
+    @torch.no_grad()
+    def run(prompts, concurrency, max_tokens, domains, sampling):
+        outs, secs = [], []
+        t0 = time.perf_counter()
+        for i, (p, d) in enumerate(zip(prompts, domains)):
+            sample = {"do_sample": False} if sampling["temperature"] == 0 else {
+                "do_sample": True, "temperature": sampling["temperature"], "top_p": sampling["top_p"]}
+            if sample["do_sample"]:
+                torch.manual_seed(_seed(sampling, i))
+            t = time.perf_counter()
+            out = target.generate(torch.tensor([p]), assistant_model=drafters[d], max_new_tokens=max_tokens,
+                                  pad_token_id=0, **sample)
+            outs.append(out[0, len(p):].tolist())
+            secs.append(time.perf_counter() - t)
+        return {"outputs": outs, "seconds": secs, "wall": time.perf_counter() - t0, "drafts": 0, "accepted": 0,
+                "steps": None}
+
+    return run
+
+
+def _seed(sampling: dict, i: int) -> int | None:
+    """Request `i`'s seed (None when greedy)."""
+    return sampling["seeds"][i] if sampling.get("seeds") else None
+
+
+def worker_main(spec_json: str) -> int:
+    """A benchmark worker: builds one system, then answers one JSON request per stdin line."""
+    spec = json.loads(spec_json)
+    run = {"vllm": _vllm_worker, "ours": _ours_worker, "hf": _hf_worker}[spec["kind"]](spec, spec["max_batch"])
+    print("READY", flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        res = run(req["prompts"], req["concurrency"], req["max_tokens"], req["domains"], req["sampling"])
+        print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- orchestrator side
+class Worker:
+    """One system in a process of its own (its log in `log_path`)."""
+
+    def __init__(self, spec: dict, log_path: Path):
+        self.log_path = log_path
+        with open(log_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.workers", "--worker", json.dumps(spec)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         cwd=Path(__file__).resolve().parent.parent)
+        self._wait("READY")
+
+    def _wait(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        tail = "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"benchmark worker exited ({self.proc.wait()}); the end of its log ({self.log_path}):\n{tail}")
+
+    def run(self, prompts, concurrency, max_tokens, domains, sampling: dict) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "concurrency": concurrency, "max_tokens": max_tokens,
+                                          "domains": domains, "sampling": sampling}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._wait("RESULT "))
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(worker_main(sys.argv[2]))
+    sys.exit("usage: cosine bench anchors (this module's --worker mode is for the benchmarks themselves)")
