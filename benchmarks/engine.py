@@ -15,7 +15,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from speculation.profiling import fit_draft_latency, fit_verify_latency
 from assembly.loop import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
 from benchmarks.common import Row, heldout_prompts, load_model, median_row
+from benchmarks.engine_methods import Method, SlowedDrafting, methods
 from benchmarks.metrics import save_json
 from benchmarks.sampled import (P_FLOOR, Sampling, check_cell, check_header, distribution_pvalue, reference_model,
                                 text_columns)
@@ -43,71 +44,6 @@ from model_family.text_stats import text_stats
 
 def _step_cost_ms(model, batch: int, context: int, new: int) -> float:
     return step_seconds(model, batch, context, new, repeats=7) * 1000
-
-
-@dataclass(frozen=True)
-class Method:
-    """One of our configurations. `drafters`: a prompt's drafters given its domain (one drafts a chain, two a
-    tree: their chains fused one-shot, or in lockstep), None for routing (cosine) or every voter (vote)."""
-
-    name: str
-    drafters: Callable[[str], list[str]] | None
-    lockstep: bool = False
-    adaptive: bool = False
-    mode: str = "cosine"
-    vote_per_request: bool = False
-    levels: bool = False  # SpecRouter's chains: the target's 10M original as a drafter, alone or assisted
-    chain_choice: bool = False  # SpecRouter's choice among every chain (routing.chain_choice: latency)
-    slowed: bool = False  # every drafting round made `slow_factor` verify steps longer on purpose (`SlowedDrafting`)
-    blind: bool = False  # the controller does not see what rounds cost: only the guard can switch speculation off
-
-
-def _methods(k: int) -> list[Method]:
-    return [Method("target-only (our engine)", lambda d: [], mode="off"),
-            Method(f"ours: chain, domain drafter, k={k}", lambda d: [d]),
-            Method(f"ours: chain, generic drafter, k={k}", lambda d: ["generic"]),
-            Method(f"ours: tree, domain + generic drafters, k={k}", lambda d: [d, "generic"]),
-            Method(f"ours: chain, goodput-adaptive k<={2 * k}", lambda d: [d], adaptive=True),
-            Method(f"ours: full CoSine (routing, fusion, adaptive), k<={2 * k}", None, True, True),
-            # the same, each fused tree verified as its best chain: what the vLLM engine verifies
-            Method(f"ours: full CoSine, best chain of each tree, k<={2 * k}", None, True, True),
-            # Minions: every drafter drafts, the weighted majority chain is verified
-            Method(f"ours: Minions vote of all 7 drafters, k={k}", None, mode="vote"),
-            Method(f"ours: Minions vote of all 7 drafters, per-request weights, k={k}", None, mode="vote",
-                   vote_per_request=True),
-            Method(f"ours: Minions vote of domain + generic drafters, k={k}", lambda d: [d, "generic"], mode="vote"),
-            # SpecRouter: the bench target's 10M original drafts (2 levels), or a domain drafter drafts for it (3)
-            Method(f"ours: 2-level chain, 10M original, k={k}", lambda d: ["original"], levels=True),
-            Method(f"ours: 3-level chain, domain drafter -> 10M original, k={k}", lambda d: [f"3level-{d}"],
-                   levels=True),
-            Method(f"ours: 2-level chain, 10M original, goodput-adaptive k<={2 * k}", lambda d: ["original"],
-                   adaptive=True, levels=True),
-            Method(f"ours: 3-level chain, domain drafter -> 10M original, goodput-adaptive k<={2 * k}",
-                   lambda d: [f"3level-{d}"], adaptive=True, levels=True),
-            # SpecRouter's choice per request and round among all of them: domain, generic, 2- and 3-level chains
-            Method(f"ours: SpecRouter chain choice among all chains, k={k}", None, levels=True, chain_choice=True),
-            # never slower than plain decoding: drafting made slow on purpose, as shipped and with only the guard
-            Method(f"ours: full CoSine, k<={2 * k}, drafting slowed on purpose", None, True, True, slowed=True),
-            Method(f"ours: full CoSine, k<={2 * k}, drafting slowed on purpose, controller blind to it (the guard "
-                   "alone)", None, True, True, slowed=True, blind=True)]
-
-
-class SlowedDrafting:
-    """A drafting tier with every round made longer on purpose (its drafts unchanged): by `delay_s`, or by `factor`
-    times the loop's recent verify step (median of the last 32 in `stats`; `delay_s` before any), so that drafting
-    costs more than it saves on any machine. How the loop and its guard behave then."""
-
-    def __init__(self, tier, delay_s: float, factor: float | None = None, stats=None):
-        self.tier, self.delay_s, self.factor, self.stats, self.rounds = tier, delay_s, factor, stats, 0
-
-    async def draft(self, batch):
-        self.rounds += 1
-        recent = list(self.stats.verify_seconds)[-32:] if self.stats is not None else []
-        await asyncio.sleep(self.factor * statistics.median(recent) if self.factor and recent else self.delay_s)
-        return await self.tier.draft(batch)
-
-    def __getattr__(self, name):  # release, stats, servers, coordinator: the tier's own
-        return getattr(self.tier, name)
 
 
 def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4, batches=(1, 8),
@@ -125,163 +61,210 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     repeat but the last (its `config.repeats_done` says how many). `sampling`: every method at these settings
     (benchmarks/sampled.py), each prompt with its own seed, the same in every method. `slow_factor`: the methods
     with drafting slowed on purpose make every round this many recent verify steps longer."""
-    tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
-    torch_dtype = getattr(torch, dtype)
-    if target_scale:
-        bench_dir = models_dir / "target"  # the verifier's name in the config; the model is built here
-        target = realistic_target(models_dir, *target_scale, device, torch_dtype)
-        include_hf = False
-    else:
-        bench_dir = ensure_bench_target(models_dir, log)
-        target = load_model(bench_dir, device=device, dtype=torch_dtype)
-    target_params = sum(p.numel() for p in target.parameters())
-    log(f"target: {target_params / 1e9:.2f}B parameters, {target.config.num_hidden_layers} layers, {dtype}")
-    names = list(DOMAINS) + ["generic"]
-    drafters = {d: load_model(models_dir / f"drafter-{d}", device=device, dtype=torch_dtype) for d in names}
-    drafters["original"] = load_model(models_dir / "target", device=device, dtype=torch_dtype)
-    levels = [{"name": "original", "model": "target"}] + [
-        {"name": f"3level-{d}", "model": "target", "assistant": str(models_dir / f"drafter-{d}")} for d in DOMAINS]
-    drafters |= {f"3level-{d}": drafters["original"] for d in DOMAINS}
-    prompts = heldout_prompts(tok, per_domain, prompt_len)
-    outputs: dict[tuple[str, int], list[list[int]]] = {}
-    sampled: dict[tuple[str, int], list[list[list[int]]]] = {}  # every timed run's outputs
-    current = {"run": 0}  # 0: the warm-up, r + 1: repeat r (the requests' seeds)
-
-    def params_of(n: int) -> list[SamplingParams]:
-        seeds = sampling.seeds(n, current["run"]) or [None] * n
-        return [SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=sampling.temperature,
-                               top_p=sampling.top_p, seed=s) for s in seeds]
-    hf_models = {}
-    max_len = prompt_len + new_tokens + 16
-    seeds = {}  # fitted step-latency models that seed the goodput controller, per batch size
-
-    kept_engines = {}  # across runs: their caches and, on a GPU, captured CUDA graphs (captures are not timed)
-
-    def kept(key, make):
-        if key not in kept_engines:
-            kept_engines[key] = make()
-        return kept_engines[key]
-
-    def ours(m: Method, batch: int, warmup: bool = False, pool_drafters: str = pool[0]) -> Row:
-        """All prompts through one `VerifyLoop` (continuous batching up to `batch`)."""
-        name = m.name if len(pool) == 1 or m.mode == "off" else f"{m.name} [pool {pool_drafters}]"
-        cfg = AppConfig(verifier={"model": str(bench_dir), "max_batch": batch, "max_len": max_len},
-                        drafters=[{"name": n, "model": f"drafter-{n}", "max_len": max_len,
-                                   "max_requests": 2 * batch, "generalist": n == "generic"} for n in names]
-                        + [{**d, "max_len": max_len, "max_requests": 2 * batch} for d in levels if m.levels],
-                        speculation={"mode": m.mode, "k": 2 * k if m.adaptive else k, "tree_budget": 2 * k,
-                                     "lockstep": m.lockstep, "adaptive": m.adaptive, "draft_timeout_ms": 600_000,
-                                     "vote": {"per_request": m.vote_per_request}, "pool_drafters": pool_drafters},
-                        routing={"drafters_per_request": 1 if m.chain_choice else 2 if m.drafters is None
-                                 else max(1, len(m.drafters("code"))),
-                                 "chain_choice": "latency" if m.chain_choice else "score"})
-        trees = "best chain" not in m.name
-        verifier = kept(("verifier", batch, trees),
-                        lambda: TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees=trees))
-        passes, seconds = verifier.forward_passes, verifier.runner.forward_seconds
-        engines = {n: kept((n, batch), lambda n=n: DrafterEngine(drafters[n], name=n, max_requests=2 * batch,
-                                                                 max_len=max_len)) for n in names}
-        loop = build_loop(cfg, verifier, {**drafters, **engines})
-        if m.slowed:
-            loop.drafting = SlowedDrafting(loop.drafting, 0.2, slow_factor, loop.stats)
-            # the guard keeps what it learnt across the method's runs (warm-up included), as a running server does
-            loop.planner.guard = kept(("guard", name, batch), lambda: loop.planner.guard)
-        if m.blind:
-            loop.planner.observe_round = lambda *args: None
-        if isinstance(loop.controller, GoodputController) and not loop.controller.participations:
-            if batch not in seeds:
-                seeds[batch] = (fit_verify_latency(target, batch, prompt_len),
-                                fit_draft_latency(drafters["generic"], batch, prompt_len))
-            loop.controller.verify, loop.controller.draft = seeds[batch]
-        overrides = [SpeculationOverrides(drafters=m.drafters(d)) if m.drafters else None for d, _ in prompts]
-        todo = [p for _, p in prompts]
-        if warmup and device == "cpu":  # on a GPU every prompt: the run's step shapes get their graphs captured
-            todo, overrides = todo[:2], overrides[:2]
-        t, captures = time.perf_counter(), WORK.graph_captures
-        res = asyncio.run(generate_all(loop, todo, params_of(len(todo)), overrides))
-        dt = time.perf_counter() - t
-        captures = WORK.graph_captures - captures
-        for server in (loop.drafting.servers.values() if loop.drafting else ()):
-            server.executor.shutdown(wait=True)  # its releases done before the next loop uses the engine
-        outputs[(name, batch)] = [r.token_ids for r in res]
-        if not warmup:
-            sampled.setdefault((name, batch), []).append(outputs[(name, batch)])
-        tokens = sum(len(r.token_ids) for r in res)
-        drafts = sum(r.stats["num_drafts"] for r in res)
-        accepted = sum(r.stats["num_accepted_tokens"] for r in res)
-        mal = 1 + accepted / drafts if drafts else None
-        rounds = verifier.forward_passes - passes
-        t_verify = verifier.runner.forward_seconds - seconds
-        # drafting overlaps the other pipeline half's verification: what costs is the time the loop waited for it
-        t_wait = loop.stats.totals["draft_wait_s"]
-        tier = loop.drafting.coordinator.stats if loop.drafting else None
-        drafted = sum(r.stats["num_draft_tokens"] for r in res)
-        return Row(name, batch, tokens, round(dt, 2), round(tokens / dt, 1),
-                   round(mal, 3) if mal else None, round(rounds / tokens, 3), rounds,
-                   round(t_verify, 3), round(1000 * t_wait / rounds, 2),
-                   round(1000 * t_verify / rounds, 2), round(1000 * (dt - t_verify - t_wait) / rounds, 2),
-                   round(1000 * tier["step_seconds"] / tier["rounds"], 3) if tier and tier["rounds"] else None,
-                   round(1000 * tier["step_seconds"] / drafted, 3) if tier and drafted else None,
-                   **_device(loop.stats.device_summary()), graph_captures=captures,
-                   guard_switched_off=loop.planner.guard.switched_off if loop.planner.guard else None)
-
-    def hf(packed: bool, warmup: bool = False) -> Row:
-        if packed not in hf_models:  # HF runs the model's own forward: give it the same packed kernels as ours
-            hf_models[packed] = (load_model(bench_dir, packed, device, torch_dtype),
-                                 {d: load_model(models_dir / f"drafter-{d}", packed, device, torch_dtype)
-                                  for d in DOMAINS})
-        name = "HF assisted generation" + (" (same packed kernels)" if packed else " (stock kernels)")
-        row = _hf_assisted(name, *hf_models[packed], prompts[:2] if warmup else prompts, new_tokens, outputs,
-                           sampling, current["run"])
-        if not warmup:
-            sampled.setdefault((name, 1), []).append(outputs[(name, 1)])
-        return row
-
-    plan = []
-    for batch in batches:
-        for m in _methods(k):
-            if only and m.mode != "off" and not any(o in m.name for o in only):
-                continue
-            for p in pool if m.mode != "off" else pool[:1]:
-                name = m.name if len(pool) == 1 or m.mode == "off" else f"{m.name} [pool {p}]"
-                plan.append((name, batch, lambda b, w, m=m, p=p: ours(m, b, warmup=w, pool_drafters=p)))
-        if include_hf and batch == 1 and (not only or any(o in "HF assisted generation" for o in only)):
-            if packing_available(next(target.parameters())):  # CPU: HF with our packed kernels too, for a like-for-like ratio
-                plan.append(("HF assisted generation (same packed kernels)", 1, lambda b, w: hf(True, w)))
-            plan.append(("HF assisted generation (stock kernels)", 1, lambda b, w: hf(False, w)))
+    bench = _Bench(models_dir, per_domain, new_tokens, k, prompt_len, device, dtype, target_scale, pool, sampling,
+                   slow_factor, log)
+    plan = bench.plan(batches, only, include_hf and not target_scale)
     for i, (method, batch, fn) in enumerate(plan):
         log(f"[warm-up] [{i + 1}/{len(plan)}] batch {batch}: {method}")
         fn(batch, True)
     warmed_up()  # every engine built and its graphs captured: a capture from now on is one in a timed run
     runs: dict[tuple[str, int], list[Row]] = {}
-    config = {"new_tokens": new_tokens, "k": k, "prompts": len(prompts), "prompt_len": prompt_len,
-              "threads": torch.get_num_threads(), "repeats": repeats,
-              "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-              "prepacked_cpu_linears": packing_available(next(target.parameters())), "dtype": dtype,
-              "target": {"params": target_params, "layers": target.config.num_hidden_layers,
-                         "hidden": target.config.hidden_size,
-                         "scale": list(target_scale) if target_scale else "bench-target"},
-              "sampling": sampling.as_dict()}
+    config = bench.settings(repeats, dtype, target_scale)
     for rep in range(repeats):
-        current["run"] = rep + 1
+        bench.current_run = rep + 1
         for i, (method, batch, fn) in enumerate(plan):
             log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(plan)}] batch {batch}: {method}")
             runs.setdefault((method, batch), []).append(fn(batch, False))
         if on_repeat and rep + 1 < repeats:  # what is measured so far, should the run be cut off
-            on_repeat(_summary(runs, plan, outputs, batches, config | {"repeats_done": rep + 1}, sampled))
-
-    # step costs, for reading the results (what one verify of k+1 tokens costs against one token)
-    ctx = prompt_len + new_tokens // 2
-    costs = {}
-    for b in batches:
-        costs[b] = {"verify_1": _step_cost_ms(target, b, ctx, 1), f"verify_{k + 1}": _step_cost_ms(target, b, ctx, k + 1),
-                    f"verify_{2 * k + 1}": _step_cost_ms(target, b, ctx, 2 * k + 1),
-                    "draft_1": _step_cost_ms(drafters["generic"], b, ctx, 1)}
-    result = _summary(runs, plan, outputs, batches, config, sampled) | {
-        "step_costs_ms": {str(b): {n: round(v, 2) for n, v in c.items()} for b, c in costs.items()}}
+            on_repeat(_summary(runs, plan, bench.outputs, batches, config | {"repeats_done": rep + 1}, bench.sampled))
+    costs = bench.step_costs(batches)
+    result = _summary(runs, plan, bench.outputs, batches, config, bench.sampled) | {"step_costs_ms": costs}
     if not sampling.greedy:
-        _check_distributions(result, sampled, [p for _, p in prompts], reference_model(bench_dir), sampling, log)
+        _check_distributions(result, bench.sampled, [p for _, p in bench.prompts], reference_model(bench.bench_dir),
+                             sampling, log)
     return result
+
+
+class _Bench:
+    """What every run of `cosine bench engine` shares: the models, loaded once; the prompts; the engines kept across
+    runs; the outputs of every run so far; which run is under way (its requests' seeds)."""
+
+    def __init__(self, models_dir: Path, per_domain: int, new_tokens: int, k: int, prompt_len: int, device: str,
+                 dtype: str, target_scale: tuple[int, int] | None, pool: tuple[str, ...], sampling: Sampling,
+                 slow_factor: float, log):
+        self.models_dir, self.new_tokens, self.k, self.prompt_len = models_dir, new_tokens, k, prompt_len
+        self.device, self.torch_dtype, self.pool = device, getattr(torch, dtype), pool
+        self.sampling, self.slow_factor = sampling, slow_factor
+        tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
+        if target_scale:
+            self.bench_dir = models_dir / "target"  # the verifier's name in the config; the model is built here
+            self.target = realistic_target(models_dir, *target_scale, device, self.torch_dtype)
+        else:
+            self.bench_dir = ensure_bench_target(models_dir, log)
+            self.target = load_model(self.bench_dir, device=device, dtype=self.torch_dtype)
+        self.target_params = sum(p.numel() for p in self.target.parameters())
+        log(f"target: {self.target_params / 1e9:.2f}B parameters, {self.target.config.num_hidden_layers} layers, "
+            f"{dtype}")
+        self.names = list(DOMAINS) + ["generic"]
+        self.drafters = {d: load_model(models_dir / f"drafter-{d}", device=device, dtype=self.torch_dtype)
+                         for d in self.names}
+        self.drafters["original"] = load_model(models_dir / "target", device=device, dtype=self.torch_dtype)
+        self.levels = [{"name": "original", "model": "target"}] + [
+            {"name": f"3level-{d}", "model": "target", "assistant": str(models_dir / f"drafter-{d}")} for d in DOMAINS]
+        self.drafters |= {f"3level-{d}": self.drafters["original"] for d in DOMAINS}
+        self.prompts = heldout_prompts(tok, per_domain, prompt_len)
+        self.outputs: dict[tuple[str, int], list[list[int]]] = {}
+        self.sampled: dict[tuple[str, int], list[list[list[int]]]] = {}  # every timed run's outputs
+        self.current_run = 0  # 0: the warm-up, r + 1: repeat r (the requests' seeds)
+        self.hf_models: dict = {}
+        self.max_len = prompt_len + new_tokens + 16
+        self.seeds: dict = {}  # fitted step-latency models that seed the goodput controller, per batch size
+        self.kept_engines: dict = {}  # across runs: their caches and, on a GPU, captured CUDA graphs (not timed)
+
+    def params(self, n: int) -> list[SamplingParams]:
+        seeds = self.sampling.seeds(n, self.current_run) or [None] * n
+        return [SamplingParams(max_tokens=self.new_tokens, ignore_eos=True, temperature=self.sampling.temperature,
+                               top_p=self.sampling.top_p, seed=s) for s in seeds]
+
+    def kept(self, key, make):
+        if key not in self.kept_engines:
+            self.kept_engines[key] = make()
+        return self.kept_engines[key]
+
+    def row_name(self, m: Method, pool_drafters: str) -> str:
+        """The method's row: its pool setting named where several are compared."""
+        return m.name if len(self.pool) == 1 or m.mode == "off" else f"{m.name} [pool {pool_drafters}]"
+
+    def plan(self, batches, only: list[str] | None, include_hf: bool) -> list[tuple[str, int, Callable]]:
+        """(row name, batch size, fn(batch, warmup) -> Row) of every row measured: the methods `only` selects at
+        every batch size, ours with each pool setting, HF assisted generation at batch 1."""
+        plan = []
+        for batch in batches:
+            for m in methods(self.k):
+                if only and m.mode != "off" and not any(o in m.name for o in only):
+                    continue
+                for p in self.pool if m.mode != "off" else self.pool[:1]:
+                    plan.append((self.row_name(m, p), batch,
+                                 lambda b, w, m=m, p=p: self.ours(m, b, warmup=w, pool_drafters=p)))
+            if include_hf and batch == 1 and (not only or any(o in "HF assisted generation" for o in only)):
+                # CPU: HF with our packed kernels too, for a like-for-like ratio
+                if packing_available(next(self.target.parameters())):
+                    plan.append(("HF assisted generation (same packed kernels)", 1, lambda b, w: self.hf(True, w)))
+                plan.append(("HF assisted generation (stock kernels)", 1, lambda b, w: self.hf(False, w)))
+        return plan
+
+    def config(self, m: Method, batch: int, pool_drafters: str) -> AppConfig:
+        """The method as the configuration of one `VerifyLoop`."""
+        max_len = self.max_len
+        return AppConfig(verifier={"model": str(self.bench_dir), "max_batch": batch, "max_len": max_len},
+                         drafters=[{"name": n, "model": f"drafter-{n}", "max_len": max_len,
+                                    "max_requests": 2 * batch, "generalist": n == "generic"} for n in self.names]
+                         + [{**d, "max_len": max_len, "max_requests": 2 * batch} for d in self.levels if m.levels],
+                         speculation={"mode": m.mode, "k": 2 * self.k if m.adaptive else self.k,
+                                      "tree_budget": 2 * self.k, "lockstep": m.lockstep, "adaptive": m.adaptive,
+                                      "draft_timeout_ms": 600_000, "vote": {"per_request": m.vote_per_request},
+                                      "pool_drafters": pool_drafters},
+                         routing={"drafters_per_request": 1 if m.chain_choice else 2 if m.drafters is None
+                                  else max(1, len(m.drafters("code"))),
+                                  "chain_choice": "latency" if m.chain_choice else "score"})
+
+    def loop(self, m: Method, batch: int, pool_drafters: str, name: str, verifier):
+        """The method's `VerifyLoop` on `verifier` and the kept drafter engines: its drafting slowed or the controller
+        blind to what rounds cost where the method says, the goodput controller seeded with fitted step costs."""
+        engines = {n: self.kept((n, batch), lambda n=n: DrafterEngine(self.drafters[n], name=n, max_requests=2 * batch,
+                                                                      max_len=self.max_len)) for n in self.names}
+        loop = build_loop(self.config(m, batch, pool_drafters), verifier, {**self.drafters, **engines})
+        if m.slowed:
+            loop.drafting = SlowedDrafting(loop.drafting, 0.2, self.slow_factor, loop.stats)
+            # the guard keeps what it learnt across the method's runs (warm-up included), as a running server does
+            loop.planner.guard = self.kept(("guard", name, batch), lambda: loop.planner.guard)
+        if m.blind:
+            loop.planner.observe_round = lambda *args: None
+        if isinstance(loop.controller, GoodputController) and not loop.controller.participations:
+            if batch not in self.seeds:
+                self.seeds[batch] = (fit_verify_latency(self.target, batch, self.prompt_len),
+                                     fit_draft_latency(self.drafters["generic"], batch, self.prompt_len))
+            loop.controller.verify, loop.controller.draft = self.seeds[batch]
+        return loop
+
+    def ours(self, m: Method, batch: int, warmup: bool, pool_drafters: str) -> Row:
+        """All prompts through one `VerifyLoop` (continuous batching up to `batch`)."""
+        name = self.row_name(m, pool_drafters)
+        trees = "best chain" not in m.name
+        verifier = self.kept(("verifier", batch, trees),
+                             lambda: TorchVerifierEngine(self.target, max_batch=batch, max_len=self.max_len,
+                                                         trees=trees))
+        passes, seconds = verifier.forward_passes, verifier.runner.forward_seconds
+        loop = self.loop(m, batch, pool_drafters, name, verifier)
+        overrides = [SpeculationOverrides(drafters=m.drafters(d)) if m.drafters else None for d, _ in self.prompts]
+        todo = [p for _, p in self.prompts]
+        if warmup and self.device == "cpu":  # on a GPU every prompt: the run's step shapes get their graphs captured
+            todo, overrides = todo[:2], overrides[:2]
+        t, captures = time.perf_counter(), WORK.graph_captures
+        res = asyncio.run(generate_all(loop, todo, self.params(len(todo)), overrides))
+        dt = time.perf_counter() - t
+        captures = WORK.graph_captures - captures
+        for server in (loop.drafting.servers.values() if loop.drafting else ()):
+            server.executor.shutdown(wait=True)  # its releases done before the next loop uses the engine
+        self.outputs[(name, batch)] = [r.token_ids for r in res]
+        if not warmup:
+            self.sampled.setdefault((name, batch), []).append(self.outputs[(name, batch)])
+        return _our_row(name, batch, res, dt, loop, verifier.forward_passes - passes,
+                        verifier.runner.forward_seconds - seconds, captures)
+
+    def hf(self, packed: bool, warmup: bool = False) -> Row:
+        if packed not in self.hf_models:  # HF runs the model's own forward: give it the same packed kernels as ours
+            self.hf_models[packed] = (load_model(self.bench_dir, packed, self.device, self.torch_dtype),
+                                      {d: load_model(self.models_dir / f"drafter-{d}", packed, self.device,
+                                                     self.torch_dtype) for d in DOMAINS})
+        name = "HF assisted generation" + (" (same packed kernels)" if packed else " (stock kernels)")
+        row = _hf_assisted(name, *self.hf_models[packed], self.prompts[:2] if warmup else self.prompts,
+                           self.new_tokens, self.outputs, self.sampling, self.current_run)
+        if not warmup:
+            self.sampled.setdefault((name, 1), []).append(self.outputs[(name, 1)])
+        return row
+
+    def settings(self, repeats: int, dtype: str, target_scale: tuple[int, int] | None) -> dict:
+        """The result's `config`: what was run, on what."""
+        return {"new_tokens": self.new_tokens, "k": self.k, "prompts": len(self.prompts), "prompt_len": self.prompt_len,
+                "threads": torch.get_num_threads(), "repeats": repeats,
+                "device": torch.cuda.get_device_name() if self.device.startswith("cuda") else "cpu",
+                "prepacked_cpu_linears": packing_available(next(self.target.parameters())), "dtype": dtype,
+                "target": {"params": self.target_params, "layers": self.target.config.num_hidden_layers,
+                           "hidden": self.target.config.hidden_size,
+                           "scale": list(target_scale) if target_scale else "bench-target"},
+                "sampling": self.sampling.as_dict()}
+
+    def step_costs(self, batches) -> dict:
+        """Step costs, for reading the results (what one verify of k+1 tokens costs against one token), in ms."""
+        ctx, k = self.prompt_len + self.new_tokens // 2, self.k
+        costs = {}
+        for b in batches:
+            costs[b] = {"verify_1": _step_cost_ms(self.target, b, ctx, 1),
+                        f"verify_{k + 1}": _step_cost_ms(self.target, b, ctx, k + 1),
+                        f"verify_{2 * k + 1}": _step_cost_ms(self.target, b, ctx, 2 * k + 1),
+                        "draft_1": _step_cost_ms(self.drafters["generic"], b, ctx, 1)}
+        return {str(b): {n: round(v, 2) for n, v in c.items()} for b, c in costs.items()}
+
+
+def _our_row(name: str, batch: int, res: list, dt: float, loop, rounds: int, t_verify: float, captures: int) -> Row:
+    """One run of ours as a row: `rounds` verify forward passes taking `t_verify` s in all, `dt` s of wall time."""
+    tokens = sum(len(r.token_ids) for r in res)
+    drafts = sum(r.stats["num_drafts"] for r in res)
+    accepted = sum(r.stats["num_accepted_tokens"] for r in res)
+    mal = 1 + accepted / drafts if drafts else None
+    # drafting overlaps the other pipeline half's verification: what costs is the time the loop waited for it
+    t_wait = loop.stats.totals["draft_wait_s"]
+    tier = loop.drafting.coordinator.stats if loop.drafting else None
+    drafted = sum(r.stats["num_draft_tokens"] for r in res)
+    return Row(name, batch, tokens, round(dt, 2), round(tokens / dt, 1),
+               round(mal, 3) if mal else None, round(rounds / tokens, 3), rounds,
+               round(t_verify, 3), round(1000 * t_wait / rounds, 2),
+               round(1000 * t_verify / rounds, 2), round(1000 * (dt - t_verify - t_wait) / rounds, 2),
+               round(1000 * tier["step_seconds"] / tier["rounds"], 3) if tier and tier["rounds"] else None,
+               round(1000 * tier["step_seconds"] / drafted, 3) if tier and drafted else None,
+               **_device(loop.stats.device_summary()), graph_captures=captures,
+               guard_switched_off=loop.planner.guard.switched_off if loop.planner.guard else None)
 
 
 def _check_distributions(result: dict, sampled: dict, prompts: list[list[int]], model, sampling: Sampling,

@@ -16,7 +16,6 @@ from serve_app.package import PACKAGES
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 80
 ALLOWED = {  # module, or module:function (its qualified name) -> lines
-    "benchmarks/engine.py:run": 142,
 }
 # held to the limits: every package without an entry in ALLOWED
 ASSERTED = tuple(p for p in PACKAGES if not any(name.startswith(f"{p}/") for name in ALLOWED))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.engine import SlowedDrafting
+from benchmarks.engine_methods import SlowedDrafting
 from config import AppConfig
 from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
