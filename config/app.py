@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from config.base import _Strict
+from config.base import Strict
 from config.drafters import DrafterSpec
 from config.ingress import IngressSpec
 from config.routing import RoutingSpec
@@ -12,7 +12,7 @@ from config.speculation import SpeculationSpec
 from config.verifier import VerifierSpec
 
 
-class AppConfig(_Strict):
+class AppConfig(Strict):
     tokenizer: str | None = Field(None, description="the tokenizer of the target, which every drafter must share "
                                   "(checked at startup); null: the target model's own")
     ingress: IngressSpec = Field(default_factory=IngressSpec, description="the OpenAI-compatible HTTP front")

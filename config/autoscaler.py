@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from config.base import _Strict
+from config.base import Strict
 
 
-class AutoscalerSpec(_Strict):
+class AutoscalerSpec(Strict):
     """The drafter autoscaler (autoscale/policy.py), an application-level Serve autoscaling policy. It is not part
     of the application's `args`: Serve gives it these fields as `autoscaling_policy.policy_kwargs`."""
 

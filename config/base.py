@@ -5,5 +5,5 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from config.base import _Strict
+from config.base import Strict
 
 
 # Serve's autoscaling defaults (metrics every 10 s, scale up after 30 s, down after 600 s) are made for
@@ -19,7 +19,7 @@ DRAFTER_AUTOSCALING_DEFAULTS = {"metrics_interval_s": 2.0, "look_back_period_s":
                                 "downscale_delay_s": 60.0}
 
 
-class AutoscalingOptions(_Strict):
+class AutoscalingOptions(Strict):
     """Serve's per-deployment autoscaling_config (ray.serve.config.AutoscalingConfig), its keys checked here; a
     key left out is Serve's default (on a drafter, DRAFTER_AUTOSCALING_DEFAULTS' first). The application's
     autoscaling_policy is set by the graph, not per deployment."""
@@ -54,7 +54,7 @@ class AutoscalingOptions(_Strict):
         return self.model_dump(exclude_none=True)
 
 
-class DeploymentOptions(_Strict):
+class DeploymentOptions(Strict):
     """What Ray Serve needs to place and scale one deployment."""
 
     num_replicas: int | Literal["auto"] = Field(1, description="replicas (ignored when autoscaling_config is set)")

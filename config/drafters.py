@@ -6,11 +6,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from config.base import _Strict
+from config.base import Strict
 from config.deployment import DeploymentOptions
 
 
-class DrafterSpec(_Strict):
+class DrafterSpec(Strict):
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9_-]*$", description="domain name, e.g. code")
     model: str = Field(..., description="the drafter model")
     generalist: bool = Field(False, description="trained on every domain (a fallback drafter), not one: routing's "

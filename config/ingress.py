@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from config.base import _Strict
+from config.base import Strict
 from config.deployment import DeploymentOptions
 
 
-class IngressSpec(_Strict):
+class IngressSpec(Strict):
     model_name: str = Field("cosine-target", description="the model name clients send (OpenAI `model`)")
     max_queued_requests: int = Field(256, ge=1, description="beyond this, 429 with Retry-After")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413 before they are read "

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from config.base import _Strict
+from config.base import Strict
 
 
-class RoutingSpec(_Strict):
+class RoutingSpec(Strict):
     """CoSine's routing (Eq. 1-3): per-request drafter scores from how well each drafter's tokens aligned with
     what the target committed, explore/exploit, and a cold start from the prompt's likelihood."""
 

@@ -7,11 +7,11 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from config.base import _Strict
+from config.base import Strict
 from config.deployment import DeploymentOptions
 
 
-class ControllerSpec(_Strict):
+class ControllerSpec(Strict):
     """The draft-length controller of adaptive speculation, one of two (`kind`). goodput (SmartSpec,
     speculation/goodput.py): per-request draft lengths and participation from fitted step-latency models and
     acceptance estimates; the other fields without a prefix are its. hill_climb (Minions, speculation/hill_climb.py):
@@ -54,7 +54,7 @@ class ControllerSpec(_Strict):
         return self
 
 
-class VoteSpec(_Strict):
+class VoteSpec(Strict):
     """Minions' majority-voted speculator (`speculation.mode: vote`, speculation/voting.py): every voter drafts its
     own chain, the chains are merged into a token trie weighted by the voters' weights, and the heaviest path is
     verified. A voter's weight is multiplied by reward_factor while its acceptance rate over its last `window`
@@ -84,7 +84,7 @@ class VoteSpec(_Strict):
         return self
 
 
-class RetirementSpec(_Strict):
+class RetirementSpec(Strict):
     """Retiring the domain drafters while the goodput controller drafts (nearly) every round on the generalist:
     the verifier then puts the rest of the rounds there too, so the drafter autoscaler can take the domain
     drafters' replicas without a call still reaching them (one waiting at a handle with no replica makes Serve start
@@ -110,7 +110,7 @@ class RetirementSpec(_Strict):
         return self
 
 
-class GuardSpec(_Strict):
+class GuardSpec(Strict):
     """The guard that keeps speculation from running slower than plain decoding (speculation/guard.py): it compares
     the tokens per second speculation really gave over a window of steps (drafting waits included) with plain
     steps measured at the same batch sizes, and switches speculation off (k = 0) where it lost, trying it again
@@ -149,7 +149,7 @@ SpeculationMode = Literal["cosine", "chain", "vote", "single", "off"]
 RequestMode = Literal["cosine", "vote"]
 
 
-class SpeculationSpec(_Strict):
+class SpeculationSpec(Strict):
     mode: SpeculationMode = Field(
         "cosine", description="cosine: routed drafters, fused; chain: one fixed drafter's chain; vote: Minions' "
         "majority vote of several drafters' chains (see `vote`); single: `drafter` drafts every request, no routing "

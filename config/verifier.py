@@ -6,11 +6,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from config.base import _Strict
+from config.base import Strict
 from config.deployment import DeploymentOptions
 
 
-class CollaborationSpec(_Strict):
+class CollaborationSpec(Strict):
     """CoS collaborative decoding (engines/collaborative.py): every output token follows a combination of the
     target's next-token distribution and a partner model's, computed with speculation (the partner drafts inside the
     verifier's replica, the target verifies against the combination). For operators who serve the combination
@@ -33,7 +33,7 @@ class CollaborationSpec(_Strict):
                             "per cycle); false: naive CoS")
 
 
-class VerifierSpec(_Strict):
+class VerifierSpec(Strict):
     engine: Literal["torch", "vllm"] = Field("torch", description="the target's engine. vllm: the drafts are "
                                             "verified inside a vLLM engine (its paged KV cache, continuous batching, "
                                             "tensor parallelism, rejection sampler; chains only: a fused tree is "

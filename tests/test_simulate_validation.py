@@ -17,7 +17,6 @@ import json
 
 import pytest
 
-from model_family.paths import REPO_ROOT
 from simulate import validation
 from simulate.hardware import (BW_EFFICIENCY, ENGINE_COSTS, FLOPS_EFFICIENCY, GPU_STEPS, GPUS, MEASURED_STEPS, PROFILES,
                                SHAPES, DraftRound, fit, measured_efficiencies)
