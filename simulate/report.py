@@ -19,7 +19,8 @@ def _floats(text: str | None) -> dict[str, float] | None:
     return {k: float(v) for k, v in (x.split("=") for x in text.split(","))} if text else None
 
 
-def _write(result: dict, path: str) -> None:
+def write_result(result: dict, path: str) -> None:
+    """The result JSON with its provenance (benchmarks/provenance.py)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(with_provenance(result), indent=1))
     print(f"wrote {path}")
@@ -304,7 +305,7 @@ def main(args) -> int:
                                   _floats(args.prices), args.slo_ms_per_token, log=_log)
             table, plot = sizing_table(result), plot_sizing
     print(table)
-    _write(result, args.json)
+    write_result(result, args.json)
     if plot is not None and getattr(args, "plot", None):
         plot(result, Path(args.plot))
     return 0

@@ -95,9 +95,9 @@ def test_a_benchmarks_json_carries_this_runs_provenance(tmp_path, monkeypatch):
 
 
 def test_a_simulate_json_carries_it_too(tmp_path):
-    from simulate.report import _write
+    from simulate.report import write_result
 
-    _write({"rows": []}, str(tmp_path / "s.json"))
+    write_result({"rows": []}, str(tmp_path / "s.json"))
     assert missing_fields(json.loads((tmp_path / "s.json").read_text())) == []
 
 
