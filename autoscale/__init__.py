@@ -4,5 +4,6 @@
   simulator and the tests run it as the policy does.
 - `policy`: `DrafterAutoscaler`, the application-level Ray Serve autoscaling policy that reads the replicas' and the
   verifier's signals from Serve's context and applies the decisions.
-- `profiling`: offline step-latency profiling of a verifier engine, which seeds the goodput model.
+
+The step-latency profiles that seed the goodput model: speculation/profiling.py.
 """

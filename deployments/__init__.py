@@ -3,7 +3,7 @@ class of `speculation` or an engine of `engines`:
 
 - `verifier.VerifierDeployment`: the verify loop (`speculation.loop.VerifyLoop`) with its engine and drafting tier
   (`HandleDraftingTier`: the Speculation deployment as the loop's tier), and its Prometheus metrics;
-- `coordinator.SpeculationDeployment`: the central node (`speculation.coordinator.SpeculationCoordinator`), holding
+- `speculation.SpeculationDeployment`: the central node (`speculation.coordinator.SpeculationCoordinator`), holding
   the drafter deployments' handles; `DrafterFailures` counts failed drafter calls;
 - `drafter.DrafterDeployment`: one per drafter (`assembly.drafter_server.DrafterServer`);
 - `replica_affinity.HomeReplicaRouter`: the request router that sends a drafter call to the replica holding its

@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve import metrics
 
 from config import AppConfig
-from deployments.coordinator import DrafterFailures
+from deployments.speculation import DrafterFailures
 from engines.build import build_verifier_engine, cpu_threads
 from engines.device_work import WORK, DeviceWork, warmed_up
 from engines.sampling import SamplingParams

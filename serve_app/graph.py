@@ -12,7 +12,7 @@ from ray.serve import Application
 from config import DRAFTER_AUTOSCALING_DEFAULTS, AppConfig, DrafterSpec
 from deployments.drafter import DrafterDeployment
 from engines.build import check_models
-from deployments.coordinator import SpeculationDeployment
+from deployments.speculation import SpeculationDeployment
 from deployments.verifier import VerifierDeployment
 from serve_app.ingress import IngressDeployment
 from speculation.tiers import resolve

@@ -1,6 +1,6 @@
 """Offline step-latency profiling: the goodput model's step models fitted from timed engine steps on this machine
 (`cosine profile`'s drafter seed, the bench's seeds, a drafter replica's step-cost profile for the autoscaler).
-The verifier engine as the loop drives it is profiled by autoscale/profiling.py."""
+`profile_verifier`: a verifier engine (either kind) as the loop drives it (`cosine profile`)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,30 @@ def fit_draft_latency(model, batch: int, context: int = 128, make_runner=None) -
     lat.refit()
     return lat
 
+
+def profile_verifier(engine, batches=(1, 4, 8), ks=(0, 2, 4), prompt_len: int = 128, steps: int = 4,
+                     vocab: int = 1000) -> LinearLatency:
+    """t(tokens in the step) of a verifier engine (either kind) as the loop drives it: `batches` requests, each
+    with a draft of k tokens (random ones: verification costs the same whatever is accepted); prefill excluded."""
+    import random
+
+    from engines.draft_tree import Draft
+    from engines.sampling import SamplingParams
+
+    rng = random.Random(0)
+    lat = LinearLatency()
+    for b in batches:
+        rids = [engine.add_request([rng.randrange(3, vocab) for _ in range(prompt_len)],
+                                   SamplingParams(max_tokens=4 * steps * (max(ks) + 1) + 8, ignore_eos=True),
+                                   request_id=f"profile-{b}-{i}") for i in range(b)]
+        engine.admit()
+        engine.step({})  # prefill
+        for k in ks:
+            for _ in range(steps):
+                drafts = {r: Draft.chain([rng.randrange(3, vocab) for _ in range(k)]) for r in rids} if k else {}
+                engine.step(drafts)
+                lat.samples.append((engine.last_step_tokens, engine.last_verify_seconds))
+        for r in rids:
+            engine.abort(r)
+    lat.refit()
+    return lat

@@ -141,8 +141,8 @@ def acceptance(args) -> int:
 
 
 def _acceptance_any(args) -> int:
-    """The matrix for any target, drafters and prompt file (benchmarks/acceptance.py)."""
-    from benchmarks.acceptance import acceptance_matrix, format_matrix
+    """The matrix for any target, drafters and prompt file (benchmarks/candidates.py)."""
+    from benchmarks.candidates import acceptance_matrix, format_matrix
 
     if not (args.target and args.drafter and args.prompts_file):
         raise ValueError("--target, --drafter NAME=MODEL (one or more) and --prompts-file go together")

@@ -45,7 +45,7 @@ def serve(args) -> int:
 def profile(args) -> int:
     """Fits t(tokens) of the configured verifier engine and t(requests) of a lockstep drafter step, and prints
     them as the controller's seeds (it refits both online; the seeds price the first rounds)."""
-    from autoscale.profiling import profile_verifier
+    from speculation.profiling import profile_verifier
     from config import AppConfig
     from engines.build import build_verifier_engine
     from engines.verifier import load_causal_lm
