@@ -24,7 +24,6 @@ RESULTS = ROOT / "bench_results"
 HISTORY = RESULTS / "history"
 
 RERUN = {
-    "anchors-k8.json": "cosine bench anchors --k 8 --repeats 3 --json bench_results/anchors-k8.json",
     "rounds-c1.json": "cosine bench rounds --repeats 5 --json bench_results/rounds-c1.json",
     "rounds-c8.json": "cosine bench rounds --concurrency 8 --json bench_results/rounds-c8.json",
     "engine.json": "cosine bench engine --repeats 3 --methods 'ours: chain, domain' 'ours: tree, domain' "

@@ -88,19 +88,19 @@ def test_distribution_check_passes_the_right_distribution_and_flags_wrong_ones()
     assert check_cell({"identical": True}) == "yes" and check_cell({"identical": False}) == "NO"
 
 
-def test_the_headline_labels_a_sampled_run_with_its_settings():
+def test_the_headline_puts_each_run_in_its_own_column_labelled_with_its_settings():
     from benchmarks import headline
     from benchmarks.anchors import SERVED, TARGET_ONLY
 
-    def run(sampling):
+    def run(sampling, served):
         rows = [{"system": s, "concurrency": c, "tokens_per_s": t} for c in (1, 8)
-                for s, t in ((SERVED, 80.0), (TARGET_ONLY, 40.0), ("vLLM draft_model, generic drafter", 100.0))]
-        return {"config": {"k": 4} | ({"sampling": sampling.as_dict()} if sampling else {}), "rows": rows}
+                for s, t in ((SERVED, served), (TARGET_ONLY, 40.0), ("vLLM draft_model, generic drafter", 100.0))]
+        return {"config": {"k": 4} | ({"sampling": sampling.as_dict()} if sampling else {}), "rows": rows,
+                "workload": {"distinct_tokens": {"median": 18.0}, "repeated_4gram_share": {"median": 0.724}}}
 
-    engine = {"rows": [{"method": headline.ENGINE_OURS, "batch": 1, "tokens_per_s": 10.0},
-                       {"method": headline.ENGINE_BASE, "batch": 1, "tokens_per_s": 5.0}]}
-    greedy, sampled = headline.rows([run(None), run(Sampling(0.7, 0.95))], engine)[:4], \
-        headline.rows([run(None), run(Sampling(0.7, 0.95))], engine)[4:8]
-    assert all("sampled" not in r for r in greedy)
-    assert all("k = 4, sampled (T = 0.7, top_p 0.95)" in r for r in sampled)
-    assert headline.rows(run(None), engine)[0].startswith("| [Concurrency 1: ours served (Ray Serve, HTTP) against")
+    lines = headline.anchors_table([run(None, 80.0), run(Sampling(0.7, 0.95), 60.0)])
+    assert lines[0] == "| result | k = 4, greedy | k = 4, sampled (T = 0.7, top_p 0.95) |"
+    assert lines[2].endswith("| 2.00x (80.0 / 40.0 tok/s) | 1.50x (60.0 / 40.0 tok/s) |")
+    assert lines[3].endswith("| 0.80x (80.0 / 100.0 tok/s, generic drafter) "
+                             "| 0.60x (60.0 / 100.0 tok/s, generic drafter) |")
+    assert lines[-1].endswith("| 18, 0.72 | 18, 0.72 |")

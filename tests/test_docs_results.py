@@ -142,17 +142,19 @@ ENGINE = "the-default-methods"
 TOKS = "tok/s median (min-max)"
 
 
-def _readme_results() -> list[tuple[str, str, str, str, str]]:
-    """(label, link anchor, ours, baseline, ratios) of each row of the README's headline table."""
+def _readme_tables() -> list[list[dict[str, str]]]:
     text = _read("README.md")
-    start = text.index("## Headline results")
-    body = text[start:].split("\n## ", 1)[0]
+    return _tables(text[text.index("## Headline results"):].split("\n## ", 1)[0])
+
+
+def _readme_results() -> list[tuple[str, str]]:
+    """(label, link anchor) of each row of the README's headline tables that quotes a result."""
     rows = []
-    for row in _tables(body)[0]:
-        label_cell = row["result"]
-        m = re.match(r"\[(.+?)\]\(docs/benchmarks\.md#([\w-]+)\)", label_cell)
-        assert m, f"a headline result links to its section of docs/benchmarks.md: {label_cell!r}"
-        rows.append((m.group(1), m.group(2), row["ours"], row["baseline"], row["ours / baseline"]))
+    for table in _readme_tables():
+        for row in table:
+            m = re.match(r"\[(.+?)\]\(docs/benchmarks\.md#([\w-]+)\)", row["result"])
+            if m:
+                rows.append((m.group(1), m.group(2)))
     return rows
 
 
@@ -161,12 +163,14 @@ def test_readme_opens_with_the_two_commands_and_the_results():
     first = text[:text.index("## Headline results")]
     assert "make run" in first and "make test" in first
     assert text.index("## Headline results") < text.index("## The deployment graph")
-    assert 4 <= len(_readme_results()) <= 9  # two anchors runs (k = 4 and 8) and the engine's row at most
+    anchors, engine = _readme_tables()
+    assert len(anchors) == 5 and 2 <= len(anchors[0]) <= 4  # 4 results and the workload, 1-3 runs side by side
+    assert len(engine) == 1
 
 
 def test_readme_results_link_to_existing_sections():
     sections = _benchmark_sections()
-    for label, anchor, *_ in _readme_results():
+    for label, anchor in _readme_results():
         assert anchor in sections, f"{label}: no section #{anchor} in docs/benchmarks.md"
 
 
@@ -203,7 +207,8 @@ def test_readme_headline_is_rendered_from_the_latest_committed_runs():
     text = _read("README.md")
     shown = [line for line in text[text.index("## Headline results"):].split("\n## ", 1)[0].splitlines()
              if line.startswith("|")]
-    expected = headline.table([data[p] for p in sources["anchors"]], data[sources["engine"][0]]).splitlines()
+    expected = [line for line in headline.tables([data[p] for p in sources["anchors"]],
+                                                  data[sources["engine"][0]]).splitlines() if line]
     assert shown == expected, "README's headline table is not its JSON's; render it again:\n" + "\n".join(expected)
     sections = _benchmark_sections()
     assert all(p in sections[ANCHORS] for p in sources["anchors"]) and sources["engine"][0] in sections[ENGINE]
@@ -229,20 +234,20 @@ def test_vllms_best_there_is_the_fastest_draft_model_run():
     generic_c1 = [r["system"].endswith("generic drafter") and r["concurrency"] == 1 for r in anchors["rows"]]
     swapped = dict(anchors, rows=[dict(r, tokens_per_s=1000.0) if g else r for r, g in zip(anchors["rows"], generic_c1)])
     assert headline.best_draft_model(swapped, 1)["system"] == "vLLM draft_model, generic drafter"
-    engine = json.loads((ROOT / _readme_sources()["engine"][0]).read_text())
-    assert "with the generic drafter" in headline.rows(swapped, engine)[1]
-    two = headline.rows([dict(anchors, config=dict(anchors["config"], k=4)), anchors], engine)
-    assert len(two) == 9 and two[0].startswith("| [Concurrency 1, k = 4: ") and ", k = 8: " in two[4]
+    assert "generic drafter)" in headline.anchors_table([swapped])[3]
+    two = headline.anchors_table([dict(anchors, config=dict(anchors["config"], k=4)),
+                                  dict(anchors, config=dict(anchors["config"], k=8))])
+    assert two[0].startswith("| result | k = 4, ") and "| k = 8, " in two[0] and len(two) == 7
 
 
 def test_the_source_tables_ratios_match_their_figures():
     """The speed-ups and ratios printed in the tables the README quotes agree with the figures beside them."""
     sections = _benchmark_sections()
-    (anchors,) = _tables(sections[ANCHORS])
-    base = {r["concurrency"]: _lead(r[TOKS]) for r in anchors if r["system"] == "vLLM target-only"}
-    for r in anchors:
-        printed = _lead(r["speed-up vs vLLM target-only"])
-        assert _ratio_ok(printed, _lead(r[TOKS]), base[r["concurrency"]]), (r["system"], r["concurrency"])
+    for anchors in _tables(sections[ANCHORS]):
+        base = {r["concurrency"]: _lead(r[TOKS]) for r in anchors if r["system"] == "vLLM target-only"}
+        for r in anchors:
+            printed = _lead(r["speed-up vs vLLM target-only"])
+            assert _ratio_ok(printed, _lead(r[TOKS]), base[r["concurrency"]]), (r["system"], r["concurrency"])
     (engine,) = _tables(sections[ENGINE])
     base = {r["batch"]: _lead(r[TOKS]) for r in engine if r["method"] == "target-only (our engine)"}
     for r in engine:
