@@ -124,17 +124,16 @@ class SpeculationGuard:
             return None
         return (sum(c for _, c, _ in self.spec) / spec_time) / (sum(n for n, _, _ in self.spec) / plain_time)
 
-    def _lost_steps(self) -> float:
-        """The window's loss in plain steps of its typical size: its wall time less what plain decoding would have
+    def _lost_steps(self, window: list[tuple[int, int, float]]) -> float:
+        """A window's loss in plain steps of its typical size: its wall time less what plain decoding would have
         taken to commit the same tokens."""
-        plain_time = sum((self.plain_seconds(n) or 0.0) * c / n for n, c, _ in self.spec)
-        typical = self.plain_seconds(int(statistics.median(n for n, _, _ in self.spec))) or 0.0
-        lost = sum(s for _, _, s in self.spec) - plain_time
+        plain_time = sum((self.plain_seconds(n) or 0.0) * c / n for n, c, _ in window)
+        typical = self.plain_seconds(int(statistics.median(n for n, _, _ in window))) or 0.0
+        lost = sum(s for _, _, s in window) - plain_time
         return lost / typical if typical > 0 else 0.0
 
     def _verdict(self) -> None:
-        ratio = self._ratio()
-        lost, self.spec = (self._lost_steps() if ratio is not None else 0.0), []
+        ratio, window, self.spec = self._ratio(), self.spec, []
         if ratio is None:
             return
         self.last_ratio = ratio
@@ -143,7 +142,7 @@ class SpeculationGuard:
             return
         self.losses += 1
         if ratio < self.severe or self.trial or self.losses >= self.patience:
-            priced = math.ceil(lost / (self.margin / 2)) if self.margin > 0 else self.off_steps_max
+            priced = math.ceil(self._lost_steps(window) / (self.margin / 2)) if self.margin > 0 else self.off_steps_max
             self.off_left = min(max(self.wait, priced), self.off_steps_max)
             self.wait = min(2 * self.off_left, self.off_steps_max)
             self.switched_off += 1
