@@ -3,7 +3,8 @@
 
 - `date`: when it was written, UTC, ISO 8601;
 - `commit`: `git rev-parse HEAD` of the checkout the code ran from, and `dirty`: whether tracked files differed from
-  it (uncommitted edits; results under bench_results/ that earlier runs rewrote do not count: they are not code);
+  it (uncommitted edits; results under bench_results/ and plots under docs/img/ that earlier runs rewrote do not
+  count: they are not code);
   both null outside a git checkout (an installed package, an unpacked zip);
 - `machine`: CPU model, logical cores, and the GPU where torch sees one;
 - `command`: the command line, shell-quoted (the program by its name only, never this machine's path to it);
@@ -70,8 +71,8 @@ def command_line(argv: list[str] | None = None) -> str:
 
 def provenance() -> dict:
     commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench_results") if commit \
-        else None
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench_results",
+                  ":(exclude)docs/img") if commit else None
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": commit, "dirty": None if status is None else bool(status),
             "machine": {"cpu": _cpu_model(), "logical_cores": os.cpu_count(), "gpu": _gpu()},

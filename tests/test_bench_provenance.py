@@ -114,3 +114,27 @@ def test_outside_a_git_checkout_the_commit_is_null(monkeypatch, tmp_path):
     monkeypatch.setattr(prov, "REPO_ROOT", tmp_path)
     block = prov.provenance()
     assert block["commit"] is None and block["dirty"] is None and missing_fields({"provenance": block}) == []
+
+
+def test_only_code_makes_a_checkout_dirty(monkeypatch, tmp_path):
+    """Results and plots that earlier runs rewrote are outputs, not code: a run after them is not `dirty`."""
+    import subprocess
+
+    import benchmarks.provenance as prov
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    for name in ("bench_results/r.json", "docs/img/p.png", "benchmarks/code.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("0")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    monkeypatch.setattr(prov, "REPO_ROOT", tmp_path)
+    (tmp_path / "bench_results/r.json").write_text("1")
+    (tmp_path / "docs/img/p.png").write_text("1")
+    assert prov.provenance()["dirty"] is False
+    (tmp_path / "benchmarks/code.py").write_text("1")
+    assert prov.provenance()["dirty"] is True
