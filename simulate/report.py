@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.metrics import require_plotting
 from benchmarks.provenance import with_provenance
 from model_family.paths import REPO_ROOT
 
@@ -266,6 +267,7 @@ def main(args) -> int:
     """Runs the study, prints its table, writes its JSON, then its plot (if asked)."""
     from simulate import studies, validation
 
+    require_plotting(bool(getattr(args, "plot", None)))
     plot = None
     if args.study == "record":
         adaptive = {"as-configured": None, "on": True, "off": False}[args.adaptive]

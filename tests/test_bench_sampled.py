@@ -104,3 +104,10 @@ def test_the_headline_puts_each_run_in_its_own_column_labelled_with_its_settings
     assert lines[3].endswith("| 0.80x (80.0 / 100.0 tok/s, generic drafter) "
                              "| 0.60x (60.0 / 100.0 tok/s, generic drafter) |")
     assert lines[-1].endswith("| 18, 0.72 | 18, 0.72 |")
+    # a sampled run where vLLM's own speculation samples the wrong distribution says so beside its figure
+    wrong = run(Sampling(0.7, 0.95), 60.0)
+    for r in wrong["rows"]:
+        r["distribution_p"] = 0.0 if r["system"].startswith("vLLM draft_model") else 0.5
+    assert headline.anchors_table([wrong])[3].endswith(
+        "| 0.60x (60.0 / 100.0 tok/s, generic drafter; its samples fail the distribution test) |")
+    assert "fail" not in headline.anchors_table([run(Sampling(0.7, 0.95), 60.0)])[3]

@@ -93,3 +93,16 @@ def test_refusals_through_main(capsys, tmp_path):
     assert main(["config", "validate", str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("cosine: error: ") and "missing.yaml" in err
+
+
+def test_a_plot_without_matplotlib_is_refused_before_the_run(capsys, tmp_path, monkeypatch):
+    """`--plot` needs the docs extra: where matplotlib is missing the run is refused before it starts, in one line
+    (it once wrote its JSON, then ended in a traceback)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    out = tmp_path / "tiers.json"
+    assert main(["simulate", "tiers", "--json", str(out), "--plot", str(tmp_path / "tiers.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install -e '.[docs]'" in err and not out.exists()
