@@ -38,20 +38,6 @@ RERUN = {
                                 "'2-level chain, 10M original, k=4' '3-level chain, domain drafter -> 10M original, "
                                 "k=4' SpecRouter --json bench_results/engine-chain-choice.json",
     "collaborative.json": "cosine bench collaborative --json bench_results/collaborative.json",
-    "simulate-reproduce.json": "cosine simulate reproduce --prompts 512 --online-s 240 "
-                               "--plot docs/img/sim-reproduce.png --json bench_results/simulate-reproduce.json",
-    "simulate-size.json": "cosine simulate size --duration 120 --slo-ms-per-token 50 "
-                          "--json bench_results/simulate-size.json --plot docs/img/sim-size.png",
-    "simulate-size-low.json": "cosine simulate size --duration 120 --slo-ms-per-token 50 --rate 1.84 "
-                              "--json bench_results/simulate-size-low.json --plot docs/img/sim-size-low.png",
-    "simulate-remote.json": "cosine simulate remote --prompts 64 --json bench_results/simulate-remote.json "
-                            "--plot docs/img/sim-remote-pays.png",
-    "simulate-tiers.json": "cosine simulate tiers --json bench_results/simulate-tiers.json "
-                           "--plot docs/img/sim-tiers.png",
-    "simulate-validate-recorded.json": "cosine simulate validate --recorded simulate/traces/inprocess "
-                                       "--json bench_results/simulate-validate-recorded.json",
-    "simulate-validate-recorded-fixed.json": "cosine simulate validate --recorded simulate/traces/inprocess-fixed "
-                                             "--json bench_results/simulate-validate-recorded-fixed.json",
     # on a GPU machine (an H100): the steps the simulator's paper profiles are calibrated on
     "steps-h100.json": "cosine bench steps --budget-s 240 --repeats 5 --json bench_results/steps-h100.json",
     # transcribed from GPU runs of `cosine bench engine --device cuda` whose raw JSON was not kept (an H100 in fp32,
