@@ -106,6 +106,8 @@ HISTORY_C1 = "history/anchors-k8-c1-per-domain-1.json"
 # (doc, JSON under bench_results/, the formatter the command prints it with, or the test's own for a derived table)
 PRINTED = [("docs/benchmarks.md", "anchors-k4.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "anchors-k4-t07.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks-history.md", "history/anchors-k4-t07-vllm-unfixed.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", "history/anchors-k8-2026-11-26.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", HISTORY_C1, "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", HISTORY_C1, "tests.test_docs_numbers:_rounds_apart"),
