@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.metrics import require_plotting
 from benchmarks.provenance import with_provenance
 from model_family.paths import REPO_ROOT
 
@@ -265,6 +264,7 @@ def plot_tiers(result: dict, path: Path) -> None:
 
 def main(args) -> int:
     """Runs the study, prints its table, writes its JSON, then its plot (if asked)."""
+    from benchmarks.metrics import require_plotting
     from simulate import studies, validation
 
     require_plotting(bool(getattr(args, "plot", None)))
