@@ -101,7 +101,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
 
         def measure(name: str, concurrency: int, subset, max_tokens: int, run: int) -> dict:
             return runners[name].run([p for _, p in subset], concurrency, max_tokens, [d for d, _ in subset],
-                                     _request_sampling(sampling, len(subset), run))
+                                     sampling.for_requests(len(subset), run))
 
         interleaved = [(name, c) for name, c in plan if name != ORACLE]
         for i, (name, c) in enumerate(interleaved):
@@ -130,11 +130,6 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
             # what the target writes on these prompts at these settings (vLLM target-only's outputs, every run's)
             "workload": text_stats([o for r in runs[(TARGET_ONLY, min(concurrencies))] for o in r["outputs"]]),
             "rows": rows, "goals": _goals(rows, concurrencies), "warnings": warnings}
-
-
-def _request_sampling(sampling: Sampling, n: int, run: int) -> dict:
-    """What a worker is sent: the settings and the seeds of `n` requests of run `run` (0: the warm-up)."""
-    return {"temperature": sampling.temperature, "top_p": sampling.top_p, "seeds": sampling.seeds(n, run)}
 
 
 def _check_distributions(rows: list[dict], runs: dict, prompts: list[list[int]], bench_dir: Path,
@@ -178,7 +173,7 @@ def _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch, k: int
         mine = [prompts[i][1] for i in index]
 
         def mine_sampling(run: int) -> dict:
-            req = _request_sampling(sampling, len(prompts), run)
+            req = sampling.for_requests(len(prompts), run)
             return req | {"seeds": [req["seeds"][i] for i in index] if req["seeds"] else None}
 
         worker = Worker({"kind": "vllm", "draft": d, "max_batch": max_batch, "k": k,

@@ -31,8 +31,11 @@ import numpy as np
 from benchmarks.workers import Worker
 from benchmarks.common import cell, heldout_prompts, tps_cell
 from benchmarks.metrics import save_json
+from benchmarks.sampled import Sampling
 from config import ControllerSpec
 from speculation.trace import Trace
+
+GREEDY = Sampling()  # the rounds compare outputs token for token
 
 CONTROLLER = "goodput controller, k <= {k}"
 
@@ -127,13 +130,15 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
                                      "k": ks[name]}, work / f"{i}.log")
         for name in names:
             log(f"[warm-up] {name}")
-            workers[name].run([p for _, p in prompts[:2]], min(2, concurrency), 16, [d for d, _ in prompts[:2]])
+            workers[name].run([p for _, p in prompts[:2]], min(2, concurrency), 16, [d for d, _ in prompts[:2]],
+                              GREEDY.for_requests(2, 0))
             timed_from[name] = traces[name].stat().st_size  # the warm-up's records are left out
         for rep in range(repeats):
             for i, name in enumerate(names):
                 log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(names)}] {name}")
                 runs[name].append(workers[name].run([p for _, p in prompts], concurrency, new_tokens,
-                                                    [d for d, _ in prompts]))
+                                                    [d for d, _ in prompts],
+                                                    GREEDY.for_requests(len(prompts), rep + 1)))
     finally:
         for w in workers.values():
             w.stop()

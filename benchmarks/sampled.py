@@ -63,6 +63,11 @@ class Sampling:
         different between runs (a repeat adds samples, it does not redraw the same ones); None when greedy."""
         return None if self.greedy else [self.seed + run * 10_000 + i for i in range(n)]
 
+    def for_requests(self, n: int, run: int) -> dict:
+        """What a benchmark worker (benchmarks/workers.py) is sent: the settings and the seeds of `n` requests of
+        run `run` (0: the warm-up)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "seeds": self.seeds(n, run)}
+
     def describe(self) -> str:
         return "greedy" if self.greedy else f"T = {self.temperature:g}, top_p {self.top_p:g}, seed {self.seed}"
 

@@ -53,8 +53,8 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
     for i, (name, spec) in enumerate(systems.items()):
         worker = Worker(dict(spec, max_batch=2, k=3), tmp_path / f"{i}.log")
         try:
-            worker.run(prompts[:1], 1, 4, ["code"], anchors._request_sampling(greedy, 1, 0))  # warm-up
-            runs[name] = worker.run(prompts, 2, 16, ["code", "legal"], anchors._request_sampling(greedy, 2, 1))
+            worker.run(prompts[:1], 1, 4, ["code"], greedy.for_requests(1, 0))  # warm-up
+            runs[name] = worker.run(prompts, 2, 16, ["code", "legal"], greedy.for_requests(2, 1))
         finally:
             worker.stop()
     reference = runs[anchors.OURS]["outputs"]
@@ -88,5 +88,5 @@ def test_sampled_rows_report_a_p_value_text_statistics_and_a_warning():
     assert "| p = 0.41 | 6 (4-8) | 0.10 (0.00-0.20) |" in table
     assert "| p = 1e-07 FAILED | 1 (1-1) | 0.80 (0.80-0.80) |" in table
     assert "- sampling: T = 0.7, top_p 0.95, seed 0" in table and "- WARNING: vLLM ngram" in table
-    assert anchors._request_sampling(Sampling(0.7, 0.95, 3), 2, 1) == {"temperature": 0.7, "top_p": 0.95,
-                                                                      "seeds": [10_003, 10_004]}
+    assert Sampling(0.7, 0.95, 3).for_requests(2, 1) == {"temperature": 0.7, "top_p": 0.95,
+                                                           "seeds": [10_003, 10_004]}
