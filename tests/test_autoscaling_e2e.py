@@ -55,6 +55,10 @@ def serve_config(port: int, layout: Layout) -> dict:
     scaling = {"min_replicas": layout.low, "max_replicas": layout.high, "initial_replicas": 1,
                "metrics_interval_s": 0.5, "look_back_period_s": 2.0, "upscale_delay_s": 1.0,
                "downscale_delay_s": 20.0}
+    if layout.low == 0:
+        # going to zero is no flip-flop risk (a drafter at zero comes back for the next routed round, without
+        # Serve's upscale delay), and idle is idle: the last test waits 6 s of it, not 20
+        scaling["downscale_to_zero_delay_s"] = 6.0
     # drafts may wait 8 s (0.8 x draft_timeout_ms): a replica's first calls on a busy machine take seconds, and a
     # call past the round's end counts as a drafter failure, which these tests assert never happens
     args = {

@@ -1,6 +1,6 @@
 """The OpenAI server's HTTP app without Serve: the API key (every path but /health and /metrics needs
 `Authorization: Bearer <key>`), and OpenAI's error shape for what is refused before any generation. Served for
-real: tests/test_serve_api_key.py."""
+real: tests/test_serve_one_machine.py."""
 
 from __future__ import annotations
 
