@@ -37,8 +37,8 @@ from speculation.messages import SpeculationOverrides
 from benchmarks.common import Row, heldout_prompts, load_model, median_row
 from benchmarks.engine_methods import Method, SlowedDrafting, methods
 from benchmarks.metrics import save_json
-from benchmarks.sampled import (P_FLOOR, Sampling, check_cell, check_header, distribution_pvalue, reference_model,
-                                text_columns)
+from benchmarks.sampled import (P_FLOOR, Sampling, check_cell, check_header, distribution_pvalue, hf_sampling,
+                                reference_model, text_columns)
 from model_family.text_stats import text_stats
 
 
@@ -325,8 +325,7 @@ def identity(outputs: list[list[int]], reference: list[list[int]]) -> dict:
 def _hf_assisted(name, target, drafters, prompts, new_tokens, outputs, sampling: Sampling, run: int) -> Row:
     results, tokens = [], 0
     seeds = sampling.seeds(len(prompts), run)
-    sample = {"do_sample": False} if sampling.greedy else {"do_sample": True, "temperature": sampling.temperature,
-                                                           "top_p": sampling.top_p}
+    sample = hf_sampling(sampling.temperature, sampling.top_p)
     for model in (target, *drafters.values()):
         # no EOS: every generation runs to new_tokens with EOS sampled like any token, as our engine's ignore_eos
         # does (min_new_tokens would take EOS out of the distribution)

@@ -75,6 +75,14 @@ class Sampling:
         return asdict(self) | {"greedy": self.greedy}
 
 
+def hf_sampling(temperature: float, top_p: float) -> dict:
+    """`generate`'s arguments for HF assisted generation at these settings. HF adds top-k 50 to any sampling it is
+    not told otherwise about (its generation defaults), which no other system here applies: `top_k=0` turns it off."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+
+
 def reference_model(model_dir: Path):
     """The model whose distribution the outputs of `model_dir` are checked against: the one it was widened from
     (same function, cheaper), else itself."""

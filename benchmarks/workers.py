@@ -151,6 +151,7 @@ def _hf_worker(spec: dict, max_batch: int):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.sampled import hf_sampling
     from model_family.paths import model_path
 
     def load(name):
@@ -168,8 +169,7 @@ def _hf_worker(spec: dict, max_batch: int):
         outs, secs = [], []
         t0 = time.perf_counter()
         for i, (p, d) in enumerate(zip(prompts, domains)):
-            sample = {"do_sample": False} if sampling["temperature"] == 0 else {
-                "do_sample": True, "temperature": sampling["temperature"], "top_p": sampling["top_p"]}
+            sample = hf_sampling(sampling["temperature"], sampling["top_p"])
             if sample["do_sample"]:
                 torch.manual_seed(_seed(sampling, i))
             t = time.perf_counter()

@@ -111,3 +111,36 @@ def test_the_headline_puts_each_run_in_its_own_column_labelled_with_its_settings
     assert headline.anchors_table([wrong])[3].endswith(
         "| 0.60x (60.0 / 100.0 tok/s, generic drafter; its samples fail the distribution test) |")
     assert "fail" not in headline.anchors_table([run(Sampling(0.7, 0.95), 60.0)])[3]
+
+
+def test_hf_assisted_generation_samples_the_targets_distribution_with_our_arguments():
+    """HF assisted generation, as the benchmarks call it (benchmarks.sampled.hf_sampling), samples the target's
+    distribution at the benchmark's settings; called without them (HF adds top-k 50 to sampling it is not told
+    otherwise about) it samples another, which the check flags. A vocabulary of 256 with no few likely tokens, so that
+    the top-p 0.95 set is wider than 50 tokens."""
+    from benchmarks.sampled import hf_sampling
+
+    def tiny(seed: int) -> LlamaForCausalLM:
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
+        model = LlamaForCausalLM(cfg).eval()
+        model.generation_config.eos_token_id = None
+        return model
+
+    target, assistant = tiny(0), tiny(1)
+    prompts = [[i, (3 * i) % 256, (7 * i) % 256] for i in range(8)]
+    s = Sampling(0.7, 0.95, seed=3)
+
+    def p_of(kwargs: dict) -> float:
+        outputs = []
+        for i, p in enumerate(prompts):
+            torch.manual_seed(100 + i)
+            with torch.no_grad():
+                out = target.generate(torch.tensor([p]), assistant_model=assistant, max_new_tokens=16,
+                                      pad_token_id=0, **kwargs)
+            outputs.append(out[0, len(p):].tolist())
+        return distribution_pvalue(target, prompts, [outputs], s)["p"]
+
+    assert p_of(hf_sampling(0.7, 0.95)) > P_FLOOR
+    assert p_of({"do_sample": True, "temperature": 0.7, "top_p": 0.95}) < P_FLOOR
