@@ -120,7 +120,6 @@ PRINTED = [("docs/benchmarks.md", "anchors-k4.json", "benchmarks.anchors:format_
            ("docs/benchmarks-history.md", "drafter-pool.json", "benchmarks.engine:pool_table"),
            ("docs/benchmarks.md", "engine-guard-b8.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "engine-guard-b8.json", "benchmarks.engine:device_table"),
-           ("docs/benchmarks.md", "steps-h100.json", "benchmarks.steps:summary_table"),
            ("docs/simulation.md", "steps-h100.json", "benchmarks.steps:summary_table"),
            ("docs/simulation.md", "simulate-remote.json", "simulate.report:remote_pays_table"),
            ("docs/simulation.md", "simulate-tiers.json", "simulate.report:tiers_table"),
