@@ -209,8 +209,8 @@ class SpeculationSpec(Strict):
         "the drafters of one shape (same config apart from the weights, the fast runner) advance together, one "
         "batched forward per depth for all of them and their requests (engines/drafter_pool.py), on a GPU one CUDA "
         "graph replay per depth; off: each drafter steps on its own; auto: on where the drafters run on a GPU, off "
-        "on a CPU, where the pooled step measured 0.97x the separate steps' tokens/s at batch 1 and 8 on 2 cores "
-        "(bench_results/drafter-pool.json)")
+        "on a CPU, where the pooled step measured 0.88-0.89x the separate steps' tokens/s at batch 1 and 8 on 2 "
+        "cores (bench_results/drafter-pool.json)")
     record_trace: str | None = Field(None, description="a JSON-lines file (absolute path on the verifier's node) "
                                      "the verify loop appends to: every finished request's prompt and output, "
                                      "every verify step's and drafting round's timing, each request's draft depth "

@@ -29,14 +29,6 @@ RERUN = {
     "engine.json": "cosine bench engine --repeats 3 --methods 'ours: chain, domain' 'ours: tree, domain' "
                    "'ours: chain, goodput-adaptive' 'full CoSine (routing' 'best chain of each tree' HF "
                    "--json bench_results/engine.json",
-    "drafter-pool.json": "cosine bench engine --per-domain 1 --new-tokens 32 --k 4 --batches 1 8 --no-hf --repeats 3 "
-                         "--methods 'full CoSine (routing' --pool on off --json bench_results/drafter-pool.json",
-    "engine-modes.json": "cosine bench engine --per-domain 1 --batches 1 8 --repeats 3 --methods 'chain, domain' "
-                         "'chain, generic' Minions level 'full CoSine (routing' 'chain, goodput-adaptive' "
-                         "--json bench_results/engine-modes.json",
-    "engine-chain-choice.json": "cosine bench engine --per-domain 1 --batches 1 8 --repeats 3 --methods "
-                                "'2-level chain, 10M original, k=4' '3-level chain, domain drafter -> 10M original, "
-                                "k=4' SpecRouter --json bench_results/engine-chain-choice.json",
     "collaborative.json": "cosine bench collaborative --json bench_results/collaborative.json",
     # on a GPU machine (an H100): the steps the simulator's paper profiles are calibrated on
     "steps-h100.json": "cosine bench steps --budget-s 240 --repeats 5 --json bench_results/steps-h100.json",
