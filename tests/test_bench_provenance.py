@@ -24,8 +24,6 @@ RESULTS = ROOT / "bench_results"
 HISTORY = RESULTS / "history"
 
 RERUN = {
-    "rounds-c1.json": "cosine bench rounds --repeats 5 --json bench_results/rounds-c1.json",
-    "rounds-c8.json": "cosine bench rounds --concurrency 8 --json bench_results/rounds-c8.json",
     # on a GPU machine (an H100): the steps the simulator's paper profiles are calibrated on
     "steps-h100.json": "cosine bench steps --budget-s 240 --repeats 5 --json bench_results/steps-h100.json",
     # transcribed from GPU runs of `cosine bench engine --device cuda` whose raw JSON was not kept (an H100 in fp32,
