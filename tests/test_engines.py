@@ -217,7 +217,7 @@ def test_sampling_through_the_engines_matches_the_target(target, drafter_models,
     n = 1200
     voters = [drafter_models["literature"], drafter_models["code"]] + ([drafter_models["generic"]] if mode == "vote"
                                                                        else [])
-    out, _ = _run(target, voters, [prompt] * n, k=2, batch=16,
+    out, _ = _run(target, voters, [prompt] * n, k=2, batch=64,
                   params=[SamplingParams(seed=i, **params) for i in range(n)], max_len=256, mode=mode)
     pairs = [tuple(o.token_ids) for o in out]
     sp = SamplingParams(**params)
