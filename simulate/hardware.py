@@ -11,7 +11,7 @@ A GPU step of the torch engine (the drafters) for B requests and T tokens of a m
           + 2 * params * T / (peak FLOPS * FLOPS_EFFICIENCY)
 
 `fixed`, `per_layer`, `per_request` and `per_token` are the engine's own costs (Python, kernel launches or graph
-replays, host copies), fitted per measured device and mode (eager, CUDA graphs) on bench_results/gpu-steps.json: the
+replays, host copies), fitted per measured device and mode (eager, CUDA graphs) on bench_results/history/gpu-steps.json: the
 bench target and a drafter on an H100 and an H200. Those models are launch-bound, so their steps cannot tell the
 bandwidth and FLOPS terms apart from the rest: those come from the datasheets (`GPUS`) at assumed efficiencies, which
 is how the costs scale to the A100, RTX 3090 and RTX 2080 Ti. The engine costs carry over unchanged: they are
@@ -33,9 +33,19 @@ from pydantic import BaseModel, Field
 
 from model_family.paths import REPO_ROOT
 
-GPU_STEPS = REPO_ROOT / "bench_results" / "gpu-steps.json"
+
+
+def calibration_file(name: str, root: Path = REPO_ROOT) -> Path:
+    """A GPU run the simulator is calibrated on: the one committed under bench_results/ (with its provenance) if
+    there is one, else the earlier run kept in bench_results/history/ (written before results recorded provenance;
+    gpu-steps.json transcribed from runs whose JSON was not kept)."""
+    measured = root / "bench_results" / name
+    return measured if measured.is_file() else root / "bench_results" / "history" / name
+
+
+GPU_STEPS = calibration_file("gpu-steps.json")
 # `cosine bench steps` on one H100: the paper's own models (random weights of their configs), bf16
-MEASURED_STEPS = REPO_ROOT / "bench_results" / "steps-h100.json"
+MEASURED_STEPS = calibration_file("steps-h100.json")
 PRICES = {"A100-80GB": 1.80, "RTX3090": 0.25, "RTX2080Ti": 0.15, "CPU": 0.0}  # USD per GPU-hour (inputs)
 ALLREDUCE_MS = 0.015  # one tensor-parallel all-reduce of a decode step's activations over NVLink (assumption)
 

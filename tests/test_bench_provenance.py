@@ -2,12 +2,10 @@
 command line and package versions (benchmarks/provenance.py), as every `cosine bench` and `cosine simulate` writer
 adds them.
 
-Exempt, and only these:
-- files under bench_results/history/: runs of earlier code kept for the history's comparisons and one diagnostic run,
-  written before the writers recorded provenance (docs/benchmarks-history.md says so);
-- `RERUN`: results written before provenance that current docs tables still render from, each with the command that
-  writes it again. The list only shrinks: a file in it that has its provenance fails, so that it leaves the list
-  once re-run. Fast (reads JSON); no marks."""
+Exempt, and only these: files under bench_results/history/, runs of earlier code written before the writers recorded
+provenance: kept for the history's comparisons, one diagnostic run, and the GPU steps the simulator is calibrated on
+until a GPU measures them again (docs/benchmarks-history.md, simulate/hardware.py say so). Fast (reads JSON); no
+marks."""
 from __future__ import annotations
 
 import json
@@ -23,14 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench_results"
 HISTORY = RESULTS / "history"
 
-RERUN = {
-    # on a GPU machine (an H100): the steps the simulator's paper profiles are calibrated on
-    "steps-h100.json": "cosine bench steps --budget-s 240 --repeats 5 --json bench_results/steps-h100.json",
-    # transcribed from GPU runs of `cosine bench engine --device cuda` whose raw JSON was not kept (an H100 in fp32,
-    # an H200 eager and with CUDA graphs): to be measured again, on those GPUs, into a file of their own
-    "gpu-steps.json": "cosine bench engine --device cuda --json bench_results/gpu-steps.json (on an H100 and an H200)",
-}
-
 
 def _results() -> list[Path]:
     return sorted(p for p in RESULTS.rglob("*.json") if HISTORY not in p.parents)
@@ -38,16 +28,10 @@ def _results() -> list[Path]:
 
 def test_every_result_records_where_it_came_from():
     lacking = {p.relative_to(RESULTS).as_posix(): missing_fields(json.loads(p.read_text())) for p in _results()}
-    lacking = {name: m for name, m in lacking.items() if m and name not in RERUN}
+    lacking = {name: m for name, m in lacking.items() if m}
     assert not lacking, ("results without their provenance (write them with a cosine bench / simulate command, or "
                          "move a run of earlier code to bench_results/history/):\n"
                          + "\n".join(f"{n}: {', '.join(m)}" for n, m in lacking.items()))
-
-
-def test_the_rerun_list_only_names_results_still_without_it():
-    present = {p.relative_to(RESULTS).as_posix(): p for p in _results()}
-    stale = [n for n in RERUN if n not in present or not missing_fields(json.loads(present[n].read_text()))]
-    assert not stale, f"re-run or gone: take them off RERUN: {stale}"
 
 
 def test_a_benchmarks_json_carries_this_runs_provenance(tmp_path, monkeypatch):

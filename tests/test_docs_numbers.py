@@ -121,7 +121,7 @@ PRINTED = [("docs/benchmarks.md", "anchors-k4.json", "benchmarks.anchors:format_
            ("docs/benchmarks.md", "drafter-pool.json", "benchmarks.engine:pool_table"),
            ("docs/benchmarks.md", "engine-guard-b8.json", "benchmarks.engine:format_table"),
            ("docs/benchmarks.md", "engine-guard-b8.json", "benchmarks.engine:device_table"),
-           ("docs/simulation.md", "steps-h100.json", "benchmarks.steps:summary_table"),
+           ("docs/simulation.md", "history/steps-h100.json", "benchmarks.steps:summary_table"),
            ("docs/simulation.md", "simulate-remote.json", "simulate.report:remote_pays_table"),
            ("docs/simulation.md", "simulate-tiers.json", "simulate.report:tiers_table"),
            ("docs/simulation.md", "simulate-validate-recorded.json", "simulate.report:out_of_sample_table"),
@@ -210,10 +210,10 @@ def test_the_sizing_tables_are_the_two_runs(suffix):
 
 def test_the_gpu_step_table_is_the_measured_steps_and_their_calibrated_model():
     """docs/simulation.md, "GPU steps, calibrated on the measured ones": each cell is a step of
-    bench_results/gpu-steps.json (ms) and, in parentheses, what simulate/hardware.py's fit makes of it."""
+    bench_results/history/gpu-steps.json (ms) and, in parentheses, what simulate/hardware.py's fit makes of it."""
     from simulate.hardware import calibrate
 
-    data = _json("gpu-steps.json")
+    data = _json("history/gpu-steps.json")
     model = {(c.gpu, c.graphs, p["model"], p["batch"], p["new_tokens"]): p["model_ms"]
              for c in calibrate().values() for p in c.points}
     groups: dict[tuple, dict[int, dict]] = {}
@@ -228,7 +228,7 @@ def test_the_gpu_step_table_is_the_measured_steps_and_their_calibrated_model():
     assert len(rows) == len(groups) >= 12
     text = _doc("docs/simulation.md")
     missing = [r for r in rows if not any(line.startswith(r) for line in text.splitlines())]
-    assert not missing, "docs/simulation.md: GPU step rows that bench_results/gpu-steps.json does not give:\n" + \
+    assert not missing, "docs/simulation.md: GPU step rows that bench_results/history/gpu-steps.json does not give:\n" + \
         "\n".join(missing)
 
 

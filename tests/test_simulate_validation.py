@@ -2,13 +2,13 @@
 
 Out of sample (the fit never sees what is predicted):
 - the paper verifiers' bandwidth and FLOPS shares fitted on one model's measured slices predict the other model's
-  steps (bench_results/steps-h100.json);
+  steps (bench_results/history/steps-h100.json);
 - `cosine simulate validate --recorded` on the runs recorded on this machine (simulate/traces/inprocess-fixed): each
   repeat's concurrency-2 run predicted from the latency model fitted on its concurrency-1 and -4 runs only.
 Within one run (held-out steps, not held-out conditions): a run predicted from the even half of its own steps and
 drafting rounds; this checks the loop's mechanics given the step costs, not that the costs carry to another run.
 In sample (goodness of fit only, no validation): the engine costs against the one-token steps they are fitted on
-(bench_results/gpu-steps.json, transcribed from GPU runs whose raw JSON was not kept, and steps-h100.json's drafters).
+(bench_results/history/gpu-steps.json, transcribed from GPU runs whose raw JSON was not kept, and steps-h100.json's drafters).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from simulate import validation
 from simulate.hardware import (BW_EFFICIENCY, ENGINE_COSTS, FLOPS_EFFICIENCY, GPU_STEPS, GPUS, MEASURED_STEPS, PROFILES,
-                               SHAPES, DraftRound, fit, measured_efficiencies)
+                               SHAPES, DraftRound, calibration_file, fit, measured_efficiencies)
 from speculation.trace import Trace
 
 # a run predicted from the even half of its own steps: the largest error on the committed runs is 8.5%
@@ -28,6 +28,18 @@ IN_RUN_TOLERANCE = 0.10
 # 12.6% (repeat 1); the simulation is deterministic, so the bound holds run after run. A verify slope twice the
 # fitted one is off by up to 27.5%, drafting rounds 30% cheaper by up to 43%
 ACROSS_RUNS_TOLERANCE = 0.15
+
+
+def test_a_gpu_run_committed_with_its_provenance_replaces_the_history_copy(tmp_path):
+    """The simulator reads its GPU calibration from bench_results/history/ (runs of earlier code) until a run of the
+    same name is committed under bench_results/."""
+    history = tmp_path / "bench_results" / "history"
+    history.mkdir(parents=True)
+    (history / "steps-h100.json").write_text("{}")
+    assert calibration_file("steps-h100.json", tmp_path) == history / "steps-h100.json"
+    (tmp_path / "bench_results" / "steps-h100.json").write_text("{}")
+    assert calibration_file("steps-h100.json", tmp_path) == tmp_path / "bench_results" / "steps-h100.json"
+    assert MEASURED_STEPS.parent.name == "history" and GPU_STEPS.parent.name == "history"  # none re-measured yet
 
 
 def test_the_shapes_have_their_models_parameters():
