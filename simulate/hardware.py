@@ -11,8 +11,8 @@ A GPU step of the torch engine (the drafters) for B requests and T tokens of a m
           + 2 * params * T / (peak FLOPS * FLOPS_EFFICIENCY)
 
 `fixed`, `per_layer`, `per_request` and `per_token` are the engine's own costs (Python, kernel launches or graph
-replays, host copies), fitted per measured device and mode (eager, CUDA graphs) on bench_results/history/gpu-steps.json: the
-bench target and a drafter on an H100 and an H200. Those models are launch-bound, so their steps cannot tell the
+replays, host copies), fitted per measured device and mode (eager, CUDA graphs) on the bench target's and a
+drafter's steps on an H100 and an H200 (`GPU_STEPS`). Those models are launch-bound, so their steps cannot tell the
 bandwidth and FLOPS terms apart from the rest: those come from the datasheets (`GPUS`) at assumed efficiencies, which
 is how the costs scale to the A100, RTX 3090 and RTX 2080 Ti. The engine costs carry over unchanged: they are
 host-side and per-kernel costs (the H100's and the H200's eager fits, engines of two different days, put a 0.5B
@@ -32,7 +32,6 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from model_family.paths import REPO_ROOT
-
 
 
 def calibration_file(name: str, root: Path = REPO_ROOT) -> Path:

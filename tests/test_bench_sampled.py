@@ -42,13 +42,15 @@ def test_sampling_flags_and_seeds():
         Sampling(0.7, 0.0)
 
 
-def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+def _model(seed: int = 0, vocab: int = 48, peaked: bool = True) -> LlamaForCausalLM:
+    """A tiny random Llama; `peaked`: a few likely tokens at every position, as a trained model has."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
     model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4)  # a few likely tokens at every position, as a trained model has
+    if peaked:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(4)
     return model
 
 
@@ -120,15 +122,9 @@ def test_hf_assisted_generation_samples_the_targets_distribution_with_our_argume
     the top-p 0.95 set is wider than 50 tokens."""
     from benchmarks.sampled import hf_sampling
 
-    def tiny(seed: int) -> LlamaForCausalLM:
-        torch.manual_seed(seed)
-        cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
-        model = LlamaForCausalLM(cfg).eval()
+    target, assistant = _model(0, 256, peaked=False), _model(1, 256, peaked=False)
+    for model in (target, assistant):
         model.generation_config.eos_token_id = None
-        return model
-
-    target, assistant = tiny(0), tiny(1)
     prompts = [[i, (3 * i) % 256, (7 * i) % 256] for i in range(8)]
     s = Sampling(0.7, 0.95, seed=3)
 

@@ -40,11 +40,11 @@ def test_the_command_measures_tiny_stand_ins_on_this_cpu(tmp_path):
 
 
 def test_the_committed_gpu_run_covers_the_papers_models():
-    """bench_results/history/steps-h100.json: every model of the paper's pairs, graphed steps for each, the 70B extrapolated
-    from two slices, and its known defects stated."""
-    from model_family.paths import REPO_ROOT
+    """The committed H100 run the simulator reads (`MEASURED_STEPS`): every model of the paper's pairs, graphed steps
+    for each, the 70B extrapolated from two slices, and its known defects stated."""
+    from simulate.hardware import MEASURED_STEPS
 
-    data = json.loads((REPO_ROOT / "bench_results" / "history" / "steps-h100.json").read_text())
+    data = json.loads(MEASURED_STEPS.read_text())
     assert data["device"].startswith("NVIDIA H100") and data["dtype"] == "bfloat16"
     assert set(data["models"]) == set(steps.MODELS)
     graphed = {s["model"] for s in data["steps"] if s["graphs"]}
@@ -65,13 +65,13 @@ def test_a_noisy_copy_never_puts_the_extrapolated_device_step_above_the_whole_on
 
 
 def test_no_committed_step_is_shorter_than_its_part_on_the_device():
-    """bench_results/history/steps-h100.json: every step's on-device time is at most its whole step (the same step with the
-    logits copied to the host), the extrapolated rows are what `_extrapolate` makes of the file's slices. The eager
-    rows' on-device times are the one exception, and the file's defects note says why (timed with autograd on: not
-    used)."""
-    from model_family.paths import REPO_ROOT
+    """The committed H100 run (`MEASURED_STEPS`): every step's on-device time is at most its whole step (the same step
+    with the logits copied to the host), the extrapolated rows are what `_extrapolate` makes of the file's slices.
+    The eager rows' on-device times are the one exception, and the file's defects note says why (timed with autograd
+    on: not used)."""
+    from simulate.hardware import MEASURED_STEPS
 
-    data = json.loads((REPO_ROOT / "bench_results" / "history" / "steps-h100.json").read_text())
+    data = json.loads(MEASURED_STEPS.read_text())
     assert "eager rows' device_ms were timed with autograd on" in data["defects"]
     checked = [s for s in data["steps"] if s["graphs"]]
     assert len(checked) >= 60

@@ -228,8 +228,8 @@ def test_the_gpu_step_table_is_the_measured_steps_and_their_calibrated_model():
     assert len(rows) == len(groups) >= 12
     text = _doc("docs/simulation.md")
     missing = [r for r in rows if not any(line.startswith(r) for line in text.splitlines())]
-    assert not missing, "docs/simulation.md: GPU step rows that bench_results/history/gpu-steps.json does not give:\n" + \
-        "\n".join(missing)
+    assert not missing, ("docs/simulation.md: GPU step rows that bench_results/history/gpu-steps.json does not "
+                         "give:\n" + "\n".join(missing))
 
 
 # --- what is identical to the target alone (README, docs/design.md) ------------------------------------------------

@@ -8,7 +8,8 @@ Out of sample (the fit never sees what is predicted):
 Within one run (held-out steps, not held-out conditions): a run predicted from the even half of its own steps and
 drafting rounds; this checks the loop's mechanics given the step costs, not that the costs carry to another run.
 In sample (goodness of fit only, no validation): the engine costs against the one-token steps they are fitted on
-(bench_results/history/gpu-steps.json, transcribed from GPU runs whose raw JSON was not kept, and steps-h100.json's drafters).
+(bench_results/history/gpu-steps.json, transcribed from GPU runs whose raw JSON was not kept, and steps-h100.json's
+drafters).
 """
 
 from __future__ import annotations
