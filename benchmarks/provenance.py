@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -87,15 +88,57 @@ def with_provenance(result: dict) -> dict:
     return {**result, "provenance": provenance()}
 
 
-def missing_fields(result) -> list[str]:
-    """The provenance fields a result lacks (all of them for a result with no provenance block)."""
+def missing_fields(result, path: str | None = None) -> list[str]:
+    """What a result's provenance lacks or holds wrong, as values: every field and its keys present, a full commit
+    hash, a clean tree, a date with its time and zone, the machine's CPU and cores, every version recorded, and a
+    `cosine ...` or `python -m ...` command that writes `path` (repo-relative) with its `--json`. A block typed after
+    a run (a short hash, a bare date, null versions, a command without its output) fails here. Whether the commit
+    is in this repository's history is `known_commit`'s (it needs git)."""
     block = result.get("provenance") if isinstance(result, dict) else None
     if not isinstance(block, dict):
         return list(FIELDS)
     missing = [f for f in FIELDS if f not in block]
-    missing += [f"machine.{k}" for k in ("cpu", "logical_cores", "gpu") if k not in block.get("machine", {})]
-    missing += [f"versions.{k}" for k in ("python", "torch", "transformers", "vllm", "ray")
-                if k not in block.get("versions", {})]
-    if not block.get("date") or not block.get("command"):
-        missing.append("date or command empty")
-    return missing
+    machine, versions = block.get("machine") or {}, block.get("versions") or {}
+    missing += [f"machine.{k}" for k in ("cpu", "logical_cores", "gpu") if k not in machine]
+    missing += [f"versions.{k}" for k in ("python", "torch", "transformers", "vllm", "ray") if k not in versions]
+    if missing:
+        return missing
+    wrong = []
+    if not re.fullmatch(r"[0-9a-f]{40}", str(block["commit"])):
+        wrong.append(f"commit {block['commit']!r} is not a full hash")
+    if block["dirty"] is not False:
+        wrong.append(f"dirty is {block['dirty']!r}: the code that ran is not the commit's")
+    try:
+        when = datetime.fromisoformat(str(block["date"]))
+        if "T" not in str(block["date"]) or when.tzinfo is None:
+            raise ValueError
+    except ValueError:
+        wrong.append(f"date {block['date']!r} is not an ISO date with its time and zone")
+    wrong += [f"machine.{k} is null" for k in ("cpu", "logical_cores") if machine[k] is None]
+    wrong += [f"versions.{k} is null" for k, v in versions.items() if v is None]
+    command = str(block["command"] or "")
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        argv = []
+    if not (argv[:1] == ["cosine"] or (argv[:1] and argv[0].startswith("python") and argv[1:2] == ["-m"])):
+        wrong.append(f"command {command!r} is not a cosine or python -m command")
+    elif path is not None:
+        outputs = [b for a, b in zip(argv, argv[1:]) if a == "--json"]
+        outputs += [a.split("=", 1)[1] for a in argv if a.startswith("--json=")]
+        if not any(o == path or o.endswith("/" + path) for o in outputs):
+            wrong.append(f"command does not write {path} (no --json {path})")
+    return wrong
+
+
+def known_commit(commit: str) -> bool | None:
+    """Whether `commit` is a commit of this checkout's history; None where there is no history to ask (no git, not a
+    checkout, a shallow clone)."""
+    if _git("rev-parse", "--is-shallow-repository") != "false":
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
+                             capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.returncode == 0

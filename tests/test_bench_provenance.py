@@ -1,11 +1,10 @@
-"""Every result under bench_results/ says where it came from: date, commit (and whether the tree was dirty), machine,
-command line and package versions (benchmarks/provenance.py), as every `cosine bench` and `cosine simulate` writer
-adds them.
+"""Every result under bench_results/ says where it came from, by value: the full hash of a commit in this
+repository's history, a clean tree, a date with its time, the machine, the package versions, and the command that
+wrote that very file (benchmarks/provenance.py), as every `cosine bench` and `cosine simulate` writer records them.
 
-Exempt, and only these: files under bench_results/history/, runs of earlier code written before the writers recorded
-provenance: kept for the history's comparisons, one diagnostic run, and the GPU steps the simulator is calibrated on
-until a GPU measures them again (docs/benchmarks-history.md, simulate/hardware.py say so). Fast (reads JSON); no
-marks."""
+Exempt, and only these: files under bench_results/history/, runs of earlier code or of a dirty tree, and blocks typed
+by hand after a run (docs/benchmarks-history.md and bench_results/history/README.md say which). Fast (reads JSON;
+one `git cat-file` per commit); no marks."""
 from __future__ import annotations
 
 import json
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.metrics import save_json
-from benchmarks.provenance import FIELDS, missing_fields, provenance
+from benchmarks.provenance import FIELDS, known_commit, missing_fields, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench_results"
@@ -27,11 +26,69 @@ def _results() -> list[Path]:
 
 
 def test_every_result_records_where_it_came_from():
-    lacking = {p.relative_to(RESULTS).as_posix(): missing_fields(json.loads(p.read_text())) for p in _results()}
-    lacking = {name: m for name, m in lacking.items() if m}
-    assert not lacking, ("results without their provenance (write them with a cosine bench / simulate command, or "
-                         "move a run of earlier code to bench_results/history/):\n"
-                         + "\n".join(f"{n}: {', '.join(m)}" for n, m in lacking.items()))
+    lacking = {}
+    for p in _results():
+        name = p.relative_to(ROOT).as_posix()
+        problems = missing_fields(json.loads(p.read_text()), name)
+        if problems:
+            lacking[name] = problems
+    assert not lacking, ("results without their provenance (write them with a cosine bench / simulate command from "
+                         "a clean tree, or move a run of earlier code to bench_results/history/):\n"
+                         + "\n".join(f"{n}: {'; '.join(m)}" for n, m in lacking.items()))
+
+
+def test_every_results_commit_is_in_this_repositorys_history():
+    commits = {json.loads(p.read_text())["provenance"]["commit"] for p in _results()}
+    if known_commit("HEAD") is None:
+        pytest.skip("no git history to look the commits up in (a shallow clone, or not a git checkout)")
+    unknown = sorted(c for c in commits if not known_commit(c))
+    assert not unknown, f"results written at commits this repository does not have: {unknown}"
+
+
+def _good() -> dict:
+    """A block as a clean run of `cosine bench rounds --json bench_results/r.json` at this checkout writes it."""
+    return dict(provenance(), dirty=False, commit="0" * 40, command="cosine bench rounds --json bench_results/r.json")
+
+
+@pytest.mark.parametrize("change,problem", [
+    ({"dirty": True}, "dirty"),
+    ({"dirty": None}, "dirty"),
+    ({"commit": "4d2669e"}, "commit"),
+    ({"commit": None}, "commit"),
+    ({"date": "2026-11-27"}, "date"),
+    ({"date": "2026-11-27T10:00:00"}, "date"),
+    ({"machine": {"cpu": None, "logical_cores": None, "gpu": "NVIDIA H200"}}, "machine.cpu"),
+    ({"versions": {"python": None, "torch": "2.11.0", "transformers": "5.17.0", "vllm": None, "ray": None}},
+     "versions.python"),
+    ({"command": "cosine bench rounds"}, "does not write"),
+    ({"command": "cosine bench rounds --json bench_results/other.json"}, "does not write"),
+    ({"command": "bench.py rounds --json bench_results/r.json"}, "not a cosine"),
+    ({"command": ""}, "not a cosine"),
+])
+def test_a_null_dirty_short_or_hand_typed_block_is_caught(change, problem):
+    assert missing_fields({"provenance": _good()}, "bench_results/r.json") == []
+    found = missing_fields({"provenance": {**_good(), **change}}, "bench_results/r.json")
+    assert any(problem in m for m in found), found
+
+
+def test_the_h200_runs_hand_typed_blocks_are_caught():
+    """The two H200 runs' blocks, typed after the run, are what the check exists for (they live in the history)."""
+    for name in ("engine-h200-9b-bf16-identity.json", "engine-h200-9b-fp32-identity.json"):
+        found = missing_fields(json.loads((HISTORY / name).read_text()), f"bench_results/{name}")
+        for problem in ("commit", "dirty", "date", "machine.cpu", "versions.python", "does not write"):
+            assert any(problem in m for m in found), (name, problem, found)
+
+
+def test_a_python_m_command_and_an_absolute_output_path_name_the_file():
+    for command in ("python -m benchmarks.steps --json bench_results/r.json",
+                    "cosine bench rounds --json=/home/u/repo/bench_results/r.json"):
+        assert missing_fields({"provenance": dict(_good(), command=command)}, "bench_results/r.json") == []
+
+
+def test_a_commit_outside_the_history_is_unknown():
+    if known_commit("HEAD") is None:
+        pytest.skip("no git history here (a shallow clone, or not a git checkout)")
+    assert known_commit("HEAD") and not known_commit("f" * 40)
 
 
 def test_a_benchmarks_json_carries_this_runs_provenance(tmp_path, monkeypatch):
@@ -41,7 +98,10 @@ def test_a_benchmarks_json_carries_this_runs_provenance(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/some/where/bin/cosine", "bench", "rounds", "--json", "out file.json"])
     save_json({"rows": [1, 2]}, str(tmp_path / "r.json"))
     written = json.loads((tmp_path / "r.json").read_text())
-    assert written["rows"] == [1, 2] and missing_fields(written) == []
+    assert written["rows"] == [1, 2]
+    # this checkout may have edits in progress: everything but `dirty` holds, and `dirty` says so
+    assert [m for m in missing_fields(written, "out file.json") if "dirty" not in m] == []
+    assert written["provenance"]["dirty"] is provenance()["dirty"]
     block = written["provenance"]
     assert block["command"] == "cosine bench rounds --json 'out file.json'"
     assert (ROOT / ".git").exists() <= (len(block["commit"] or "") == 40)
@@ -53,7 +113,8 @@ def test_a_simulate_json_carries_it_too(tmp_path):
     from simulate.report import write_result
 
     write_result({"rows": []}, str(tmp_path / "s.json"))
-    assert missing_fields(json.loads((tmp_path / "s.json").read_text())) == []
+    assert [m for m in missing_fields(json.loads((tmp_path / "s.json").read_text())) if "dirty" not in m
+            and "command" not in m] == []
 
 
 @pytest.mark.parametrize("drop", FIELDS)
@@ -69,7 +130,9 @@ def test_outside_a_git_checkout_the_commit_is_null(monkeypatch, tmp_path):
 
     monkeypatch.setattr(prov, "REPO_ROOT", tmp_path)
     block = prov.provenance()
-    assert block["commit"] is None and block["dirty"] is None and missing_fields({"provenance": block}) == []
+    assert block["commit"] is None and block["dirty"] is None
+    assert {"commit", "dirty"} <= {k for k in ("commit", "dirty") for m in missing_fields({"provenance": block})
+                                   if m.startswith(k)}, "a result from outside a checkout is no published result"
 
 
 def test_only_code_makes_a_checkout_dirty(monkeypatch, tmp_path):

@@ -104,8 +104,8 @@ def _rounds_apart(result: dict) -> str:
 
 HISTORY_C1 = "history/anchors-k8-c1-per-domain-1.json"
 # (doc, JSON under bench_results/, the formatter the command prints it with, or the test's own for a derived table)
-PRINTED = [("docs/benchmarks.md", "anchors-k4.json", "benchmarks.anchors:format_table"),
-           ("docs/benchmarks.md", "anchors-k8.json", "benchmarks.anchors:format_table"),
+PRINTED = [("docs/benchmarks.md", "history/anchors-k4-2026-11-27.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "history/anchors-k8-2026-11-27.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-t07.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", "history/anchors-k4-t07-vllm-unfixed.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", "history/anchors-k8-2026-11-26.json", "benchmarks.anchors:format_table"),
@@ -119,8 +119,8 @@ PRINTED = [("docs/benchmarks.md", "anchors-k4.json", "benchmarks.anchors:format_
            ("docs/benchmarks.md", "collaborative.json", "benchmarks.collaborative:format_table"),
            ("docs/benchmarks-history.md", "history/drafter-pool-2026-11-26.json", "benchmarks.engine:pool_table"),
            ("docs/benchmarks.md", "drafter-pool.json", "benchmarks.engine:pool_table"),
-           ("docs/benchmarks.md", "engine-guard-b8.json", "benchmarks.engine:format_table"),
-           ("docs/benchmarks.md", "engine-guard-b8.json", "benchmarks.engine:device_table"),
+           ("docs/benchmarks.md", "history/engine-guard-b8-2026-11-27.json", "benchmarks.engine:format_table"),
+           ("docs/benchmarks.md", "history/engine-guard-b8-2026-11-27.json", "benchmarks.engine:device_table"),
            ("docs/simulation.md", "history/steps-h100.json", "benchmarks.steps:summary_table"),
            ("docs/simulation.md", "simulate-remote.json", "simulate.report:remote_pays_table"),
            ("docs/simulation.md", "simulate-tiers.json", "simulate.report:tiers_table"),
@@ -238,7 +238,7 @@ def test_the_identity_claims_are_the_measured_ones():
     """The README's and docs/design.md's shares of identical outputs are those of the committed H200 runs: fp32 12 of
     12 for every method and batch; bf16 at batch 1 as many for every speculative method, first differing tokens at
     the positions named; plain decoding at batch 8 and 16 against batch 1 on as many prompts."""
-    bf16, fp32 = _json("engine-h200-9b-bf16-identity.json"), _json("engine-h200-9b-fp32-identity.json")
+    bf16, fp32 = _json("history/engine-h200-9b-bf16-identity.json"), _json("history/engine-h200-9b-fp32-identity.json")
     assert all(v["identical"] == v["prompts"] == 12 for v in fp32["identity"].values())
     ident = bf16["identity"]
     spec_b1 = [v for k, v in ident.items() if k.startswith("ours") and k.endswith("| batch 1")]

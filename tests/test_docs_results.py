@@ -23,14 +23,17 @@ def _read(rel: str) -> str:
     return (ROOT / rel).read_text(encoding="utf-8")
 
 
+def _paths_named(line: str) -> list[str]:
+    """The raw files a line names as present (not the outputs its commands write)."""
+    return [m.group(0) for m in PATH_RE.finditer(line) if not OUTPUT_BEFORE.search(line[:m.start()])]
+
+
 def _named_as_present(rel: str) -> list[tuple[int, str]]:
     found = []
     for n, line in enumerate(_read(rel).splitlines(), 1):
         if LOST in line:
             continue
-        for m in PATH_RE.finditer(line):
-            if not OUTPUT_BEFORE.search(line[:m.start()]):
-                found.append((n, m.group(0)))
+        found += [(n, p) for p in _paths_named(line)]
     return found
 
 
@@ -60,7 +63,7 @@ def test_a_section_naming_a_lost_file_says_so(rel):
     """A command's output file that is not in the repository needs the section's "was not kept" line."""
     bad = []
     for head, body in _sections(_read(rel)):
-        lost = sorted({p for p in PATH_RE.findall(body) if not (ROOT / p).is_file()})
+        lost = sorted({p for line in body.splitlines() for p in _paths_named(line) if not (ROOT / p).is_file()})
         if lost and LOST not in body:
             bad.append(f"{head}: {', '.join(lost)}")
     assert not bad, "sections naming raw files that are not in the repository without saying so:\n" + "\n".join(bad)
