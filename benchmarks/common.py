@@ -6,11 +6,14 @@ Every benchmark imports these from here; none reaches into another benchmark's m
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +95,77 @@ def median_row(rows: list[Row]) -> Row:
     mid.tokens_per_s = round(statistics.median(r.tokens_per_s for r in rows), 1)
     mid.tokens_per_s_min, mid.tokens_per_s_max, mid.runs = ordered[0].tokens_per_s, ordered[-1].tokens_per_s, len(rows)
     return mid
+
+
+ALLOW_BUSY = "COSINE_BENCH_ALLOW_BUSY"  # =1: start while other benchmarks or tests run (the tests' own runs)
+
+
+class MachineBusy(RuntimeError):
+    pass
+
+
+@contextmanager
+def machine_load() -> Iterator[dict]:
+    """The machine's load averages (1, 5 and 15 minutes) when a benchmark starts and when it ends, for its JSON: a
+    run that shared its cores says so."""
+    load = {"logical_cores": os.cpu_count(), "start": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        yield load
+    finally:
+        load["end"] = [round(x, 2) for x in os.getloadavg()]
+
+
+def _is_other_run(argv: list[str]) -> bool:
+    """A `cosine bench ...` (or `python -m serve_app.cli bench ...`) or a pytest command line."""
+    names = [Path(a).name for a in argv]
+    if "pytest" in names or "py.test" in names or ("-m" in argv and "pytest" in argv):
+        return True
+    return any(a in ("cosine", "serve_app.cli") and b == "bench" for a, b in zip(names, names[1:]))
+
+
+def _processes(proc: Path) -> dict[int, tuple[int, list[str]]]:
+    """pid -> (parent pid, command line) of every process /proc shows."""
+    out = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # after the command name, which may hold spaces
+        out[int(entry.name)] = (ppid, [a.decode(errors="replace") for a in argv if a])
+    return out
+
+
+def _ancestry(pid: int, procs: dict[int, tuple[int, list[str]]]) -> list[int]:
+    """pid, its parent, its parent's parent ... up to the first process /proc does not show."""
+    chain = []
+    while pid in procs and pid not in chain:
+        chain.append(pid)
+        pid = procs[pid][0]
+    return chain
+
+
+def other_runs(proc: Path = Path("/proc")) -> list[str]:
+    """The command lines of benchmarks and test runs on this machine outside this process's own tree: not this
+    process, not one that started it (a pytest running this benchmark), not one it started."""
+    procs, me = _processes(proc), os.getpid()
+    ancestors = set(_ancestry(me, procs))
+    return [" ".join(argv) for pid, (_, argv) in sorted(procs.items())
+            if _is_other_run(argv) and pid not in ancestors and me not in _ancestry(pid, procs)]
+
+
+def refuse_if_busy() -> None:
+    """Refuse to start a benchmark while another benchmark or the test suite runs here: they take the cores it
+    measures. COSINE_BENCH_ALLOW_BUSY=1 overrides."""
+    if os.environ.get(ALLOW_BUSY) == "1":
+        return
+    busy = other_runs()
+    if busy:
+        raise MachineBusy("another benchmark or test run is using this machine (set COSINE_BENCH_ALLOW_BUSY=1 to "
+                          "run anyway):\n" + "\n".join(busy))
 
 
 class ServedApp:
