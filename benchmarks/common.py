@@ -115,7 +115,7 @@ def machine_load() -> Iterator[dict]:
         load["end"] = [round(x, 2) for x in os.getloadavg()]
 
 
-def _is_other_run(argv: list[str]) -> bool:
+def is_other_run(argv: list[str]) -> bool:
     """A `cosine bench ...` (or `python -m serve_app.cli bench ...`) or a pytest command line."""
     names = [Path(a).name for a in argv]
     if "pytest" in names or "py.test" in names or ("-m" in argv and "pytest" in argv):
@@ -154,7 +154,7 @@ def other_runs(proc: Path = Path("/proc")) -> list[str]:
     procs, me = _processes(proc), os.getpid()
     ancestors = set(_ancestry(me, procs))
     return [" ".join(argv) for pid, (_, argv) in sorted(procs.items())
-            if _is_other_run(argv) and pid not in ancestors and me not in _ancestry(pid, procs)]
+            if is_other_run(argv) and pid not in ancestors and me not in _ancestry(pid, procs)]
 
 
 def refuse_if_busy() -> None:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from benchmarks.common import ALLOW_BUSY, MachineBusy, machine_load, other_runs, refuse_if_busy
+from benchmarks.common import ALLOW_BUSY, MachineBusy, is_other_run, machine_load, other_runs, refuse_if_busy
 
 
 def test_the_load_is_recorded_at_start_and_end_even_when_the_run_fails():
@@ -60,10 +60,8 @@ def test_its_own_tree_is_not_another_run():
 
 
 def test_a_benchmark_command_line_counts_and_others_do_not():
-    from benchmarks.common import _is_other_run
-
-    assert _is_other_run(["/x/bin/cosine", "bench", "anchors", "--json", "a.json"])
-    assert _is_other_run(["python", "-m", "serve_app.cli", "bench", "engine"])
-    assert _is_other_run(["/x/bin/python", "/x/bin/pytest", "-q"]) and _is_other_run(["python", "-m", "pytest"])
-    assert not _is_other_run(["/x/bin/cosine", "serve", "examples/local.yaml"])
-    assert not _is_other_run(["vim", "tests/test_bench_machine.py"])
+    assert is_other_run(["/x/bin/cosine", "bench", "anchors", "--json", "a.json"])
+    assert is_other_run(["python", "-m", "serve_app.cli", "bench", "engine"])
+    assert is_other_run(["/x/bin/python", "/x/bin/pytest", "-q"]) and is_other_run(["python", "-m", "pytest"])
+    assert not is_other_run(["/x/bin/cosine", "serve", "examples/local.yaml"])
+    assert not is_other_run(["vim", "tests/test_bench_machine.py"])
