@@ -64,17 +64,14 @@ class DrafterServer:
                    runner=spec.runner, kv_cache_bytes=int(spec.kv_cache_gib * 2**30), vocab_limit=vocab_limit)
 
     def capture(self) -> int:
-        """On a GPU, the fast runner's CUDA graphs of every step bucket (chain steps, and the short prefills that
-        score a prompt), on the drafter's thread, before serving; the graphs captured."""
+        """The fast runner's CUDA graphs of every step bucket (chain steps, and the short prefills that score a
+        prompt), on the drafter's thread, before serving (on a CPU, with graphs on, the shapes recorded); the graphs
+        captured."""
         graphs = getattr(self.engine.runner, "graphs", None)
-        if graphs is None or not graphs.cuda:
+        if graphs is None:
             return 0
-
-        def both() -> int:
-            with self.engine.runner.lock:
-                return graphs.capture(hidden_only_last=True) + graphs.capture(hidden_only_last=False)
-
-        return self.executor.submit(both).result()
+        return self.executor.submit(lambda: graphs.capture(hidden_only_last=True) +
+                                    graphs.capture(hidden_only_last=False)).result()
 
     def batch_cost(self, batch: int = 8, context: int = 128) -> LinearLatency:
         """This drafter's step time on its hardware, t(requests in the step) = a + b * requests, measured up to

@@ -7,8 +7,6 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from assembly.drafter_server import DrafterServer
 from config import AppConfig
 from engines.build import check_models, set_thread_torch_threads
@@ -22,10 +20,12 @@ class InProcessDraftingTier:
     so several drafters and the verifier's step can overlap where there are cores for them. An engine is not
     re-entrant: calls to one drafter queue on its lock, as they do on a replica.
 
-    With `pool_drafters` "on" ("auto": on where they run on a GPU), drafters of one shape form a `DrafterPool` (engines/drafter_pool.py) on one thread
-    of its own (their steps and releases in order there): the coordinator's calls to several of them at one depth
-    (`asyncio.gather`ed, so they all arrive before the loop's next turn) are coalesced into one `_PooledCalls`
-    batch, whose chains advance one pooled forward per depth."""
+    With `pool_drafters` "on" ("auto": on where they run on a GPU), drafters of one shape form a `DrafterPool`
+    (engines/drafter_pool.py) on one thread of its own (their steps and releases in order there): the coordinator's
+    calls to several of them at one depth (`asyncio.gather`ed, so they all arrive before the loop's next turn) are
+    coalesced into one `_PooledCalls` batch, whose chains advance one pooled forward per depth. Every drafter's CUDA
+    graphs are captured at startup, a pooled one's (it still steps alone where it alone scores a prompt) once the
+    pool holds its cache."""
 
     def __init__(self, coordinator: SpeculationCoordinator, servers: dict[str, DrafterServer],
                  pool_drafters: str = "auto", pool_padded: bool | None = None):
@@ -43,9 +43,8 @@ class InProcessDraftingTier:
                 if len(names) > 1:
                     pooled = _PooledCalls({n: servers[n] for n in names}, pool_padded)
                     self.pools |= dict.fromkeys(names, pooled)
-        for name, server in servers.items():
-            if name not in self.pools:
-                server.capture()
+        for server in servers.values():  # a pooled one on its pool's thread, on the cache the pool gave it
+            server.capture()
 
     @classmethod
     def from_config(cls, cfg: AppConfig, models: dict | None = None) -> InProcessDraftingTier:
@@ -87,10 +86,8 @@ class _PooledCalls:
         self.servers = servers
         self.pool = DrafterPool([s.engine for s in servers.values()], padded)
         threads = max(s.threads for s in servers.values())
-        # on a GPU the pool's thread issues its work on a stream of its own: it neither waits for the verifier's
-        # work on the default stream nor breaks a capture there
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-pool", initializer=_drafting_thread,
-                                           initargs=(threads, self.pool.device))
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-pool",
+                                           initializer=set_thread_torch_threads, initargs=(threads,))
         for s in servers.values():
             s.executor.shutdown(wait=True)
             s.executor = self.executor
@@ -154,9 +151,3 @@ class _PooledCalls:
                 chains[n][r].extend(chain)
         ms = (time.perf_counter() - t) * 1000
         return {name: DrafterReply(chains.get(name, {}), ms) for name, _ in batch}
-
-
-def _drafting_thread(threads: int, device: torch.device) -> None:
-    set_thread_torch_threads(threads)
-    if device.type == "cuda":
-        torch.cuda.set_stream(torch.cuda.Stream(device))

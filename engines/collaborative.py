@@ -28,6 +28,7 @@ from typing import Literal
 
 import torch
 
+from engines.graphs import VERIFIER
 from engines.interface import StepOutput
 from engines.rules import verify_token
 from engines.runner import LlamaRunner
@@ -96,7 +97,8 @@ class CollaborativeEngine(TorchVerifierEngine):
         if partner.config.vocab_size != self.model.config.vocab_size:
             raise ValueError("collaborative decoding needs one vocabulary: the partner has "
                              f"{partner.config.vocab_size} tokens, the target {self.model.config.vocab_size}")
-        self.partner = LlamaRunner(partner, max_slots=max_batch, max_len=self.max_len)
+        # it steps on the verifier's thread, between the target's steps: the verifier's stream
+        self.partner = LlamaRunner(partner, max_slots=max_batch, max_len=self.max_len, role=VERIFIER)
         self.combination = combination
         self.k = k
         self.alternate = alternate

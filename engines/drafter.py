@@ -66,7 +66,7 @@ class DrafterEngine:
 
     def __init__(self, model, name: str = "drafter", max_requests: int = 64, max_len: int | None = 2048,
                  top_alternatives: int = 4, device: str | None = None, runner: str = "auto", dtype: str = "auto",
-                 kv_cache_bytes: int | None = None, vocab_limit: int | None = None):
+                 kv_cache_bytes: int | None = None, vocab_limit: int | None = None, graphs: bool | None = None):
         """`model`: a causal LM, or its local directory (anything else is refused, saying why). `device`: where to
         load the model ("auto": a GPU if this process has one); None leaves a model object where it is. `dtype`: of
         a model loaded from its directory (`resolve_dtype`: "auto" is bf16 on a GPU, fp32 on a CPU). `runner`:
@@ -74,10 +74,11 @@ class DrafterEngine:
         equal to transformers). `kv_cache_bytes`: a budget for the requests' keys/values; the engine holds
         `max_requests` = min(max_requests, the requests it fits at max_len) (ValueError if none fits; None: no
         budget). `vocab_limit`: propose only token ids below it, the ids the target has (its probabilities are
-        then over those ids; None: every id of the drafter's vocabulary)."""
+        then over those ids; None: every id of the drafter's vocabulary). `graphs`: the fast runner's chain steps at
+        padded shapes, CUDA graphs on a GPU (None: on CUDA; engines/graphs.py)."""
         refuse_unless_causal_lm(model)
         self.model = load_causal_lm(model, device, dtype)
-        self.runner = make_drafter_runner(self.model, max_requests, max_len, runner, kv_cache_bytes)
+        self.runner = make_drafter_runner(self.model, max_requests, max_len, runner, kv_cache_bytes, graphs)
         self.max_requests = self.runner.max_slots
         self.kv_cache_bytes = self.runner.kv_cache_bytes  # the most the requests' keys/values take
         budget = f" (budget {kv_cache_bytes} bytes)" if kv_cache_bytes is not None else ""

@@ -11,17 +11,20 @@ context log-likelihood) are computed on the device and read on the host once per
 The pooled drafters stay `DrafterEngine`s: their requests, pending tokens and caches are theirs, and each can
 still step alone (its own runner, prepacked weights). Their KV caches become views of one stacked cache
 [layers, drafter, slot, kv heads, max_len, head_dim] (one slot more than any runner's: the padding's, `scratch`),
-so that a pooled step reads and writes every drafter's slots with one indexing op per layer. A pooled step gives
-each request what its drafter's own step gives, up to float rounding: tests/test_drafter_pool.py.
+so that a pooled step reads and writes every drafter's slots with one indexing op per layer. A runner re-pointed so
+drops the CUDA graphs it had (they address its old cache, freed then); a pool over engines that already share one
+(a pool before it over the same engines) keeps that cache, and their graphs (tests/test_graphs.py). A pooled step
+gives each request what its drafter's own step gives, up to float rounding: tests/test_drafter_pool.py.
 
 Two ways to step:
 - eager (the CPU default): the drafters with requests at this depth, at the exact shapes of their inputs; the
   last few subsets' stacked weights are kept (`SUBSETS_KEPT`), since routing keeps using the same drafters. A step
   of one drafter runs as that drafter's own step.
-- padded (`padded`, the default on a GPU): every pool drafter at fixed shapes, requests per drafter and new tokens
-  rounded up to buckets, padding rows writing to the scratch slot, attention over the whole cache under a mask: one
-  CUDA graph per (requests, tokens) bucket, all captured by `capture` at startup, so a depth is one replay whatever
-  drafters and requests the round uses. On a CPU the same arithmetic runs directly (how the tests check it).
+- padded (`padded`, the default where the runners step at padded shapes: on a GPU): every pool drafter at fixed
+  shapes, requests per drafter and new tokens rounded up to buckets, padding rows writing to the scratch slot,
+  attention over the whole cache under a mask: one CUDA graph per (requests, tokens) bucket, all captured by
+  `capture` at startup, so a depth is one replay whatever drafters and requests the round uses. On a CPU the same
+  arithmetic runs directly (how the tests check it).
 Prompts (more than `LONG_PENDING` tokens pending: routing's cold start scores every drafter on each new prompt) are
 prefilled together in one eager forward per step, with their context log-likelihoods.
 """
@@ -38,7 +41,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engines.device_work import count
 from engines.drafter import LOGLIK_FLOOR, LONG_PENDING, DrafterEngine
-from engines.graphs import GRAPH_MAX_NEW, CapturedGraphs, bucket, buckets
+from engines.graphs import GRAPH_MAX_NEW, CapturedGraphs, bucket, buckets, on_stream
 from engines.interface import Proposal
 from engines.runner import LlamaRunner
 
@@ -110,10 +113,38 @@ def _proposal(row: list[float], top: int, loglik: float | None = None) -> Propos
     return Proposal(int(row[0]), row[1], [int(t) for t in row[2:2 + top]], row[2 + top:2 + 2 * top], loglik)
 
 
+def _pooled_cache(runners: list[LlamaRunner]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One cache for all [layers, drafter, slot, ...], one slot more (the padding's): each runner's keys/values
+    copied there and the runner re-pointed to its drafter's view of it (`LlamaRunner.use_cache`, dropping the CUDA
+    graphs that addressed the old cache)."""
+    r0, n = runners[0], len(runners)
+    k = torch.cat([torch.stack([r.k for r in runners], dim=1),
+                   torch.zeros_like(r0.k[:, None, :1]).expand(-1, n, -1, -1, -1, -1)], dim=2).contiguous()
+    v = torch.cat([torch.stack([r.v for r in runners], dim=1),
+                   torch.zeros_like(r0.v[:, None, :1]).expand(-1, n, -1, -1, -1, -1)], dim=2).contiguous()
+    slots = r0.k.shape[1]
+    for i, r in enumerate(runners):
+        r.use_cache(k[:, i, :slots], v[:, i, :slots])
+    return k, v
+
+
+def _shared_cache(runners: list[LlamaRunner]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The cache the runners already share as pool drafters 0..n-1 in this order (a pool before this one over the
+    same engines: benchmarks keep engines across loops), so that they are not re-pointed and keep their CUDA
+    graphs; None if they do not."""
+    k, v = runners[0].k._base, runners[0].v._base
+    slots = runners[0].k.shape[1]
+    if k is None or v is None or k.dim() != 6 or k.shape[1:3] != (len(runners), slots + 1):
+        return None
+    same = all(r.k._base is k and r.v._base is v and r.k.data_ptr() == k[:, i, :slots].data_ptr()
+               and r.v.data_ptr() == v[:, i, :slots].data_ptr() for i, r in enumerate(runners))
+    return (k, v) if same else None
+
+
 class DrafterPool:
     """Same-shape `DrafterEngine`s (`pool_shape` equal; ValueError otherwise) stepping together. Not re-entrant,
     and the engines must not step alone while a pooled step runs: one thread drives them all. `padded`: chain steps
-    at bucketed fixed shapes over every drafter (None: on a GPU, where they replay CUDA graphs)."""
+    at bucketed fixed shapes over every drafter (None: where the runners step so, on a GPU: CUDA graph replays)."""
 
     def __init__(self, engines: list[DrafterEngine], padded: bool | None = None):
         shapes = {pool_shape(e) for e in engines}
@@ -133,22 +164,17 @@ class DrafterPool:
         self.vocab, self.device, self.w0, self.max_len = r0.vocab_size, r0.device, r0.w, r0.max_len
         self.eps = engines[0].model.config.rms_norm_eps
         self.vocab_limit, self.top = engines[0].vocab_limit, engines[0].top_alternatives
-        # one cache for all, one slot more (the padding's): each runner's keys/values become its drafter's view of
-        # it (contents kept)
+        self.stream = r0.stream  # the drafters' (engines/graphs.py): their caches are touched on it only
         slots = r0.k.shape[1]
         self.scratch = slots
-        self.k = torch.cat([torch.stack([r.k for r in runners], dim=1), torch.zeros_like(r0.k[:, None, :1]).expand(
-            -1, len(runners), -1, -1, -1, -1)], dim=2).contiguous()
-        self.v = torch.cat([torch.stack([r.v for r in runners], dim=1), torch.zeros_like(r0.v[:, None, :1]).expand(
-            -1, len(runners), -1, -1, -1, -1)], dim=2).contiguous()
-        for i, r in enumerate(runners):
-            r.k, r.v = self.k[:, i, :slots], self.v[:, i, :slots]
-        self.embed = torch.cat([r.w.embed_tokens.weight.detach() for r in runners])  # [drafters * vocab, hidden]
+        with on_stream(self.stream):
+            self.k, self.v = _shared_cache(runners) or _pooled_cache(runners)
+            self.embed = torch.cat([r.w.embed_tokens.weight.detach() for r in runners])  # [drafters * vocab, hidden]
+            self.padded = r0.graphs is not None if padded is None else padded
+            self.all = _Stacked([r.w for r in runners]) if self.padded else None
         self.subsets: OrderedDict[tuple[int, ...], _Stacked] = OrderedDict()
-        self.padded = self.device.type == "cuda" if padded is None else padded
-        self.all = _Stacked([r.w for r in runners]) if self.padded else None
         self.max_rows = max(r.max_slots for r in runners)
-        self.graphs = CapturedGraphs(self.device) if self.padded else None
+        self.graphs = CapturedGraphs(self.device, self.stream) if self.padded else None
         self.forward_passes = 0
         self.forward_seconds = 0.0
 
@@ -174,18 +200,19 @@ class DrafterPool:
             engine = self.engines[name]
             for r in group:
                 (long if len(engine.states[r].pending) > LONG_PENDING else short).setdefault(name, []).append(r)
-        for groups in (long, short):
-            if not groups:
-                continue
-            if groups is short and self.padded and not any(
-                    n in want_loglik and any(len(self.engines[n].states[r].pending) > 1 for r in g)
-                    for n, g in groups.items()):
-                self._padded_step(groups, out)
-            elif len(groups) == 1 and sum(map(len, groups.values())) == 1 or (groups is short and len(groups) == 1):
-                (name, group), = groups.items()
-                out[name] |= self.engines[name].step(group, want_loglik=name in want_loglik)
-            else:
-                self._pooled(groups, want_loglik, out)
+        with on_stream(self.stream):  # the pooled forwards (a drafter stepping alone enters it itself)
+            for groups in (long, short):
+                if not groups:
+                    continue
+                if groups is short and self.padded and not any(
+                        n in want_loglik and any(len(self.engines[n].states[r].pending) > 1 for r in g)
+                        for n, g in groups.items()):
+                    self._padded_step(groups, out)
+                elif len(groups) == 1 and sum(map(len, groups.values())) == 1 or (groups is short and len(groups) == 1):
+                    (name, group), = groups.items()
+                    out[name] |= self.engines[name].step(group, want_loglik=name in want_loglik)
+                else:
+                    self._pooled(groups, want_loglik, out)
         return out
 
     def draft(self, rids: dict[str, list[str]], k: dict[str, dict[str, int]]) -> dict[str, dict[str, list[Proposal]]]:
@@ -290,9 +317,9 @@ class DrafterPool:
         self.forward_seconds += time.perf_counter() - t_start
 
     def capture(self) -> int:
-        """Capture the padded step's CUDA graph of every (requests, tokens) bucket a round can meet (none on a CPU):
-        steps after it never capture. Returns the graphs captured."""
-        if not (self.padded and self.graphs.cuda):
+        """Capture the padded step's CUDA graph of every (requests, tokens) bucket a round can meet (on a CPU: record
+        them): steps after it never capture. Returns the graphs captured."""
+        if not self.padded:
             return 0
         before = len(self.graphs.graphs)
         for b in buckets(self.max_rows):

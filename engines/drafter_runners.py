@@ -47,13 +47,14 @@ def refuse_unless_causal_lm(model_or_path) -> None:
 
 
 def make_drafter_runner(model, max_slots: int, max_len: int | None, runner: str = "auto",
-                        kv_cache_bytes: int | None = None) -> DrafterRunner:
+                        kv_cache_bytes: int | None = None, graphs: bool | None = None) -> DrafterRunner:
     """The runner for a loaded drafter `model`, holding up to `max_slots` requests of up to `max_len` tokens.
 
     `runner`: "auto" (the fast runner where `fast_runner_refusal` has nothing against the model, e.g. a Llama,
     Mistral, Qwen2 or Qwen3; transformers' forward otherwise), "fast" (ValueError, naming the model_type and why,
     where it cannot) or "transformers". `kv_cache_bytes`: a budget for the requests' keys/values; the slots become
-    min(max_slots, the requests it holds at max_len), and ValueError if it holds none (None: `max_slots`)."""
+    min(max_slots, the requests it holds at max_len), and ValueError if it holds none (None: `max_slots`).
+    `graphs`: the fast runner's steps at padded shapes, CUDA graphs on a GPU (`LlamaRunner`; None: on CUDA)."""
     refuse_unless_causal_lm(model)
     if runner not in RUNNERS:
         raise ValueError(f"runner {runner!r}: one of {', '.join(RUNNERS)}")
@@ -63,7 +64,7 @@ def make_drafter_runner(model, max_slots: int, max_len: int | None, runner: str 
     fast = runner == "fast" or (runner == "auto" and refusal is None)
     if kv_cache_bytes is not None:
         max_slots = slots_within(model, max_slots, max_len, kv_cache_bytes, fast)
-    return LlamaRunner(model, max_slots=max_slots, max_len=max_len) if fast else \
+    return LlamaRunner(model, max_slots=max_slots, max_len=max_len, graphs=graphs) if fast else \
         TransformersRunner(model, max_slots=max_slots, max_len=max_len)
 
 

@@ -20,7 +20,6 @@ verification rules and samplers run (one copy per step, which the `.tolist()`s d
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engines.device_work import count
-from engines.graphs import DEVICE_LOCK, GRAPH_MAX_NEW, StepGraphs
+from engines.graphs import DRAFTERS, GRAPH_MAX_NEW, StepGraphs, join_stream, on_stream, role_stream
 from engines.interface import CacheFull
 from engines.weights import LlamaWeights
 
@@ -106,11 +105,12 @@ def fast_runner_refusal(config, max_len: int | None) -> str | None:
 class LlamaRunner:
     pads_prompts = True  # prompts of different lengths go in one forward, padded (DrafterEngine prefills them so)
     def __init__(self, model, max_slots: int = 16, max_len: int | None = None, prepack: bool = True,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, role: str = DRAFTERS):
         """`model`: a causal LM of an architecture in `FAST_MODEL_TYPES` (ValueError otherwise, or where
         `fast_runner_refusal` finds it would differ from transformers). `graphs`: run chain steps of up to
         `GRAPH_MAX_NEW` new tokens per request at bucketed, padded shapes, replayed from CUDA graphs on a GPU (None:
-        on for a model on CUDA; engines/graphs.py)."""
+        on for a model on CUDA; engines/graphs.py). `role`: whose stream its device work goes to on a GPU (the
+        verifier's or the drafters', engines/graphs.py)."""
         cfg = model.config
         refusal = fast_runner_refusal(cfg, max_len)
         if refusal:
@@ -124,20 +124,30 @@ class LlamaRunner:
         self.vocab_size = cfg.vocab_size
         self.max_len = resolve_max_len(cfg, max_len)
         self.max_slots = max_slots
-        self.w = LlamaWeights(model, prepack, self.max_len)
         dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+        self.stream = role_stream(self.device, role)
+        join_stream(self.stream)  # after the model's upload
         use_graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.graphs = StepGraphs(self) if use_graphs else None
-        self.lock = DEVICE_LOCK if self.graphs is not None and self.graphs.cuda else contextlib.nullcontext()
         # with graphs one more slot, never a request's: padded steps write their padding's keys/values there
         self.scratch = max_slots
         shape = (self.n_layers, max_slots + (1 if use_graphs else 0), self.n_kv, self.max_len, self.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        with on_stream(self.stream):
+            self.w = LlamaWeights(model, prepack, self.max_len)
+            self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.graphs = StepGraphs(self) if use_graphs else None
         self.kv_cache_bytes = 2 * self.k.numel() * self.k.element_size()
         self.requests: dict[str, _Slot] = {}
         self.forward_seconds = 0.0  # time spent in forward passes (benchmarks split it from orchestration)
+
+    def use_cache(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the keys/values in `k`, `v` from now on (a drafter pool's views, engines/drafter_pool.py; the caller
+        copied them there). The CUDA graphs captured so far address the old cache, which goes now: they are dropped,
+        and the shapes captured again (at startup, or on first use)."""
+        self.k, self.v = k, v
+        if self.graphs is not None:
+            self.graphs = StepGraphs(self)
 
     # ------------------------------------------------------------------ request bookkeeping
     def add(self, rid: str) -> None:
@@ -156,7 +166,7 @@ class LlamaRunner:
         if gone.slot != last:
             mover = next(s for s in self.requests.values() if s.slot == last)
             n = mover.length + mover.pending  # written but not yet committed tokens move too
-            with self.lock:
+            with on_stream(self.stream):
                 self.k[:, gone.slot, :, :n] = self.k[:, last, :, :n]
                 self.v[:, gone.slot, :, :n] = self.v[:, last, :, :n]
             mover.slot = gone.slot
@@ -193,7 +203,7 @@ class LlamaRunner:
         if max(s.length + len(x) for s, x in zip(slots, inputs)) > self.max_len:
             raise CacheFull(f"context would exceed {self.max_len} tokens")
         chains = parents is None or all(p == chain_parents(len(p)) for p in parents)
-        with self.lock:
+        with on_stream(self.stream):
             if self.graphs is not None and chains and max(map(len, inputs)) <= GRAPH_MAX_NEW:
                 logits = self.graphs.step([s.slot for s in slots], [s.length for s in slots], inputs,
                                           hidden_only_last)
@@ -337,7 +347,7 @@ class LlamaRunner:
         """Keep the keys/values of new tokens at indices `keep` (a root-to-node path, in order)."""
         s = self.requests[rid]
         if keep != list(range(len(keep))):  # a tree path: move the kept nodes next to the prefix
-            with self.lock:
+            with on_stream(self.stream):
                 src = torch.tensor(keep, device=self.device) + s.length
                 dst = torch.arange(len(keep), device=self.device) + s.length
                 self.k[:, s.slot, :, dst] = self.k[:, s.slot, :, src]

@@ -16,7 +16,6 @@ Logits come back to the host, as from `LlamaRunner`.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from engines.device_work import count
-from engines.graphs import DEVICE_LOCK
+from engines.graphs import DRAFTERS, join_stream, on_stream, role_stream
 from engines.interface import CacheFull
 from engines.runner import kv_bytes_per_token, resolve_max_len
 
@@ -49,8 +48,8 @@ class TransformersRunner:
         self.max_slots = max_slots
         param = next(model.parameters())
         self.device = param.device
-        # on a GPU, device work waits for other threads' CUDA graph captures, as the fast runner's does (graphs.py)
-        self.lock = DEVICE_LOCK if self.device.type == "cuda" else contextlib.nullcontext()
+        self.stream = role_stream(self.device, DRAFTERS)  # a drafter's device work, as the fast runner's (graphs.py)
+        join_stream(self.stream)  # after the model's upload
         # caches grow as requests do (DynamicCache), up to this when every slot is full
         self.kv_cache_bytes = max_slots * self.max_len * kv_bytes_per_token(self.config, param.dtype)
         self.requests: dict[str, _Request] = {}
@@ -104,7 +103,7 @@ class TransformersRunner:
             self._crop(r)
             groups.setdefault((r.length, len(x)), []).append(i)
         out: list[torch.Tensor] = [None] * len(rids)
-        with self.lock:
+        with on_stream(self.stream):
             for idx in groups.values():
                 for i, logits in zip(idx, self._group_step([reqs[i] for i in idx], [inputs[i] for i in idx],
                                                            hidden_only_last)):

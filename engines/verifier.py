@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from engines.draft_tree import Draft
+from engines.graphs import VERIFIER
 from engines.interface import EngineRequest, StepOutput, check_prompt
 from engines.rules import verify_greedy, verify_sampling
 from engines.runner import LlamaRunner, tree_depths
@@ -71,12 +72,14 @@ class TorchVerifierEngine:
 
     def __init__(self, model, max_batch: int = 16, max_len: int | None = 2048, tokenizer=None,
                  eos_token_ids: tuple[int, ...] | None = None, max_draft_tokens: int = 64, device: str | None = None,
-                 trees: bool = True, dtype: str = "auto"):
+                 trees: bool = True, dtype: str = "auto", graphs: bool | None = None):
+        """`graphs`: chain steps at bucketed shapes, CUDA graphs on a GPU (None: on CUDA; `LlamaRunner`)."""
         self.model = load_causal_lm(model, device, dtype)
-        self.runner = LlamaRunner(self.model, max_slots=max_batch, max_len=max_len)
-        if self.runner.graphs is not None:  # every verify step's bucket captured now, none while serving
-            with self.runner.lock:
-                self.runner.graphs.capture(hidden_only_last=False)
+        self.runner = LlamaRunner(self.model, max_slots=max_batch, max_len=max_len, graphs=graphs, role=VERIFIER)
+        if self.runner.graphs is not None:  # every bucket captured now, none while serving: verify steps (every
+            # position's logits) and prefills of up to GRAPH_MAX_NEW tokens (the last one's)
+            for hidden_only_last in (False, True):
+                self.runner.graphs.capture(hidden_only_last)
         self.device = self.runner.device.type
         self.tokenizer = tokenizer
         eos = eos_token_ids if eos_token_ids is not None else self.model.generation_config.eos_token_id
