@@ -10,6 +10,11 @@ drafter), at concurrency 1 and 8, and the workload's text statistics (vLLM targe
 per output, share of 4-grams repeating an earlier one), so a speed-up is read beside the text it was measured on.
 A sampled run's `draft_model` cell says so where vLLM's samples fail the distribution test (benchmarks/sampled.py).
 The second is `cosine bench engine`'s: our loop in process against HF assisted generation at batch 1.
+
+Noise is gated, not explained: a column whose baseline (the figure a ratio divides by) spread more than
+SPREAD_LIMIT (max / min over its repeats) is not rendered (`NoisyBaseline`: re-run it on a quiet machine), and
+every ratio carries its range over the repeats: ours' slowest over the baseline's fastest to ours' fastest over the
+baseline's slowest (the JSON keeps each row's min and max, not which repeats they came from).
 """
 
 from __future__ import annotations
@@ -27,6 +32,25 @@ DRAFT_MODEL = "vLLM draft_model, "
 DRAFTERS = {"vLLM draft_model, domain drafter": "domain drafter", "vLLM draft_model, generic drafter": "generic drafter"}
 ENGINE_OURS, ENGINE_BASE = "ours: chain, domain drafter, k=4", "HF assisted generation (same packed kernels)"
 WORKLOAD = "Workload: distinct tokens per output, repeated 4-gram share (medians of vLLM target-only's outputs)"
+SPREAD_LIMIT = 1.15
+
+
+class NoisyBaseline(ValueError):
+    pass
+
+
+def spread(row: dict) -> float:
+    """A row's tokens/s max / min over its repeats."""
+    return row["tokens_per_s_max"] / row["tokens_per_s_min"]
+
+
+def refuse_noisy(column: str, baselines: list[dict]) -> None:
+    noisy = [f"{r.get('system') or r['method']} at {r.get('concurrency') or r.get('batch')}: "
+             f"{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f} tok/s, spread {spread(r):.2f}"
+             for r in baselines if spread(r) > SPREAD_LIMIT]
+    if noisy:
+        raise NoisyBaseline(f"{column}: baselines spread over {SPREAD_LIMIT} (re-run on a quiet machine): "
+                            + "; ".join(noisy))
 
 
 def best_draft_model(anchors: dict, concurrency: int) -> dict:
@@ -42,13 +66,19 @@ def run_label(run: dict) -> str:
     return f"k = {run['config']['k']}, {how}"
 
 
-def _tps(result: dict, key: str, name: str, at: int) -> float:
+def _row(result: dict, key: str, name: str, at: int) -> dict:
     [r] = [r for r in result["rows"] if r[key] == name and r["concurrency" if key == "system" else "batch"] == at]
-    return r["tokens_per_s"]
+    return r
 
 
-def _ratio(ours: float, base: float, note: str = "") -> str:
-    return f"{ours / base:.2f}x ({ours:.1f} / {base:.1f} tok/s{note})"
+def repeat_range(ours: dict, base: dict) -> str:
+    return f"{ours['tokens_per_s_min'] / base['tokens_per_s_max']:.2f}-" \
+           f"{ours['tokens_per_s_max'] / base['tokens_per_s_min']:.2f}x"
+
+
+def _ratio(ours: dict, base: dict, note: str = "") -> str:
+    o, b = ours["tokens_per_s"], base["tokens_per_s"]
+    return f"{o / b:.2f}x ({o:.1f} / {b:.1f} tok/s{note}; repeats {repeat_range(ours, base)})"
 
 
 def _workload(run: dict) -> str:
@@ -59,16 +89,19 @@ def _workload(run: dict) -> str:
 
 
 def anchors_table(runs: list[dict]) -> list[str]:
+    for r in runs:
+        refuse_noisy(run_label(r), [row for c in (1, 8)
+                                    for row in (_row(r, "system", TARGET_ONLY, c), best_draft_model(r, c))])
     lines = ["| result | " + " | ".join(run_label(r) for r in runs) + " |", "|---" * (len(runs) + 1) + "|"]
     for c in (1, 8):
         served = "ours served (Ray Serve, HTTP)" if c == 1 else "ours served"
-        cells = [_ratio(_tps(r, "system", SERVED, c), _tps(r, "system", TARGET_ONLY, c)) for r in runs]
+        cells = [_ratio(_row(r, "system", SERVED, c), _row(r, "system", TARGET_ONLY, c)) for r in runs]
         lines.append(f"| [Concurrency {c}: {served} / vLLM target-only]({ANCHORS_LINK}) | " + " | ".join(cells) + " |")
         cells = []
         for r in runs:
             best = best_draft_model(r, c)
             wrong = best.get("distribution_p") is not None and best["distribution_p"] < P_FLOOR
-            cells.append(_ratio(_tps(r, "system", SERVED, c), best["tokens_per_s"], f", {DRAFTERS[best['system']]}"
+            cells.append(_ratio(_row(r, "system", SERVED, c), best, f", {DRAFTERS[best['system']]}"
                                 + ("; its samples fail the distribution test" if wrong else "")))
         lines.append(f"| [Concurrency {c}: ours served / vLLM's fastest `draft_model`]({ANCHORS_LINK}) | "
                      + " | ".join(cells) + " |")
@@ -77,11 +110,13 @@ def anchors_table(runs: list[dict]) -> list[str]:
 
 
 def engine_table(engine: dict) -> list[str]:
-    ours, base = _tps(engine, "method", ENGINE_OURS, 1), _tps(engine, "method", ENGINE_BASE, 1)
+    ours, base = _row(engine, "method", ENGINE_OURS, 1), _row(engine, "method", ENGINE_BASE, 1)
+    refuse_noisy("cosine bench engine", [base])
+    o, b = ours["tokens_per_s"], base["tokens_per_s"]
     return ["| result | ours | baseline | ours / baseline |", "|---|---|---|---|",
             f"| [In process, batch 1: our loop (torch engine, a chain from the prompt's domain drafter) against HF "
-            f"assisted generation with the same pair and kernels]({ENGINE_LINK}) | {ours:.1f} tok/s | {base:.1f} tok/s "
-            f"| {ours / base:.2f}x |"]
+            f"assisted generation with the same pair and kernels]({ENGINE_LINK}) | {o:.1f} tok/s | {b:.1f} tok/s "
+            f"| {o / b:.2f}x (repeats {repeat_range(ours, base)}) |"]
 
 
 def tables(anchors: list[dict], engine: dict) -> str:
@@ -91,4 +126,8 @@ def tables(anchors: list[dict], engine: dict) -> str:
 
 if __name__ == "__main__":
     *anchors_paths, engine_path = sys.argv[1:]
-    print(tables([json.loads(Path(p).read_text()) for p in anchors_paths], json.loads(Path(engine_path).read_text())))
+    try:
+        print(tables([json.loads(Path(p).read_text()) for p in anchors_paths],
+                     json.loads(Path(engine_path).read_text())))
+    except NoisyBaseline as e:
+        sys.exit(f"not rendered: {e}")
