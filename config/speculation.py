@@ -211,6 +211,11 @@ class SpeculationSpec(Strict):
         "graph replay per depth; off: each drafter steps on its own; auto: on where the drafters run on a GPU, off "
         "on a CPU, where the pooled step measured 0.88-0.89x the separate steps' tokens/s at batch 1 and 8 on 2 "
         "cores (bench_results/drafter-pool.json)")
+    colocated_overlap: Literal["auto", "on", "off"] = Field(
+        "auto", description="drafters in the verifier's process (`cosine generate`, benchmarks; assembly/loop.py): "
+        "on: drafting overlaps verification, the loop verifying one half of the batch while the other half drafts "
+        "(the drafters' host work and kernels while the target's kernels run); off: the two take turns; auto: on "
+        "where the verifier runs on a GPU, off on a CPU, where drafters and verifier share the same cores")
     record_trace: str | None = Field(None, description="a JSON-lines file (absolute path on the verifier's node) "
                                      "the verify loop appends to: every finished request's prompt and output, "
                                      "every verify step's and drafting round's timing, each request's draft depth "

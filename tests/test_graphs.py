@@ -1,6 +1,7 @@
-"""CUDA graphs' bookkeeping and the device work's lock, on the CPU (engines/graphs.py): what a GPU would capture at
-startup covers every shape a round meets; a runner whose cache a drafter pool re-points drops the graphs that
-addressed the old one; steps never wait for a capture."""
+"""What a GPU run's device work rests on, checked on the CPU: CUDA graphs' bookkeeping and the lock (engines/graphs.py)
+and the overlap of colocated drafting with verification (assembly/loop.py). What a GPU would capture at startup
+covers every shape a round meets; a runner whose cache a drafter pool re-points drops the graphs that addressed the
+old one; steps never wait for a capture; drafting overlaps verification where the verifier runs on a GPU."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from assembly.loop import build_loop, generate_all
+from assembly.loop import build_loop, colocated_overlap, generate_all
 from config import AppConfig
 from engines.device_work import WORK, warmed_up
 from engines.drafter import DrafterEngine
@@ -135,3 +136,19 @@ def test_steps_and_cache_moves_never_wait_for_a_capture(target):
         t.join(timeout=120)
         assert not t.is_alive()
     assert runner.length("b") == 4 and runner.requests["b"].slot == 0
+
+
+def test_colocated_drafting_overlaps_verification_where_the_verifier_runs_on_a_gpu(target, drafter_models):
+    """`speculation.colocated_overlap`: auto overlaps on a GPU (the target's kernels while the drafters' host work
+    runs), not on a CPU (the same cores); on and off as set. The loop built in process takes it from the config and
+    the verifier's device."""
+    assert colocated_overlap("auto", "cuda") and colocated_overlap("auto", "cuda:1")
+    assert not colocated_overlap("auto", "cpu")
+    assert colocated_overlap("on", "cpu") and not colocated_overlap("off", "cuda")
+    verifier = TorchVerifierEngine(target, max_batch=2, max_len=MAX_LEN)
+    engines = {n: DrafterEngine(m, name=n, max_requests=2, max_len=MAX_LEN) for n, m in drafter_models.items()}
+    for setting, overlaps in (("auto", False), ("on", True), ("off", False)):
+        cfg = AppConfig(verifier={"model": "target", "max_batch": 2, "max_len": MAX_LEN},
+                        drafters=[{"name": n, "model": n, "max_len": MAX_LEN, "max_requests": 2} for n in NAMES],
+                        speculation={"colocated_overlap": setting})
+        assert build_loop(cfg, verifier, engines).drafting_overlaps_verification is overlaps
