@@ -12,6 +12,7 @@ speed-up a system with free drafting and no overhead would reach with the measur
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -50,7 +51,8 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         prompt_len: int = 64, include_hf: bool = True, repeats: int = 3, device: str = "cpu", log=print,
         only: list[str] | None = None, pool: tuple[str, ...] = ("auto",), target_scale: tuple[int, int] | None = None,
         dtype: str = "float32", on_repeat: Callable[[dict], None] | None = None,
-        sampling: Sampling = Sampling(), slow_factor: float = 5.0) -> dict:
+        sampling: Sampling = Sampling(), slow_factor: float = 5.0, overlap: tuple[str, ...] = ("auto",),
+        draft_timeout_ms: float | None = None) -> dict:
     """Every method at every batch size, warmed up, then `repeats` times round-robin; the median run counts.
     `device`: where every model runs ("cuda" on a GPU). `only`: the methods whose names contain one of these
     (target-only always runs: it is the reference; "HF" selects HF assisted generation). `pool`: the
@@ -58,11 +60,13 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
     setting in the method's name). `target_scale` (factor, layers): the trained target widened and deepened to
     that on the device instead of the bench target (model_family/bench_target.py `realistic_target`; HF assisted
     generation is left out then). `dtype`: every model's weights. `on_repeat`: given the result so far after every
-    repeat but the last (its `config.repeats_done` says how many). `sampling`: every method at these settings
-    (benchmarks/sampled.py), each prompt with its own seed, the same in every method. `slow_factor`: the methods
-    with drafting slowed on purpose make every round this many recent verify steps longer."""
+    repeat (its `config.repeats_done` says how many), so that a run cut off keeps what it measured. `sampling`: every
+    method at these settings (benchmarks/sampled.py), each prompt with its own seed, the same in every method.
+    `slow_factor`: the methods with drafting slowed on purpose make every round this many recent verify steps
+    longer. `overlap`: the `speculation.colocated_overlap` settings to run each of ours with, as `pool`.
+    `draft_timeout_ms`: the verifier's wait for a round's drafts, fixed (None: the config's default, as shipped)."""
     bench = _Bench(models_dir, per_domain, new_tokens, k, prompt_len, device, dtype, target_scale, pool, sampling,
-                   slow_factor, log)
+                   slow_factor, log, overlap, draft_timeout_ms)
     plan = bench.plan(batches, only, include_hf and not target_scale)
     for i, (method, batch, fn) in enumerate(plan):
         log(f"[warm-up] [{i + 1}/{len(plan)}] batch {batch}: {method}")
@@ -75,7 +79,7 @@ def run(models_dir: Path, per_domain: int = 2, new_tokens: int = 128, k: int = 4
         for i, (method, batch, fn) in enumerate(plan):
             log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(plan)}] batch {batch}: {method}")
             runs.setdefault((method, batch), []).append(fn(batch, False))
-        if on_repeat and rep + 1 < repeats:  # what is measured so far, should the run be cut off
+        if on_repeat:  # what is measured so far, should the run be cut off
             on_repeat(_summary(runs, plan, bench.outputs, batches, config | {"repeats_done": rep + 1}, bench.sampled))
     costs = bench.step_costs(batches)
     result = _summary(runs, plan, bench.outputs, batches, config, bench.sampled) | {"step_costs_ms": costs}
@@ -91,9 +95,10 @@ class _Bench:
 
     def __init__(self, models_dir: Path, per_domain: int, new_tokens: int, k: int, prompt_len: int, device: str,
                  dtype: str, target_scale: tuple[int, int] | None, pool: tuple[str, ...], sampling: Sampling,
-                 slow_factor: float, log):
+                 slow_factor: float, log, overlap: tuple[str, ...], draft_timeout_ms: float | None):
         self.models_dir, self.new_tokens, self.k, self.prompt_len = models_dir, new_tokens, k, prompt_len
-        self.device, self.torch_dtype, self.pool = device, getattr(torch, dtype), pool
+        self.device, self.torch_dtype, self.pool, self.overlap = device, getattr(torch, dtype), pool, overlap
+        self.draft_timeout_ms = draft_timeout_ms
         self.sampling, self.slow_factor = sampling, slow_factor
         tok = AutoTokenizer.from_pretrained(models_dir / "tokenizer")
         if target_scale:
@@ -131,9 +136,10 @@ class _Bench:
             self.kept_engines[key] = make()
         return self.kept_engines[key]
 
-    def row_name(self, m: Method, pool_drafters: str) -> str:
-        """The method's row: its pool setting named where several are compared."""
-        return m.name if len(self.pool) == 1 or m.mode == "off" else f"{m.name} [pool {pool_drafters}]"
+    def row_name(self, m: Method, pool_drafters: str, overlap: str) -> str:
+        """The method's row: its overlap and pool settings named where several are compared."""
+        tags = [f"overlap {overlap}"] * (len(self.overlap) > 1) + [f"pool {pool_drafters}"] * (len(self.pool) > 1)
+        return m.name + "".join(f" [{t}]" for t in tags if m.mode != "off")
 
     def plan(self, batches, only: list[str] | None, include_hf: bool) -> list[tuple[str, int, Callable]]:
         """(row name, batch size, fn(batch, warmup) -> Row) of every row measured: the methods `only` selects at
@@ -143,9 +149,10 @@ class _Bench:
             for m in methods(self.k):
                 if only and m.mode != "off" and not any(o in m.name for o in only):
                     continue
-                for p in self.pool if m.mode != "off" else self.pool[:1]:
-                    plan.append((self.row_name(m, p), batch,
-                                 lambda b, w, m=m, p=p: self.ours(m, b, warmup=w, pool_drafters=p)))
+                settings = (self.pool, self.overlap) if m.mode != "off" else (self.pool[:1], self.overlap[:1])
+                for p, o in itertools.product(*settings):
+                    plan.append((self.row_name(m, p, o), batch,
+                                 lambda b, w, m=m, p=p, o=o: self.ours(m, b, warmup=w, pool_drafters=p, overlap=o)))
             if include_hf and batch == 1 and (not only or any(o in "HF assisted generation" for o in only)):
                 # CPU: HF with our packed kernels too, for a like-for-like ratio
                 if packing_available(next(self.target.parameters())):
@@ -153,7 +160,7 @@ class _Bench:
                 plan.append(("HF assisted generation (stock kernels)", 1, lambda b, w: self.hf(False, w)))
         return plan
 
-    def config(self, m: Method, batch: int, pool_drafters: str) -> AppConfig:
+    def config(self, m: Method, batch: int, pool_drafters: str, overlap: str) -> AppConfig:
         """The method as the configuration of one `VerifyLoop`."""
         max_len = self.max_len
         return AppConfig(verifier={"model": str(self.bench_dir), "max_batch": batch, "max_len": max_len},
@@ -162,18 +169,19 @@ class _Bench:
                          + [{**d, "max_len": max_len, "max_requests": 2 * batch} for d in self.levels if m.levels],
                          speculation={"mode": m.mode, "k": 2 * self.k if m.adaptive else self.k,
                                       "tree_budget": 2 * self.k, "lockstep": m.lockstep, "adaptive": m.adaptive,
-                                      "draft_timeout_ms": 600_000, "vote": {"per_request": m.vote_per_request},
-                                      "pool_drafters": pool_drafters},
+                                      "vote": {"per_request": m.vote_per_request}, "pool_drafters": pool_drafters,
+                                      "colocated_overlap": overlap}
+                         | ({"draft_timeout_ms": self.draft_timeout_ms} if self.draft_timeout_ms else {}),
                          routing={"drafters_per_request": 1 if m.chain_choice else 2 if m.drafters is None
                                   else max(1, len(m.drafters("code"))),
                                   "chain_choice": "latency" if m.chain_choice else "score"})
 
-    def loop(self, m: Method, batch: int, pool_drafters: str, name: str, verifier):
+    def loop(self, m: Method, batch: int, pool_drafters: str, overlap: str, name: str, verifier):
         """The method's `VerifyLoop` on `verifier` and the kept drafter engines: its drafting slowed or the controller
         blind to what rounds cost where the method says, the goodput controller seeded with fitted step costs."""
         engines = {n: self.kept((n, batch), lambda n=n: DrafterEngine(self.drafters[n], name=n, max_requests=2 * batch,
                                                                       max_len=self.max_len)) for n in self.names}
-        loop = build_loop(self.config(m, batch, pool_drafters), verifier, {**self.drafters, **engines})
+        loop = build_loop(self.config(m, batch, pool_drafters, overlap), verifier, {**self.drafters, **engines})
         if m.slowed:
             loop.drafting = SlowedDrafting(loop.drafting, 0.2, self.slow_factor, loop.stats)
             # the guard keeps what it learnt across the method's runs (warm-up included), as a running server does
@@ -187,15 +195,15 @@ class _Bench:
             loop.controller.verify, loop.controller.draft = self.seeds[batch]
         return loop
 
-    def ours(self, m: Method, batch: int, warmup: bool, pool_drafters: str) -> Row:
+    def ours(self, m: Method, batch: int, warmup: bool, pool_drafters: str, overlap: str) -> Row:
         """All prompts through one `VerifyLoop` (continuous batching up to `batch`)."""
-        name = self.row_name(m, pool_drafters)
+        name = self.row_name(m, pool_drafters, overlap)
         trees = "best chain" not in m.name
         verifier = self.kept(("verifier", batch, trees),
                              lambda: TorchVerifierEngine(self.target, max_batch=batch, max_len=self.max_len,
                                                          trees=trees))
         passes, seconds = verifier.forward_passes, verifier.runner.forward_seconds
-        loop = self.loop(m, batch, pool_drafters, name, verifier)
+        loop = self.loop(m, batch, pool_drafters, overlap, name, verifier)
         overrides = [SpeculationOverrides(drafters=m.drafters(d)) if m.drafters else None for d, _ in self.prompts]
         todo = [p for _, p in self.prompts]
         if warmup and self.device == "cpu":  # on a GPU every prompt: the run's step shapes get their graphs captured
@@ -227,7 +235,7 @@ class _Bench:
     def settings(self, repeats: int, dtype: str, target_scale: tuple[int, int] | None) -> dict:
         """The result's `config`: what was run, on what."""
         return {"new_tokens": self.new_tokens, "k": self.k, "prompts": len(self.prompts), "prompt_len": self.prompt_len,
-                "threads": torch.get_num_threads(), "repeats": repeats,
+                "threads": torch.get_num_threads(), "repeats": repeats, "draft_timeout_ms": self.draft_timeout_ms,
                 "device": torch.cuda.get_device_name() if self.device.startswith("cuda") else "cpu",
                 "prepacked_cpu_linears": packing_available(next(self.target.parameters())), "dtype": dtype,
                 "target": {"params": self.target_params, "layers": self.target.config.num_hidden_layers,
@@ -412,7 +420,8 @@ def main(args) -> int:
 
     result = run(models_dir(), per_domain=args.per_domain, new_tokens=args.new_tokens, k=args.k,
                  batches=tuple(args.batches), include_hf=not args.no_hf, repeats=args.repeats, device=args.device,
-                 only=args.methods, pool=tuple(args.pool),
+                 only=args.methods, pool=tuple(args.pool), overlap=tuple(args.overlap),
+                 draft_timeout_ms=args.draft_timeout_ms,
                  target_scale=tuple(args.target_scale) if args.target_scale else None, dtype=args.dtype,
                  slow_factor=args.slow_drafting,
                  on_repeat=lambda partial: save_json(partial, args.json), sampling=Sampling.from_args(args))

@@ -53,6 +53,11 @@ def _engine(bsub) -> None:
     e.add_argument("--pool", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                    help="speculation.pool_drafters for our methods (auto, the default: on a GPU, off on a CPU); on "
                    "and off: side by side, with the pool's ratio per batch")
+    e.add_argument("--overlap", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+                   help="speculation.colocated_overlap for our methods (auto, the default: drafting overlaps "
+                   "verification on a GPU, not on a CPU); several: side by side")
+    e.add_argument("--draft-timeout-ms", type=float, help="the verifier's wait for a round's drafts, fixed "
+                   "(speculation.draft_timeout_ms); default: the config's, relative to the verify step, as shipped")
     e.add_argument("--target-scale", type=int, nargs=2, metavar=("FACTOR", "LAYERS"), help="instead of the bench "
                    "target, the trained target widened FACTOR times and deepened to LAYERS (identity layers), built "
                    "on the device: a target of realistic cost on a GPU (16 16: 7.3B parameters); no HF rows then")
