@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import dataclass
 
 from assembly.drafting_tier import InProcessDraftingTier
@@ -28,7 +29,16 @@ def build_loop(cfg: AppConfig, engine: VerifierEngine | None = None,
     tier = InProcessDraftingTier.from_config(cfg, drafter_models) if cfg.speculation.mode != "off" else None
     loop = VerifyLoop(engine if engine is not None else build_verifier_engine(cfg), cfg, tier)
     loop.drafting_overlaps_verification = colocated_overlap(cfg.speculation.colocated_overlap, loop.engine.device)
+    freeze_startup_heap()
     return loop
+
+
+def freeze_startup_heap() -> None:
+    """Once models and engines are loaded: everything alive now moved out of the garbage collector's reach, so that
+    its collections while serving walk only what serving allocates (vLLM's engine core does the same at its own
+    startup, before our drafters and deployment exist)."""
+    gc.collect()
+    gc.freeze()
 
 
 def colocated_overlap(setting: str, verifier_device: str) -> bool:

@@ -70,7 +70,7 @@ def _vllm_worker(spec: dict, max_batch: int):
 
     def run(prompts, concurrency, max_tokens, domains, sampling):
         before, drafting_before = dict(counters.totals), dict(drafting)
-        todo, live, done, starts, ids = list(enumerate(prompts)), {}, {}, {}, 0
+        todo, live, done, starts, arrivals, ids = list(enumerate(prompts)), {}, {}, {}, {}, 0
         t0 = time.perf_counter()
         steps = 0
         while todo or live:
@@ -84,15 +84,19 @@ def _vllm_worker(spec: dict, max_batch: int):
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
                 live[rid], starts[rid] = [], time.perf_counter()
             steps += 1
-            for o in engine.step():
+            outs, now = engine.step(), time.perf_counter()
+            for o in outs:
                 live[o.request_id] += o.outputs[0].token_ids
+                if o.outputs[0].token_ids:
+                    arrivals.setdefault(o.request_id, []).append(now)
                 if o.finished:
                     i = int(o.request_id.split("-")[1])
-                    done[i] = (live.pop(o.request_id), time.perf_counter() - starts[o.request_id])
+                    done[i] = (live.pop(o.request_id), now - starts[o.request_id],
+                               latencies(starts[o.request_id], arrivals.pop(o.request_id, [])))
         wall = time.perf_counter() - t0
         spec_stats = {k: counters.totals[k] - before[k] for k in counters.totals}
         return {"outputs": [done[i][0] for i in range(len(prompts))], "seconds": [done[i][1] for i in range(len(prompts))],
-                "wall": wall, "drafts": spec_stats["num_drafts"],
+                "latency": [done[i][2] for i in range(len(prompts))], "wall": wall, "drafts": spec_stats["num_drafts"],
                 "accepted": spec_stats["num_accepted_tokens"], "steps": None,
                 "draft_tokens": spec_stats["num_draft_tokens"],
                 "draft_s": drafting["seconds"] - drafting_before["seconds"],
@@ -121,11 +125,13 @@ def _ours_worker(spec: dict, max_batch: int):
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=sampling["temperature"],
                                     top_p=sampling["top_p"], seed=_seed(sampling, i))
             async with sem:
-                t, ids, usage = time.perf_counter(), [], {}
+                t, ids, usage, arrivals = time.perf_counter(), [], {}, []
                 async for chunk in loop.generate(p, params):
                     ids += chunk.token_ids
                     usage = chunk.usage or usage
-                return ids, time.perf_counter() - t, usage
+                    if chunk.token_ids:
+                        arrivals.append(time.perf_counter())
+                return ids, time.perf_counter() - t, usage, latencies(t, arrivals)
 
         t0 = time.perf_counter()
         res = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
@@ -136,7 +142,8 @@ def _ours_worker(spec: dict, max_batch: int):
     def run(prompts, concurrency, max_tokens, domains, sampling):
         rounds, draft_s = coordinator.stats["rounds"], coordinator.stats["step_seconds"]
         res, wall = aio.run_until_complete(go(prompts, concurrency, max_tokens, sampling))
-        return {"outputs": [r[0] for r in res], "seconds": [r[1] for r in res], "wall": wall,
+        return {"outputs": [r[0] for r in res], "seconds": [r[1] for r in res], "latency": [r[3] for r in res],
+                "wall": wall,
                 "drafts": sum(r[2].get("num_drafts", 0) for r in res),
                 "accepted": sum(r[2].get("num_accepted_tokens", 0) for r in res),
                 "steps": sum(r[2].get("verify_steps", 0) for r in res),
@@ -183,6 +190,108 @@ def _hf_worker(spec: dict, max_batch: int):
     return run
 
 
+def latencies(start: float, arrivals: list[float]) -> dict:
+    """A request's time to first token and the intervals between its later token arrivals (seconds)."""
+    return {"ttft_s": arrivals[0] - start if arrivals else None,
+            "itl_s": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+
+
+def step_intervals(arrivals: dict[str, list[float]], first_decode: float) -> list[float]:
+    """Every request's intervals between consecutive token arrivals, from the first arrival after the last
+    prefill (`first_decode`) on."""
+    out = []
+    for times in arrivals.values():
+        t = [x for x in times if x >= first_decode]
+        out += [b - a for a, b in zip(t, t[1:])]
+    return out
+
+
+def _breakdown_engine(spec: dict):
+    """Plain vLLM, or vLLM built as our verifier builds it, stepped by a bare loop of `engine.step()`."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    from engines import vllm_hooks
+    from model_family.paths import model_path
+
+    path = str(model_path("bench-target"))
+    if spec["system"] == "hooks":
+        engine, _, _ = vllm_hooks.build_engine(path, max_batch=spec["max_batch"], max_len=spec["max_len"], k=4)
+    else:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        args = vllm_hooks.engine_args(path, spec["max_batch"], spec["max_len"])
+        engine = LLMEngine.from_engine_args(EngineArgs(**args))
+    ids = iter(range(10**9))
+
+    def run(prompts, max_tokens, sampling):
+        arrivals: dict[str, list[float]] = {}
+        for i, p in enumerate(prompts):
+            rid = f"r{next(ids)}"
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=p), SamplingParams(
+                max_tokens=max_tokens, temperature=sampling["temperature"], top_p=sampling["top_p"],
+                seed=sampling["seed"] + i, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA))
+            arrivals[rid] = []
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                if o.outputs and o.outputs[0].token_ids:
+                    arrivals[o.request_id].append(now)
+        return arrivals
+
+    return run
+
+
+def _breakdown_loop(spec: dict):
+    """Our verify loop over our vLLM engine: speculation off by configuration, or held off by the guard."""
+    import yaml
+
+    from assembly.loop import build_loop
+    from config import AppConfig
+    from engines.sampling import SamplingParams
+
+    args = yaml.safe_load(Path(spec["config"]).read_text())["applications"][0]["args"]
+    args["verifier"].update(engine="vllm", max_batch=spec["max_batch"], max_len=spec["max_len"], kv_cache_gib=2)
+    if spec["system"] == "off":
+        args["speculation"]["mode"] = "off"
+    loop = build_loop(AppConfig.model_validate(args))
+    if spec["system"] == "guard_off":  # the guard's verdict, as a run of sampled text leaves it: off, for long
+        loop.planner.guard.off_left = 10**9
+    aio = asyncio.new_event_loop()
+
+    async def go(prompts, max_tokens, sampling):
+        arrivals: dict[str, list[float]] = {}
+
+        async def one(i, p):
+            times = arrivals.setdefault(str(i), [])
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=sampling["temperature"],
+                                    top_p=sampling["top_p"], seed=sampling["seed"] + i)
+            async for chunk in loop.generate(p, params):
+                if chunk.token_ids:
+                    times.append(time.perf_counter())
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return arrivals
+
+    return lambda prompts, max_tokens, sampling: aio.run_until_complete(go(prompts, max_tokens, sampling))
+
+
+def _breakdown_worker(spec: dict, max_batch: int):
+    """`cosine bench breakdown`'s systems (benchmarks/breakdown.py): a function of one request -> its step intervals."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    run = (_breakdown_engine if spec["system"] in ("vllm", "hooks") else _breakdown_loop)(spec)
+
+    def measure(prompts, concurrency, max_tokens, domains, sampling):
+        arrivals = run(prompts, max_tokens, sampling)
+        # the last prefill's step: the latest first token; steps after it decode every request
+        first_decode = max(t[0] for t in arrivals.values())
+        return {"intervals": step_intervals(arrivals, first_decode)}
+
+    return measure
+
+
 def _seed(sampling: dict, i: int) -> int | None:
     """Request `i`'s seed (None when greedy)."""
     return sampling["seeds"][i] if sampling.get("seeds") else None
@@ -191,7 +300,8 @@ def _seed(sampling: dict, i: int) -> int | None:
 def worker_main(spec_json: str) -> int:
     """A benchmark worker: builds one system, then answers one JSON request per stdin line."""
     spec = json.loads(spec_json)
-    run = {"vllm": _vllm_worker, "ours": _ours_worker, "hf": _hf_worker}[spec["kind"]](spec, spec["max_batch"])
+    run = {"vllm": _vllm_worker, "ours": _ours_worker, "hf": _hf_worker,
+           "breakdown": _breakdown_worker}[spec["kind"]](spec, spec["max_batch"])
     print("READY", flush=True)
     for line in sys.stdin:
         req = json.loads(line)

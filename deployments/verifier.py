@@ -5,6 +5,7 @@ speculation/tiers.py picks) and Prometheus metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -19,7 +20,9 @@ from engines.build import build_verifier_engine, cpu_threads
 from engines.device_work import WORK, DeviceWork, warmed_up
 from engines.sampling import SamplingParams
 from assembly.drafting_tier import InProcessDraftingTier
-from speculation.loop import LoopStats, VerifyLoop
+from assembly.loop import freeze_startup_heap
+from speculation.loop import VerifyLoop
+from speculation.loop_stats import LoopStats
 from speculation.messages import Draft, DraftRequest, SpeculationOverrides, TokenChunk
 from speculation.signals import VERIFIER_RETIRED, IntervalMeter, verifier_signals
 from speculation.tiers import VERIFIER_REMOTE, AutoDraftingTier, resolve
@@ -41,6 +44,50 @@ class HandleDraftingTier:
 
     async def stats(self) -> dict:
         return await self.handle.stats.remote()
+
+
+class MetricBuffer:
+    """Ray metrics recorded in process and published on a timer: a Ray metric call costs the loop's thread a trip
+    into Ray's core worker, and the loop made several per step and per request; here a step adds to dicts, and
+    every `PUBLISH_S` (a timer on the loop's event loop, started by the first record) each counter gets one call
+    with its sum, each gauge its last value, and each histogram its observations. Ray's agent exports every few
+    seconds anyway, so Prometheus sees the same series."""
+
+    PUBLISH_S = 1.0
+
+    def __init__(self):
+        self.counts: dict[tuple, float] = {}
+        self.gauges: dict[tuple, float] = {}
+        self.observed: dict[tuple, list[float]] = {}
+        self._timer = None
+
+    def inc(self, metric, n: float = 1, tags: dict | None = None) -> None:
+        key = (metric, tuple(tags.items()) if tags else ())
+        self.counts[key] = self.counts.get(key, 0) + n
+        self._arm()
+
+    def set(self, metric, value: float, tags: dict | None = None) -> None:
+        self.gauges[(metric, tuple(tags.items()) if tags else ())] = value
+        self._arm()
+
+    def observe(self, metric, value: float) -> None:
+        self.observed.setdefault((metric, ()), []).append(value)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.PUBLISH_S, self.publish)
+
+    def publish(self) -> None:
+        counts, gauges, observed = self.counts, self.gauges, self.observed
+        self.counts, self.gauges, self.observed, self._timer = {}, {}, {}, None
+        for (metric, tags), n in counts.items():
+            metric.inc(n, tags=dict(tags) or None)
+        for (metric, tags), value in gauges.items():
+            metric.set(value, tags=dict(tags) or None)
+        for (metric, _), values in observed.items():
+            for v in values:
+                metric.observe(v)
 
 
 class PrometheusStats(LoopStats):
@@ -78,14 +125,15 @@ class PrometheusStats(LoopStats):
                                            "results read on the host: syncs on a GPU)", tag_keys=("what",))
         self.captures = metrics.Gauge("cosine_graph_captures_after_warmup", "CUDA graph captures after startup "
                                       "in this replica's process (0 when every step shape was captured at start)")
+        self.out = MetricBuffer()
         self.step_ends: deque = deque(maxlen=32)  # (end time, tokens committed) of recent steps
         self.meter = IntervalMeter()  # for the autoscaler (record_autoscaling_stats)
 
     def planned(self, ks: list[int], predicted_goodput: float | None) -> None:
         for k in ks:
-            self.draft_length.observe(k)
+            self.out.observe(self.draft_length, k)
         if predicted_goodput:
-            self.goodput.set(predicted_goodput, tags={"source": "predicted"})
+            self.out.set(self.goodput, predicted_goodput, tags={"source": "predicted"})
         self.meter.add("rounds", len(ks))
         self.meter.add("speculated", sum(1 for k in ks if k > 0))
         self.meter.add("k", sum(ks))
@@ -97,46 +145,46 @@ class PrometheusStats(LoopStats):
     def draft_round(self, seconds: float | None) -> None:
         super().draft_round(seconds)
         if seconds is None:
-            self.fallbacks.inc()
+            self.out.inc(self.fallbacks)
         else:
-            self.draft_ms.observe(seconds * 1000)
+            self.out.observe(self.draft_ms, seconds * 1000)
 
     def verify_step(self, seconds: float, drafts: dict, outs: list, in_flight: int) -> None:
         super().verify_step(seconds, drafts, outs, in_flight)
-        self.verify_ms.observe(seconds * 1000)
-        self.steps.inc()
-        self.in_flight.set(in_flight)
+        self.out.observe(self.verify_ms, seconds * 1000)
+        self.out.inc(self.steps)
+        self.out.set(self.in_flight, in_flight)
         generated = sum(len(o.new_token_ids) for o in outs)
         if generated:
-            self.generated.inc(generated)
+            self.out.inc(self.generated, generated)
         self.step_ends.append((time.perf_counter(), generated))
         if len(self.step_ends) > 1:
             span = self.step_ends[-1][0] - self.step_ends[0][0]
-            self.goodput.set(sum(n for _, n in list(self.step_ends)[1:]) / max(span, 1e-9),
-                             tags={"source": "measured"})
+            self.out.set(self.goodput, sum(n for _, n in list(self.step_ends)[1:]) / max(span, 1e-9),
+                         tags={"source": "measured"})
 
     def device_round(self, depth: int, work: DeviceWork) -> None:
         super().device_round(depth, work)
         for what, n in (("draft_depths", depth), ("drafter_forwards", work.drafter_forwards),
                         ("draft_host_reads", work.host_reads)):
             if n:
-                self.device_work.inc(n, tags={"what": what})
+                self.out.inc(self.device_work, n, tags={"what": what})
 
     def device_step(self, work: DeviceWork) -> None:
         super().device_step(work)
         if work.host_reads:
-            self.device_work.inc(work.host_reads, tags={"what": "verify_host_reads"})
-        self.captures.set(WORK.captures_after_warmup)
+            self.out.inc(self.device_work, work.host_reads, tags={"what": "verify_host_reads"})
+        self.out.set(self.captures, WORK.captures_after_warmup)
 
     def drafter_round(self, name: str, drafted: int, accepted: int) -> None:
         super().drafter_round(name, drafted, accepted)
         tags = {"drafter": name}
-        self.drafted.inc(drafted, tags=tags)
-        self.drafts.inc(tags=tags)
+        self.out.inc(self.drafted, drafted, tags=tags)
+        self.out.inc(self.drafts, tags=tags)
         if accepted:
-            self.accepted.inc(accepted, tags=tags)
+            self.out.inc(self.accepted, accepted, tags=tags)
         q = self.recent_accepted[name]
-        self.mal.set(sum(q) / len(q), tags=tags)
+        self.out.set(self.mal, sum(q) / len(q), tags=tags)
 
 
 @serve.deployment(name="Verifier")
@@ -168,6 +216,7 @@ class VerifierDeployment:
             self.tiers.attach(self.loop)
         self.placement_checked = not plan.remote
         warmed_up()  # engines and drafters captured their graphs above: a capture from now on is counted
+        freeze_startup_heap()
         self.retired = metrics.Gauge("cosine_domain_drafters_retired", "1 while the verifier drafts every round on "
                                      "the generalist so that the autoscaler may take the domain drafters' replicas")
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -144,6 +145,9 @@ class VerifierEngine(Protocol):
     running: Mapping[str, object]  # the requests admitted and not finished, by id
     last_step_tokens: int  # tokens the last verify forward fed, and its seconds: the goodput model's inputs
     last_verify_seconds: float
+    # the thread `step` must run on, where the engine has one (vLLM's CPU worker steps on the thread that built it):
+    # the loop submits `step` to it directly; None: the loop runs `step` on a thread of its own
+    step_executor: Executor | None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> str:
         """Queue a request. ValueError when it cannot be served (a prompt too long, a setting the engine does

@@ -69,6 +69,7 @@ def load_causal_lm(model_or_path, device: str | None = None, dtype: str = "auto"
 class TorchVerifierEngine:
     partial_steps = True  # a step may advance part of the pool (the loop's pipeline halves)
     drafts_itself = False  # drafts come from the loop (CollaborativeEngine's partner drafts inside the engine)
+    step_executor = None  # steps on any thread (the loop's verify thread)
 
     def __init__(self, model, max_batch: int = 16, max_len: int | None = 2048, tokenizer=None,
                  eos_token_ids: tuple[int, ...] | None = None, max_draft_tokens: int = 64, device: str | None = None,

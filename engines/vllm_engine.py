@@ -11,6 +11,7 @@ sampler's, which only this engine has.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ class VllmVerifierEngine:
         # kernels check that the thread running them has as many (a step on another thread fails): the engine is
         # built, stepped and shut down on one thread of its own.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
+        self._engine_thread = self._thread.submit(threading.current_thread).result()
         if tokenizer is not None:  # the target's tokenizer (config `tokenizer`), for vLLM's structured outputs
             engine_kwargs.setdefault("tokenizer", tokenizer.name_or_path)
         self.engine, self.scheduler, self.vllm_counters = self._thread.submit(
@@ -90,8 +92,16 @@ class VllmVerifierEngine:
     def admit(self) -> None:
         """vLLM admits waiting requests inside its own step."""
 
+    @property
+    def step_executor(self) -> ThreadPoolExecutor:
+        """The engine's own thread: the loop submits `step` there directly (no hop through a thread of its own)."""
+        return self._thread
+
     def step(self, drafts: dict[str, Draft | None] | None = None, only: set[str] | None = None) -> list[StepOutput]:
-        """One vLLM engine step over the whole batch (`only` is ignored: see `partial_steps`)."""
+        """One vLLM engine step over the whole batch (`only` is ignored: see `partial_steps`); from any thread but
+        the engine's own, it waits for that thread to run it."""
+        if threading.current_thread() is self._engine_thread:
+            return self._step(drafts or {})
         return self._thread.submit(self._step, drafts or {}).result()
 
     def shutdown(self) -> None:
@@ -105,12 +115,10 @@ class VllmVerifierEngine:
     def _step(self, drafts: dict[str, Draft | None]) -> list[StepOutput]:
         chains = {rid: self.chain_of(d) for rid, d in drafts.items()
                   if d is not None and len(d) and rid in self.requests}
-        # every request's draft is ours, an empty one where it has none this step: once a request of the batch nears
-        # the context end (where vLLM's own proposer would not fit), vLLM drafts k zeros for every request, and these
-        # were verified for the requests without a draft of ours (drafted, with no chain: the step failed)
+        # the scheduler hook clears vLLM's own placeholder drafts of the requests without one of ours
         self.scheduler.external_drafts = {
-            rid: vllm_hooks.ExternalDraft(len(r.prompt) + len(r.generated), chains[rid].tokens if rid in chains else [])
-            for rid, r in self.requests.items()}
+            rid: vllm_hooks.ExternalDraft(len(self.requests[rid].prompt) + len(self.requests[rid].generated), c.tokens)
+            for rid, c in chains.items()}
         t = time.perf_counter()
         outs = self.engine.step()
         self.last_verify_seconds = time.perf_counter() - t

@@ -78,11 +78,14 @@ class ExternalDraftScheduler(Scheduler):
         drafts, self.external_drafts = self.external_drafts, {}
         spec = self.vllm_config.speculative_config
         k = spec.num_speculative_tokens if spec is not None else 0
-        for req in self.running if k and drafts else ():
-            draft = drafts.get(our_id(req))
+        for req in self.running if k else ():
+            draft = drafts.get(our_id(req)) if drafts else None
             # A draft continues exactly the request's current tokens, and only a decoding request (everything but
-            # its last sampled token in the KV cache) can take one.
+            # its last sampled token in the KV cache) can take one. A request without one verifies nothing: near
+            # the context end (where its own proposer would not fit) vLLM drafts k zeros for every request.
             if draft is None or draft.context_len != req.num_tokens or req.num_computed_tokens != req.num_tokens - 1:
+                if req.spec_token_ids:
+                    req.spec_token_ids = []
                 continue
             # More than k tokens crash vLLM's spec-decode metrics; none may run past max_tokens or the context.
             room = min(k, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)

@@ -19,7 +19,6 @@ import contextvars
 import itertools
 import logging
 import time
-from collections import Counter, deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,12 +28,14 @@ import torch
 
 from config import AppConfig
 from engines.build import set_thread_torch_threads
-from engines.device_work import WORK, DeviceWork
+from engines.device_work import WORK
 from engines.interface import VerifierEngine
 from engines.sampling import SamplingParams
 from speculation.messages import Draft, DraftRequest, Participation, SpeculationOverrides, TokenChunk
+from speculation.plain_steps import PlainSteps
 from speculation.planner import DraftPlanner, draft_timeout_s
 from speculation.stepping import StepGrouping, carried
+from speculation.loop_stats import LoopStats
 from speculation.trace import TraceRecorder
 
 logger = logging.getLogger(__name__)
@@ -60,100 +61,6 @@ class _Request:
     drafted: bool = False  # past its first round (which scores the prompt, so is not priced)
 
 
-class LoopStats:
-    """Recent timings of the loop (what `speculation_stats` reports); the service's exporter adds Prometheus."""
-
-    def __init__(self):
-        self.draft_failures = 0
-        self.draft_seconds: deque = deque(maxlen=128)
-        self.verify_seconds: deque = deque(maxlen=128)
-        self.wait_seconds: deque = deque(maxlen=128)  # per step: how long the verifier waited for its drafts
-        self.step_intervals: deque = deque(maxlen=128)  # per step: from one verify's end to the next one's start
-        self.recent_accepted: dict[str, deque] = {}  # drafter -> accepted length (bonus included) per draft
-        self.totals = {"steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0,  # since start, for benchmarks
-                       "drafted_ahead": 0, "ahead_used": 0,
-                       "requests_aborted": 0,  # cancelled (a client hanging up) or failed before finishing
-                       # device work in this process (engines/device_work.py): drafting rounds, their depths,
-                       # the drafter forwards and host reads they cost, and the verify steps' host reads
-                       "draft_rounds": 0, "draft_depths": 0, "drafter_forwards": 0, "draft_host_reads": 0,
-                       "verify_host_reads": 0}
-        # since start, vLLM's speculative-decoding counters (the ingress exports them under vLLM's names)
-        self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                            "num_accepted_tokens_per_pos": []}
-
-    def draft_round(self, seconds: float | None) -> None:
-        if seconds is None:
-            self.draft_failures += 1
-        else:
-            self.draft_seconds.append(seconds)
-
-    def verify_step(self, seconds: float, drafts: dict[str, Draft], outs: list, in_flight: int) -> None:
-        self.verify_seconds.append(seconds)
-        self.totals["steps"] += 1
-        self.totals["verify_s"] += seconds
-        spec, per_pos = self.spec_decode, self.spec_decode["num_accepted_tokens_per_pos"]
-        for o in outs:
-            if o.num_draft_tokens:
-                spec["num_drafts"] += 1
-                spec["num_draft_tokens"] += o.num_draft_tokens
-                spec["num_accepted_tokens"] += o.num_accepted_tokens
-                per_pos.extend([0] * (o.num_draft_tokens - len(per_pos)))
-                for i in range(o.num_accepted_tokens):
-                    per_pos[i] += 1
-        for o in outs:
-            d = drafts.get(o.request_id)
-            if d is None or not d.drafters:
-                continue
-            for name, n in Counter(x for x in d.drafters if x).items():
-                acc = sum(1 for a in o.accepted_drafters if a == name)
-                self.drafter_round(name, n, acc)
-
-    def device_round(self, depth: int, work: DeviceWork) -> None:
-        """A drafting round `depth` deep cost `work` on this process's devices."""
-        self.totals["draft_rounds"] += 1
-        self.totals["draft_depths"] += depth
-        self.totals["drafter_forwards"] += work.drafter_forwards
-        self.totals["draft_host_reads"] += work.host_reads
-
-    def device_step(self, work: DeviceWork) -> None:
-        """A verify step cost `work` on this process's devices."""
-        self.totals["verify_host_reads"] += work.host_reads
-
-    def device_summary(self) -> dict:
-        """Per drafting round and depth, what drafting cost the devices; graph captures after warm-up (must be 0)."""
-        t = self.totals
-        return {"drafter_forwards_per_depth": t["drafter_forwards"] / t["draft_depths"] if t["draft_depths"] else None,
-                "host_reads_per_round": t["draft_host_reads"] / t["draft_rounds"] if t["draft_rounds"] else None,
-                "host_reads_per_verify_step": t["verify_host_reads"] / t["steps"] if t["steps"] else None,
-                "graph_captures_after_warmup": WORK.captures_after_warmup}
-
-    def ahead_round(self, drafted: int, used: int) -> None:
-        """Drafts made ahead during a step, and how many still extended their context after it."""
-        self.totals["drafted_ahead"] += drafted
-        self.totals["ahead_used"] += used
-
-    def draft_wait(self, seconds: float) -> None:
-        self.wait_seconds.append(seconds)
-        self.totals["draft_wait_s"] += seconds
-
-    def planned(self, ks: list[int], predicted_goodput: float | None) -> None:
-        """The draft lengths chosen this round for the requests that may speculate (0: not this round), and the
-        tokens per second the controller expects of its choice."""
-
-    def drafter_round(self, name: str, drafted: int, accepted: int) -> None:
-        self.recent_accepted.setdefault(name, deque(maxlen=200)).append(1 + accepted)
-
-    def summary(self) -> dict:
-        def mean_ms(q: deque) -> float:
-            return 1000 * sum(q) / max(1, len(q))
-
-        return {**self.device_summary(), "verify_steps": len(self.verify_seconds), "draft_fallbacks": self.draft_failures,
-                "verify_ms_recent": mean_ms(self.verify_seconds), "draft_round_ms_recent": mean_ms(self.draft_seconds),
-                "draft_wait_ms_recent": mean_ms(self.wait_seconds),
-                "between_steps_ms_recent": mean_ms(self.step_intervals),
-                "requests_aborted": self.totals["requests_aborted"]}
-
-
 class VerifyLoop:
     def __init__(self, engine: VerifierEngine, cfg: AppConfig, drafting: DraftingTier | None,
                  stats: LoopStats | None = None):
@@ -166,6 +73,7 @@ class VerifyLoop:
         self.trace = TraceRecorder(cfg.speculation.record_trace) if cfg.speculation.record_trace else None
         self.drafting_overlaps_verification = True  # False where drafters share this CPU (set by the deployment)
         self.grouping = StepGrouping(engine.partial_steps)
+        self.plain = PlainSteps(self)
         # verify steps run on a thread of their own with the torch threads of the thread that built the loop (the
         # deployment's count). OpenMP counts are per thread, and a thread started after an in-process drafter's
         # thread set its count (1) starts with that one: asyncio.to_thread's workers verified on one core of two
@@ -370,6 +278,11 @@ class VerifyLoop:
             t = time.perf_counter()
             # the step's wall time (for the hill climber) runs from the last step's end, or from now after idling
             since = t if last_end is None else last_end
+            if ahead is None and not pending and self.plain.applies():  # no request may draft: the engine's step
+                if last_end is not None:
+                    self.stats.step_intervals.append(t - last_end)
+                last_end = await self.plain.step(since)
+                continue
             members = self.grouping.members(self.engine.running, self.drafting is not None,
                                             self.drafting_overlaps_verification, self._speculating)
             if self.grouping.pipelined:
@@ -393,16 +306,10 @@ class VerifyLoop:
             ahead = self._draft_ahead(drafts)
             work = WORK.snapshot()
             try:
-                outs = await asyncio.get_running_loop().run_in_executor(self._verify_thread, self.engine.step,
-                                                                        drafts, set(members))
+                outs = await self.plain.submit(drafts, set(members))
             except Exception as e:  # noqa: BLE001 - an engine failure fails the requests in it, not the loop
                 logger.exception("verify step failed")
-                for rid in members:
-                    self.engine.abort(rid)
-                    req = self.requests.pop(rid, None)
-                    if req:
-                        req.queue.put_nowait(RuntimeError(f"verification failed: {e}"))
-                self._release(members)
+                self.fail(members, e)
                 continue
             last_end = time.perf_counter()
             self.stats.device_step(WORK.since(work))
@@ -421,16 +328,31 @@ class VerifyLoop:
             if nxt:  # this half's next drafts are produced while the other half is verified
                 pending[turn] = asyncio.get_running_loop().create_task(self._drafts(nxt))
 
+    def fail(self, rids: list[str], error: Exception) -> None:
+        """A verify step over `rids` failed: they fail with it (aborted everywhere), the loop goes on."""
+        for rid in rids:
+            self.engine.abort(rid)
+            req = self.requests.pop(rid, None)
+            if req:
+                req.queue.put_nowait(RuntimeError(f"verification failed: {error}"))
+        self._release(rids)
+
     def _dispatch(self, outs, wall_s: float) -> None:
-        """A verify step's outputs to their requests, and to the planner with the step's wall time `wall_s`."""
+        """A verify step's outputs to the planner with the step's wall time `wall_s`, then to their requests."""
         self.planner.observe_step(self.engine.last_step_tokens, self.engine.last_verify_seconds, wall_s)
-        finished = []
         for o in outs:
             req = self.requests.get(o.request_id)
             self.planner.observe_acceptance(o.request_id, o.draft_depth, o.num_accepted_tokens,
                                             req.participation if req else None)
             if self.trace:
                 self.trace.verified(o.request_id, o.draft_depth, o.num_accepted_tokens)
+        self.deliver(outs)
+
+    def deliver(self, outs) -> None:
+        """A verify step's outputs to their requests' queues; finished requests released."""
+        finished = []
+        for o in outs:
+            req = self.requests.get(o.request_id)
             chunk = TokenChunk(o.new_token_ids, o.finished, o.finish_reason, o.num_draft_tokens,
                                o.num_accepted_tokens, o.accepted_drafters, logprobs=o.logprobs,
                                prompt_logprobs=o.prompt_logprobs)

@@ -123,6 +123,40 @@ def test_drafting_ahead_is_lossless_and_carries_drafts_over(engine, drafter_mode
     _assert_nothing_left(engine)
 
 
+def test_plain_steps_and_speculative_steps_alternate_losslessly(engine, drafter_models, prompts, reference):
+    """Steps where no request may draft are the engine's own step (speculation/plain_steps.py): the guard holding
+    speculation off for a few steps, then trying it again, mid-request, with a request that never speculates
+    beside ones that do; outputs stay the target's, both kinds of step run, vLLM verifies our drafts after."""
+    from speculation.messages import SpeculationOverrides
+
+    loop = build_loop(_cfg(), engine, drafter_models)
+    guard = loop.planner.guard
+    observe = guard.observe
+
+    def flip(*args):  # every 10 steps, the guard switches speculation off for 5
+        observe(*args)
+        if loop.stats.totals["steps"] % 10 == 5:
+            guard.off_left = 5
+    guard.observe = flip
+    before = dict(engine.vllm_counters.totals)
+    overrides = [SpeculationOverrides(enabled=i != 0) for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
+
+    async def run():
+        try:
+            return await generate_all(loop, prompts, params, overrides)
+        finally:
+            await loop.stop()
+
+    out = asyncio.run(run())
+    assert [o.token_ids for o in out] == reference
+    assert out[0].stats["num_drafts"] == 0  # the request that never speculates
+    assert loop.plain.steps >= 5
+    assert loop.stats.totals["steps"] > loop.plain.steps  # speculative steps too
+    assert engine.vllm_counters.totals["num_accepted_tokens"] > before["num_accepted_tokens"]
+    _assert_nothing_left(engine)
+
+
 def test_stops_are_ours_and_free_vllm_requests(engine, drafter_models, prompts, reference):
     """A stop token ends the request where the target would, and vLLM (which ignores it) lets it go."""
     stops = [ref[5] for ref in reference[:6]]

@@ -38,6 +38,7 @@ def add_parser(sub) -> None:
     _rounds(bsub)
     _load(bsub)
     _soak(bsub)
+    _breakdown(bsub)
 
 
 def _engine(bsub) -> None:
@@ -112,6 +113,8 @@ def _anchors(bsub) -> None:
     an.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP.format("system"))
     an.add_argument("--no-served", action="store_true", help="skip ours through Ray Serve")
     an.add_argument("--k", type=int, default=4, help="draft tokens per step for every method (ours: the maximum)")
+    an.add_argument("--systems", nargs="+", choices=["draft-generic", "draft-domain", "ngram", "hf", "ours", "served"],
+                    help="run only these beside vLLM target-only (default: every system)")
     an.add_argument("--port", type=int, default=8011, help="loopback port of the served graph (and port + 1 for "
                                                            "its dashboard)")
     add_sampling_arguments(an)
@@ -164,3 +167,20 @@ def _soak(bsub) -> None:
     sk.add_argument("--port", type=int, default=8041, help="HTTP port of the graph (+1: its dashboard)")
     sk.add_argument("--json", default="bench_results/soak.json")
     sk.set_defaults(func=_runs("soak"))
+
+
+def _breakdown(bsub) -> None:
+    bd = bsub.add_parser("breakdown", help="what our machinery adds to a vLLM step with speculation off: plain vLLM, "
+                         "vLLM with our hooks, our loop, served against `vllm serve`, ms per step side by side")
+    bd.add_argument("--config", default="examples/bench.yaml", help="our configuration (the guard-off and served rows)")
+    bd.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    bd.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 2000])
+    bd.add_argument("--new-tokens", type=int, default=40, help="per request (prompt + new tokens + 8 must fit the bench target's 2,048 positions)")
+    bd.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP.format("cell"))
+    bd.add_argument("--served", action="store_true", help="also ours through Ray Serve against `vllm serve`")
+    bd.add_argument("--port", type=int, default=8021, help="loopback port of the served graph (port + 1: its "
+                                                           "dashboard, port + 2: vllm serve)")
+    bd.add_argument("--temperature", type=float, default=0.7)
+    bd.add_argument("--top-p", type=float, default=0.95)
+    bd.add_argument("--json", default="bench_results/breakdown.json")
+    bd.set_defaults(func=_runs("breakdown"))

@@ -1,0 +1,226 @@
+"""`cosine bench breakdown`: what our machinery adds to a vLLM step, layer by layer, side by side in one run.
+
+Speculation off is the case it measures: there a user of ours must get what plain vLLM gives them, so every
+millisecond between vLLM's step and our client is ours. Rows, each in a process of its own (one vLLM engine per
+process, as `cosine bench anchors` runs them), on the bench target:
+- `vLLM engine.step()`: plain vLLM (none of our hooks), stepped as vLLM's own loop steps it.
+- `vLLM + our hooks, no drafts`: the verifier's engine as we build it (speculative mode with the no-op proposer,
+  the external-draft scheduler, synchronous scheduling), stepped the same way: the cost of the hooks themselves.
+- `ours, speculation off`: our verify loop over our vLLM engine with `speculation.mode: off`.
+- `ours, off by the guard`: the full configuration (examples/bench.yaml, drafters loaded) with the guard's verdict
+  off, as sampled text leaves it: the loop's path where drafting exists but does not pay.
+- served (with `--served`): the full configuration through Ray Serve over HTTP with speculation off per request,
+  against `vllm serve` (vLLM's own OpenAI server, what a user would run instead), both streamed.
+
+A step's time is the median interval between a request's consecutive tokens as their consumer receives them
+(the caller of `step()`, the loop's `generate`, the HTTP client's stream), over every request of the batch and the
+steps after the last prefill: one token per request per step with speculation off, so this is the step's wall time
+including everything around the engine's own. Batches of 1 and 8 requests, prompts of 64 and 2,000 tokens (our
+per-step work that copies contexts grows with them). Every system is warmed up; the cells are interleaved over
+the repeats; each figure is the median repeat with min and max, and each repeat's figure is kept in the JSON. The
+host time ours adds is ours minus vLLM's own, per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.workers import Worker, step_intervals
+
+VLLM = "vLLM engine.step()"
+HOOKS = "vLLM + our hooks, no drafts"
+OFF = "ours, speculation off"
+GUARD_OFF = "ours, off by the guard"
+SERVED = "ours served (Ray Serve, HTTP), speculation off per request"
+VLLM_SERVE = "vllm serve (its OpenAI server, HTTP)"
+IN_PROCESS = {VLLM: {"kind": "breakdown", "system": "vllm"}, HOOKS: {"kind": "breakdown", "system": "hooks"},
+              OFF: {"kind": "breakdown", "system": "off"}, GUARD_OFF: {"kind": "breakdown", "system": "guard_off"}}
+
+
+# ---------------------------------------------------------------------------------------------- served side
+class VllmServe:
+    """`vllm serve` on the bench target, on a loopback port: vLLM's OpenAI server as its users run it."""
+
+    def __init__(self, port: int, max_batch: int, max_len: int, log_path: Path):
+        from model_family.paths import model_path
+
+        self.url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                          str(model_path("bench-target")), "--host", "127.0.0.1", "--port", str(port),
+                                          "--dtype", "float32", "--max-model-len", str(max_len), "--max-num-seqs",
+                                          str(max_batch), "--enforce-eager", "--served-model-name", "bench-target"],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.model = "bench-target"
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}); its log: {log_path}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(3)
+        raise RuntimeError(f"vllm serve did not come up in 600 s; its log: {log_path}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def streamstep_intervals(url: str, model: str, prompts, max_tokens: int, sampling: dict, extra: dict) -> dict:
+    """Every prompt streamed at once from an OpenAI completions endpoint; the arrival of each chunk with tokens."""
+    async def go():
+        arrivals: dict[int, list[float]] = {}
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def one(i, p):
+                times = arrivals.setdefault(i, [])
+                body = {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                        "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+                        "seed": sampling["seed"] + i, **extra}
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            if json.loads(line[6:])["choices"][0].get("text") is not None:
+                                times.append(time.perf_counter())
+
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return arrivals
+
+    arrivals = asyncio.run(go())
+    return {"intervals": step_intervals(arrivals, max(t[0] for t in arrivals.values()))}
+
+
+# ---------------------------------------------------------------------------------------------- orchestrator
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` token ids (random: the step's cost depends on lengths, not on the text)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 2000), new_tokens: int = 40,
+        repeats: int = 3, served: bool = False, port: int = 8021, temperature: float = 0.7, top_p: float = 0.95,
+        log=print) -> dict:
+    from transformers import AutoConfig
+
+    from benchmarks.common import ServedApp
+    from model_family.bench_target import ensure_bench_target
+    from model_family.paths import models_dir
+
+    bench_dir = ensure_bench_target(models_dir(), log)
+    vocab = AutoConfig.from_pretrained(bench_dir).vocab_size
+    max_batch, max_len = max(batches), max(prompt_lens) + new_tokens + 8
+    sampling = {"temperature": temperature, "top_p": top_p, "seed": 0}
+    logs = Path(tempfile.mkdtemp(prefix="cosine-breakdown-"))
+    log(f"worker logs: {logs}")
+    runners: dict[str, object] = {}
+    try:
+        for i, (name, spec) in enumerate(IN_PROCESS.items()):
+            log(f"[start {i + 1}/{len(IN_PROCESS) + 2 * served}] {name}")
+            runners[name] = Worker(dict(spec, config=config, max_batch=max_batch, max_len=max_len),
+                                   logs / f"{i}.log")
+        if served:
+            log(f"[start] {SERVED}")
+            runners[SERVED] = ServedApp(_served_config(config, max_batch, max_len, logs), port, port + 1)
+            log(f"[start] {VLLM_SERVE}")
+            runners[VLLM_SERVE] = VllmServe(port + 2, max_batch, max_len, logs / "vllm-serve.log")
+
+        def measure(name: str, prompts, max_tokens: int) -> list[float]:
+            r = runners[name]
+            if name == SERVED:
+                res = streamstep_intervals(r.url, r.model, prompts, max_tokens, sampling,
+                                       {"speculation": {"enabled": False}})
+            elif name == VLLM_SERVE:
+                res = streamstep_intervals(r.url, r.model, prompts, max_tokens, sampling, {})
+            else:
+                res = r.run(prompts, len(prompts), max_tokens, [], sampling)
+            return res["intervals"]
+
+        cells = [(b, n) for n in prompt_lens for b in batches]
+        for name in runners:
+            log(f"[warm-up] {name}")
+            for b, n in cells:
+                measure(name, _prompts(b, n, vocab, 1), 8)
+        per_repeat: dict[tuple[str, int, int], list[float]] = {}
+        for rep in range(repeats):
+            for b, n in cells:
+                prompts = _prompts(b, n, vocab, 100 + rep)
+                for name in runners:
+                    ms = 1000 * statistics.median(measure(name, prompts, new_tokens))
+                    per_repeat.setdefault((name, b, n), []).append(round(ms, 3))
+                    log(f"[{rep + 1}/{repeats}] batch {b}, prompt {n}: {name} {ms:.2f} ms per step")
+    finally:
+        for r in runners.values():
+            r.stop()
+    return {"config": {"ours": config, "batches": list(batches), "prompt_lens": list(prompt_lens),
+                       "new_tokens": new_tokens, "repeats": repeats, "sampling": sampling, "served": served},
+            "rows": rows(per_repeat)}
+
+
+def _served_config(config: str, max_batch: int, max_len: int, logs: Path) -> str:
+    import yaml
+
+    doc = yaml.safe_load(Path(config).read_text())
+    doc["applications"][0]["args"]["verifier"].update(max_batch=max_batch, max_len=max_len, kv_cache_gib=2)
+    out = logs / "served.yaml"
+    out.write_text(yaml.safe_dump(doc))
+    return str(out)
+
+
+def rows(per_repeat: dict[tuple[str, int, int], list[float]]) -> list[dict]:
+    """A row per (system, batch, prompt length): ms per step over the repeats; against vLLM's own (in process:
+    `engine.step()`, served: `vllm serve`) the ratio of speeds and the host time added per step."""
+    out = []
+    for (name, b, n), ms in per_repeat.items():
+        base_name = VLLM_SERVE if name in (SERVED, VLLM_SERVE) else VLLM
+        base = per_repeat.get((base_name, b, n))
+        med = statistics.median(ms)
+        row = {"system": name, "batch": b, "prompt_len": n, "ms_per_step": round(med, 3),
+               "ms_per_step_min": min(ms), "ms_per_step_max": max(ms), "ms_per_step_repeats": ms}
+        if base is not None:
+            # per repeat, so the ratio's spread is the repeats' own (the cells were measured side by side)
+            ratios = [bm / m for bm, m in zip(base, ms)]
+            row |= {"baseline": base_name, "speed_vs_baseline": round(statistics.median(ratios), 3),
+                    "speed_vs_baseline_min": round(min(ratios), 3), "speed_vs_baseline_max": round(max(ratios), 3),
+                    "host_ms_added": round(med - statistics.median(base), 3)}
+        out.append(row)
+    return out
+
+
+def table(result: dict) -> str:
+    lines = ["| system | batch | prompt | ms per step (min-max) | speed vs vLLM's own (min-max) | ms added |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        ratio = "-" if "speed_vs_baseline" not in r else \
+            f"{r['speed_vs_baseline']:.3f}x ({r['speed_vs_baseline_min']:.3f}-{r['speed_vs_baseline_max']:.3f})"
+        added = "-" if r["system"] in (VLLM, VLLM_SERVE) else f"{r.get('host_ms_added', 0):+.2f}"
+        lines.append(f"| {r['system']} | {r['batch']} | {r['prompt_len']} | {r['ms_per_step']:.2f} "
+                     f"({r['ms_per_step_min']:.2f}-{r['ms_per_step_max']:.2f}) | {ratio} | {added} |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    from benchmarks.metrics import save_json
+
+    result = run(args.config, tuple(args.batches), tuple(args.prompt_lens), args.new_tokens, args.repeats,
+                 args.served, args.port, args.temperature, args.top_p)
+    print(table(result))
+    save_json(result, args.json)
+    return 0

@@ -1,0 +1,73 @@
+"""Speculation off is the engine's own step: when no request of a step may draft, the loop steps the engine and
+hands out its tokens, nothing else.
+
+A step where no request plans drafts (speculation off by configuration, by every request's own setting, by the
+guard's verdict or during its plain probes) needs none of the speculative step's work: no drafting round or its
+planning, no context copies for drafters, no drafts written into the engine's scheduler, no device-work counters,
+no controller fit. `PlainSteps.applies` says whether this step is one (a look at each running request, no copies);
+`PlainSteps.step` runs it: the engine's step submitted straight to the thread the engine steps on (vLLM's CPU
+engine: the thread that built it; one hop there and back), the outputs to their requests, the guard told (it counts
+its off steps and measures plain decoding on them) and the loop's statistics kept. Nothing here holds state a
+speculative step needs, so the next step that plans drafts takes the speculative path as it would have, and no
+output changes: every token is the target's either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+class PlainSteps:
+    """The plain steps of a `VerifyLoop` (speculation/loop.py, which makes one of these for itself)."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.steps = 0  # plain steps taken (the loop's `speculation_stats`; the breakdown benchmark reads them)
+
+    def applies(self) -> bool:
+        """May no request of the next step draft? Drafting off, the guard holding speculation off (or probing
+        plain steps), or every running request with speculation off."""
+        loop = self.loop
+        if loop.drafting is None:
+            return True
+        guard = loop.planner.guard
+        if guard is not None and not guard.allow(0):
+            return True
+        return not any(loop._speculating(r) for r in loop.engine.running)
+
+    def submit(self, drafts: dict, only: set[str] | None) -> asyncio.Future:
+        """The engine's step on the thread it steps on (the loop's verify thread where it has none)."""
+        loop, engine = self.loop, self.loop.engine
+        if engine.step_executor is not None:
+            return asyncio.wrap_future(engine.step_executor.submit(engine.step, drafts, only))
+        return asyncio.get_running_loop().run_in_executor(loop._verify_thread, engine.step, drafts, only)
+
+    async def step(self, since: float) -> float | None:
+        """One plain step; `since`: the previous step's end (or now, after idling). Returns this step's end, or
+        None when the engine failed (its requests failed with it)."""
+        loop = self.loop
+        t = time.perf_counter()
+        try:
+            outs = await self.submit({}, None)
+        except Exception as e:  # noqa: BLE001 - an engine failure fails the requests in it, not the loop
+            logger.exception("verify step failed")
+            loop.fail(list(loop.engine.running), e)
+            return None
+        end = time.perf_counter()
+        self.steps += 1
+        loop.stats.verify_step(end - t, {}, outs, len(loop.requests))
+        prefill = bool(loop._fresh) and any(o.request_id in loop._fresh for o in outs)
+        if prefill:
+            loop._fresh.difference_update(o.request_id for o in outs)
+        if loop._asked:  # drafts asked for before speculation went off: no longer pending
+            loop._asked.difference_update(o.request_id for o in outs)
+        loop.planner.observe_committed(len(outs), sum(len(o.new_token_ids) for o in outs), end - since, False,
+                                       prefill)
+        if loop.trace:
+            loop.trace.step(end, len(outs), loop.engine.last_step_tokens, end - t, 0.0, 0)
+        loop.deliver(outs)
+        return end
