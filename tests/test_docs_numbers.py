@@ -2,8 +2,9 @@
 edited by hand or rounded differently fails here.
 
 Tables a command prints are rendered again with the command's own formatter and every row must appear verbatim in
-the doc; tables that compare two runs (before -> after) are rendered here from both JSON files. Fast (reads JSON and
-markdown); no marks."""
+the doc; tables that compare two runs (before -> after) are rendered here from both JSON files; every ratio (1.23x)
+of the README and the docs is in a JSON its line or section cites, or says it is a paper's, simulated, or a run's
+whose data was not kept. Fast (reads JSON and markdown); no marks."""
 from __future__ import annotations
 
 import importlib
@@ -283,3 +284,166 @@ def test_the_prose_ratios_are_their_figures_ratios():
     assert checked >= 2
     assert _prose_ratios("x 1.10x the controller (111.8 against 104.2 tok/s)") == [("1.10", "111.8", "104.2")]
     assert not _ratio_ok("1.10", "111.8", "104.2")
+
+
+# --- every ratio in the docs, against the JSON its line or section cites ------------------------------------------
+
+RATIO_DOCS = ["README.md"] + [f"docs/{n}.md" for n in ("benchmarks", "design", "simulation", "operations",
+                                                         "model_card")]
+RATIO = re.compile(r"(?<![\w.])(\d+\.\d+)(?:-(\d+\.\d+))?x\b")  # 1.23x, or a range 0.97-1.03x
+CITED = re.compile(r"bench_results/[\w./-]+\.json|models/[\w-]+\.json")
+# A ratio need not be in a JSON where its paragraph says what it is instead: a run whose data was not kept, named by
+# its date or commit; a paper's figure; a simulated or datasheet-scaled one.
+NOT_KEPT_RUN = re.compile(r"not kept.*(\d{4}-\d{2}-\d{2}|\b[0-9a-f]{7,40}\b)|(\d{4}-\d{2}-\d{2}|\b[0-9a-f]{7,40}\b)"
+                          r".*not kept")
+PAPER = re.compile(r"\bpapers?\b|\(CoSine|CoSine paper|arXiv", re.I)
+SIMULATED = re.compile(r"simulat|datasheet", re.I)
+
+
+def _values(obj, key: str = "", out: dict | None = None) -> dict[str, list[float]]:
+    """Every number of a JSON, by the key it is under."""
+    out = {} if out is None else out
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _values(v, k, out)
+    elif isinstance(obj, list):
+        for v in obj:
+            _values(v, key, out)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        out.setdefault(key, []).append(float(obj))
+    return out
+
+
+RATES = ("tokens_per_s", "throughput_tok_s", "goodput_tok_s", "ms")  # ms: a GPU step's, against another's
+# rows a speed-up compares: at the same batch, load and profile (a step: of the same model, graphed or not)
+SAME = ("batch", "concurrency", "profile", "rate", "model", "graphs", "device")
+
+
+def _rows(obj) -> list[list[dict]]:
+    """Every list of rows (dicts) in a JSON."""
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _rows(v)]
+    if isinstance(obj, list):
+        own = [obj] if obj and all(isinstance(r, dict) for r in obj) else []
+        return own + [t for v in obj for t in _rows(v)]
+    return []
+
+
+_FIGURES: dict[tuple[str, bool], list[float]] = {}
+
+
+def _figures(path: str, range_end: bool) -> list[float]:
+    """A JSON's numbers and the speed-ups between its rows (one row's tokens/s over another's at the same batch,
+    concurrency, profile and rate; one repeat's over target-only's same repeat), sorted; for the end of a range also a row's
+    slowest repeat over another's fastest and its fastest over the other's slowest (the range over repeats)."""
+    if (path, range_end) not in _FIGURES:
+        data = json.loads((ROOT / path).read_text())
+        found = {v for vs in _values(data).values() for v in vs}
+        pairs = [(x, x) for x in RATES] + ([(f"{x}_min", f"{x}_max") for x in RATES] if range_end else [])
+        for rows in _rows(data):
+            for a in rows:
+                for b in rows:
+                    if all(a.get(k) == b.get(k) for k in SAME):
+                        found |= {a[x] / b[y] for x, y in pairs for x, y in ((x, y), (y, x))
+                                  if isinstance(a.get(x), (int, float)) and isinstance(b.get(y), (int, float))
+                                  and b[y]}
+        runs = data.get("tokens_per_s_per_run") if isinstance(data, dict) else None
+        for a, ours in (runs or {}).items():  # "method | batch 8": each repeat's over target-only's same repeat
+            for b, base in runs.items():
+                if b.startswith("target-only") and a.split(" | ")[1:] == b.split(" | ")[1:] and len(ours) == len(base):
+                    found |= {x / y for x, y in zip(ours, base) if y}
+        _FIGURES[(path, range_end)] = sorted(found)
+    return _FIGURES[(path, range_end)]
+
+
+def _in(figure: str, paths: set[str], range_end: bool = False) -> bool:
+    """`figure`, to its printed decimals, is a number or a speed-up of one of `paths`."""
+    import bisect
+
+    value, slack = float(figure), 0.5 * 10 ** -_decimals(figure) + 1e-9
+    for p in paths:
+        values = _figures(p, range_end)
+        i = bisect.bisect_left(values, value - slack)
+        if i < len(values) and values[i] <= value + slack:
+            return True
+    return False
+
+
+def _decimals(figure: str) -> int:
+    return len(figure.split(".")[1]) if "." in figure else 0
+
+
+def _units(text: str) -> list[tuple[set[str], str]]:
+    """(the JSON files its section and the sections above it cite, the text) of every table row, paragraph and list
+    item of a markdown text (a wrapped line is read with the rest of its paragraph), code blocks left out."""
+    lines = text.splitlines()
+    sections, fence, level_of = [], False, []
+    for i, line in enumerate(lines):  # (heading level, first line) of each section
+        if line.startswith("```"):
+            fence = not fence
+        if not fence and re.match(r"#{1,6} ", line):
+            sections.append((len(line) - len(line.lstrip("#")), i))
+    bounds = [(lvl, start, (sections[j + 1][1] if j + 1 < len(sections) else len(lines)))
+              for j, (lvl, start) in enumerate(sections)] or [(0, 0, len(lines))]
+    if bounds[0][1] > 0:
+        bounds.insert(0, (0, 0, bounds[0][1]))
+    out, stack = [], []
+    for lvl, start, end in bounds:
+        body = lines[start:end]
+        own = {p for line in body for p in CITED.findall(line) if (ROOT / p).is_file()}
+        stack = [(l, c) for l, c in stack if l < lvl] + [(lvl, own)]
+        cited = set().union(*(c for _, c in stack))
+        fence, para = False, []
+        for line in body[1:] + [""]:
+            if line.startswith("```"):
+                fence = not fence
+                continue
+            if fence:
+                continue
+            if line.startswith("|"):
+                out.append((cited, line))
+            elif line.strip() and not line.lstrip().startswith("- "):
+                para.append(line.strip())
+                continue
+            if para:
+                out.append((cited, " ".join(para)))
+            para = [line.strip()] if line.lstrip().startswith("- ") else []
+    return out
+
+
+def _unchecked_ratios(rel: str) -> list[str]:
+    bad = []
+    for cited, unit in _units(_doc(rel)):
+        if NOT_KEPT_RUN.search(unit) or PAPER.search(unit) or SIMULATED.search(unit):
+            continue
+        here = cited | {p for p in CITED.findall(unit) if (ROOT / p).is_file()}
+        for m in RATIO.finditer(unit):
+            missing = [f for f in m.groups() if f and not _in(f, here, range_end=m.group(2) is not None)]
+            if missing:
+                bad.append(f"{rel}: {m.group(0)} in: {unit[:160]}")
+    return bad
+
+
+@pytest.mark.parametrize("rel", RATIO_DOCS)
+def test_every_ratio_is_in_the_json_its_line_or_section_cites(rel):
+    """Every ratio (1.23x, 0.97-1.03x) is a number of, or a ratio of two same-named numbers of, a committed JSON
+    that its line or section names, to the decimals printed; or its paragraph says it is a paper's, a simulated one,
+    or a run's whose data was not kept (with the run's date or commit). docs/benchmarks-history.md is the history."""
+    bad = _unchecked_ratios(rel)
+    assert not bad, "ratios that no JSON their text cites holds (cite it, or say what they are):\n" + "\n".join(bad)
+
+
+def test_the_ratio_check_catches_a_figure_no_json_holds(tmp_path, monkeypatch):
+    import tests.test_docs_numbers as me
+
+    (tmp_path / "bench_results").mkdir()
+    (tmp_path / "bench_results" / "r.json").write_text(json.dumps({"rows": [
+        {"batch": 1, "tokens_per_s": 30.0}, {"batch": 1, "tokens_per_s": 20.0, "s": 1.234},
+        {"batch": 8, "tokens_per_s": 17.0}]}))
+    (tmp_path / "d.md").write_text("# A\n\nRaw data: bench_results/r.json.\n\n## B\n\nOurs 1.50x and 1.23x; "
+                                   "and 1.2-1.5x.\n\nThen 1.70x here.\n\nA paper's 2.13x. Simulated 3.10x.\n\n"
+                                   "A run of 2026-11-22, its data not kept: 4.44x.\n\nAnd 5.55x not kept.\n\n"
+                                   "Across batches 1.76x.\n")
+    monkeypatch.setattr(me, "ROOT", tmp_path)
+    monkeypatch.setattr(me, "_FIGURES", {})
+    assert [b.split(" in: ")[0] for b in _unchecked_ratios("d.md")] == ["d.md: 1.70x", "d.md: 5.55x", "d.md: 1.76x"]

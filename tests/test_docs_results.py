@@ -1,8 +1,8 @@
-"""The docs' results can be checked: every raw-data file they name as present exists, every table of
-docs/benchmarks.md is rendered from the JSON its section names, and the README's headline table is rendered from
-the latest committed runs.
+"""The docs' results can be checked: every raw-data file they name as present exists, data said to be "not kept"
+comes with where its history is, every table of docs/benchmarks.md is rendered from the JSON its section names, and
+the README's headline table is rendered from the latest committed runs, refusing noisy baselines.
 
-Fast (reads four markdown files); no marks."""
+Fast (reads six markdown files); no marks."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["docs/benchmarks.md", "docs/simulation.md", "docs/model_card.md", "README.md"]
+DOCS = ["docs/benchmarks.md", "docs/simulation.md", "docs/model_card.md", "README.md", "docs/design.md",
+        "docs/operations.md"]
 PATH_RE = re.compile(r"bench_results/[\w./-]+\.json|models/[\w-]+\.json")
-LOST = "was not kept"  # the docs' wording for a raw file that is gone: "raw JSON of this run was not kept (...)"
+LOST = "not kept"  # the docs' wording for data that is gone: "its raw JSON was not kept (...)", "data not kept"
+# ... and where a reader finds what is left of it: the history (docs/benchmarks-history.md, bench_results/history/,
+# a commit in the repository's history)
+PLACE = re.compile(r"history")
 # An output a command writes is not named as present: `--json PATH` in a command line, "writes `PATH`" in prose.
 OUTPUT_BEFORE = re.compile(r"(--json\s+|writes\s+`?)$")
 
@@ -41,6 +45,39 @@ def _named_as_present(rel: str) -> list[tuple[int, str]]:
 def test_every_raw_file_named_as_present_exists(rel):
     missing = [f"{rel}:{n}: {p}" for n, p in _named_as_present(rel) if not (ROOT / p).is_file()]
     assert not missing, "named as present but not in the repository (say it \"was not kept\"):\n" + "\n".join(missing)
+
+
+def _paragraphs(text: str) -> list[str]:
+    """Paragraphs, list items and table rows of a markdown text, each as one line; code blocks left out."""
+    out, para, fence = [], [], False
+    for line in text.splitlines() + [""]:
+        if line.startswith("```"):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        new_item = line.startswith("|") or re.match(r"\s*(- |\d+\. |#)", line) or not line.strip()
+        if new_item and para:
+            out.append(" ".join(para))
+            para = []
+        if line.startswith("|"):
+            out.append(line)
+        elif line.strip():
+            para.append(line.strip())
+    return out
+
+
+@pytest.mark.parametrize("rel", DOCS)
+def test_data_not_kept_says_where_its_history_is(rel):
+    """A paragraph that says a run's data was not kept names where what is left of it is: the history (its tables
+    in docs/benchmarks-history.md, its JSON in bench_results/history/ or at a commit of the repository's history)."""
+    bad = [p[:200] for p in _paragraphs(_read(rel)) if LOST in p and not PLACE.search(p)]
+    assert not bad, f"{rel}: data not kept, its place not named:\n" + "\n".join(bad)
+
+
+def test_the_not_kept_check_reads_paragraphs():
+    text = "Intro.\n\nIts JSON was not kept;\nthe tables are in the history.\n\n- One 1.2x, data not kept.\n"
+    assert [p for p in _paragraphs(text) if LOST in p and not PLACE.search(p)] == ["- One 1.2x, data not kept."]
 
 
 def _sections(text: str) -> list[tuple[str, str]]:
@@ -76,7 +113,7 @@ def test_every_table_in_the_benchmarks_doc_has_its_raw_data_committed():
     for head, body in _sections(_read("docs/benchmarks.md")):
         if not _tables(body):
             continue
-        if LOST in body or not any((ROOT / p).is_file() for p in PATH_RE.findall(body)):
+        if "was not kept" in body or not any((ROOT / p).is_file() for p in PATH_RE.findall(body)):
             bad.append(head)
     assert not bad, "tables without their committed JSON (re-run, or move the table to the history):\n" + "\n".join(bad)
 
