@@ -1,5 +1,6 @@
-"""One drafter model serving `DrafterCall`s: what a drafter replica runs (deployments/drafter.py wraps it) and
-what the in-process drafting tier calls directly."""
+"""One drafter serving `DrafterCall`s: what a drafter replica runs (deployments/drafter.py wraps it) and what the
+in-process drafting tier calls directly. The drafter is a model (`DrafterEngine`, `CascadeDrafterEngine`) or
+model-free (`NgramDrafterEngine`, `SuffixDrafterEngine`), as its spec's `kind` says."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from engines.cascade import CascadeDrafterEngine
 from engines.drafter import DrafterEngine
 from engines.drafter_runners import make_drafter_runner
 from engines.interface import CacheFull
+from engines.model_free import ModelFreeDrafter
+from engines.ngram_drafter import NgramDrafterEngine
 from engines.runner import LlamaRunner
+from engines.suffix_drafter import SuffixDrafterEngine
 from model_family.sources import resolve_model
 from speculation.goodput import LinearLatency
 from speculation.messages import DrafterCall, DrafterReply, Proposal
-from speculation.profiling import fit_draft_latency
+from speculation.profiling import fit_draft_latency, fit_step_latency
 
 
 class DrafterServer:
@@ -35,12 +39,13 @@ class DrafterServer:
 
     def __init__(self, name: str, model, max_requests: int = 64, max_len: int = 2048, device: str | None = None,
                  threads: int = 1, assistant=None, assistant_k: int = 4, **engine_kw):
-        """`model`: a model, its path, or a `DrafterEngine` to serve as it is (its caches and CUDA graphs kept from a
-        loop before; benchmarks reuse engines so). `assistant`: a smaller model that drafts this drafter's chains
-        for it (`CascadeDrafterEngine`). `engine_kw`: more `DrafterEngine` arguments (dtype, runner, KV budget)."""
+        """`model`: a model, its path, or a `DrafterEngine` or model-free drafter to serve as it is (its caches and
+        CUDA graphs kept from a loop before; benchmarks reuse engines so). `assistant`: a smaller model that drafts
+        this drafter's chains for it (`CascadeDrafterEngine`). `engine_kw`: more `DrafterEngine` arguments (dtype,
+        runner, KV budget)."""
         self.name, self.threads = name, threads
         kw = dict(name=name, max_requests=max_requests, max_len=max_len, device=device, **engine_kw)
-        if isinstance(model, DrafterEngine):
+        if isinstance(model, (DrafterEngine, ModelFreeDrafter)):
             self.engine = model
         elif assistant is None:
             self.engine = DrafterEngine(model, **kw)
@@ -55,8 +60,18 @@ class DrafterServer:
     def from_spec(cls, spec: DrafterSpec, model=None, actor_cpus: float | None = None,
                   vocab_limit: int | None = None) -> DrafterServer:
         """The configured drafter; a loaded `model` replaces loading it from its path (and stays where it is).
-        `vocab_limit`: ids the target has (`engines.build.check_models`); the drafter never proposes others."""
+        `vocab_limit`: ids the target has (`engines.build.check_models`); the drafter never proposes others (a
+        model-free one proposes tokens of the context, which the target's tokenizer made)."""
         threads = cpu_threads(spec.threads, actor_cpus)
+        if spec.kind == "ngram":
+            n = spec.ngram
+            return cls(spec.name, NgramDrafterEngine(spec.name, n.min_n, n.max_n, spec.max_requests, spec.max_len,
+                                                     n.min_prob), threads=threads)
+        if spec.kind == "suffix":
+            s = spec.suffix
+            return cls(spec.name, SuffixDrafterEngine(spec.name, s.max_depth, s.cross_request, s.cached_outputs,
+                                                      s.max_tenants, spec.max_requests, spec.max_len, s.min_prob),
+                       threads=threads)
         assistant = str(resolve_model(spec.assistant)) if spec.assistant else None
         loaded = model is not None
         return cls(spec.name, model if loaded else str(resolve_model(spec.model)), spec.max_requests, spec.max_len,
@@ -77,7 +92,9 @@ class DrafterServer:
         """This drafter's step time on its hardware, t(requests in the step) = a + b * requests, measured up to
         `batch` requests on the drafter's own thread, with its torch threads (a step's fixed cost a is Python,
         launches and weights read once; b grows with the batch). Splitting a call's requests over more replicas
-        saves only the b part: the autoscaler's `scalable` signal."""
+        saves only the b part: the autoscaler's `scalable` signal. A model-free drafter's own steps are timed."""
+        if self.engine.model is None:
+            return self.executor.submit(fit_step_latency, self.engine, max(2, batch), context).result()
         kind = "fast" if isinstance(self.engine.runner, LlamaRunner) else "transformers"
 
         def make_runner(model, max_slots: int, max_len: int):
@@ -115,7 +132,7 @@ class DrafterServer:
             if c.request_id in self.released:
                 continue
             try:
-                self.engine.sync(c.request_id, c.context)
+                self.engine.sync(c.request_id, c.context, c.tenant)
             except CacheFull:
                 self.engine.release(c.request_id)
                 continue

@@ -13,7 +13,7 @@ reference.py renders docs/config.md.
 from config.app import AppConfig
 from config.autoscaler import AutoscalerSpec
 from config.deployment import DRAFTER_AUTOSCALING_DEFAULTS, AutoscalingOptions, DeploymentOptions
-from config.drafters import DrafterSpec
+from config.drafters import DrafterSpec, NgramSpec, SuffixSpec
 from config.ingress import IngressSpec
 from config.reference import reference_markdown
 from config.routing import RoutingSpec
@@ -23,5 +23,5 @@ from config.verifier import CollaborationSpec, VerifierSpec
 
 __all__ = ["AppConfig", "AutoscalerSpec", "AutoscalingOptions", "CollaborationSpec", "ControllerSpec",
            "DRAFTER_AUTOSCALING_DEFAULTS", "DeploymentOptions", "DrafterSpec", "GuardSpec", "IngressSpec",
-           "RequestMode", "RetirementSpec", "RoutingSpec", "SpeculationMode", "SpeculationSpec", "VerifierSpec",
-           "VoteSpec", "reference_markdown"]
+           "NgramSpec", "RequestMode", "RetirementSpec", "RoutingSpec", "SpeculationMode", "SpeculationSpec",
+           "SuffixSpec", "VerifierSpec", "VoteSpec", "reference_markdown"]

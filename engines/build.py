@@ -20,9 +20,11 @@ def check_models(cfg: AppConfig, preloaded: set[str] = frozenset()) -> int:
     tokenizer and config files only) and every drafter, assistant and partner shares the target's vocabulary.
     Raises `ModelUnavailable` or `IncompatibleModels` with what is wrong and how to fix it. Returns the number of
     token ids drafters may propose (those the target's tokenizer and embedding both have). `preloaded`: drafters
-    given as model objects (tests, benchmarks), whose `model` field names no model to check."""
+    given as model objects (tests, benchmarks), whose `model` field names no model to check. Model-free drafters
+    (n-gram, suffix) propose tokens of the context itself: nothing to check."""
     target_tok = load_tokenizer(cfg)
-    drafters = [d for d in cfg.drafters if d.name not in preloaded] if cfg.speculation.mode != "off" else []
+    drafters = [d for d in cfg.drafters if d.name not in preloaded and not d.model_free] \
+        if cfg.speculation.mode != "off" else []
     others = [("collaboration partner", cfg.verifier.collaboration.partner)] if cfg.verifier.collaboration else []
     for d in drafters:
         others.append((f"drafter {d.name}", d.model))

@@ -92,8 +92,9 @@ class DrafterEngine:
         self.forward_passes = 0
 
     # ------------------------------------------------------------------ request state
-    def sync(self, rid: str, context: list[int]) -> None:
-        """Make `context` the request's context: keep the agreeing cached prefix, queue the rest."""
+    def sync(self, rid: str, context: list[int], tenant: str | None = None) -> None:
+        """Make `context` the request's context: keep the agreeing cached prefix, queue the rest. `tenant`: unused
+        (a model drafter keeps nothing of a request once it is released)."""
         if len(context) + 1 > self.runner.max_len:
             raise CacheFull(f"context of {len(context)} tokens exceeds {self.runner.max_len}")
         if rid not in self.states:

@@ -4,8 +4,10 @@
   steps, rollback). `runner.LlamaRunner` (the fast path, its own layers over a preallocated cache) and
   `transformers_runner.TransformersRunner` (any causal LM, through the model's own forward) implement it;
   `drafter_runners.make_drafter_runner` picks one by the model's architecture.
-- `DraftingEngine`: what the drafting tier uses of a drafter engine (`drafter.DrafterEngine`, and
-  `cascade.CascadeDrafterEngine`), and `Proposal`, what its steps return.
+- `DraftingEngine`: what the drafting tier uses of a drafter engine (`drafter.DrafterEngine`,
+  `cascade.CascadeDrafterEngine`, and the model-free `ngram_drafter.NgramDrafterEngine` and
+  `suffix_drafter.SuffixDrafterEngine`, whose `model` and `runner` are None), and `Proposal`, what its steps
+  return.
 - `VerifierEngine`: what the verify loop (speculation/loop.py) asks of a verifier engine: `verifier.py` (the torch
   engine, trees), `vllm_engine.py` (our drafts verified inside vLLM) and `collaborative.py` (CoS) implement it.
   `StepOutput`, `RequestCounts` and `check_prompt` are shared by them.
@@ -106,15 +108,17 @@ class DraftingEngine(Protocol):
     """
 
     name: str
-    model: torch.nn.Module  # the transformers model it runs (latency fits time it)
-    runner: DrafterRunner
+    model: torch.nn.Module | None  # the transformers model it runs (latency fits time it); None: model-free
+    runner: DrafterRunner | None
     max_requests: int  # requests it holds at once (the runner's slots; fewer than asked where the KV budget is less)
     kv_cache_bytes: int  # the most memory its requests' keys/values take
     states: Mapping[str, object]  # the requests it holds, by id
     forward_passes: int  # runner forward passes so far
 
-    def sync(self, rid: str, context: list[int]) -> None:
-        """Make `context` the request's context (adding the request if new); CacheFull if it cannot fit."""
+    def sync(self, rid: str, context: list[int], tenant: str | None = None) -> None:
+        """Make `context` the request's context (adding the request if new); CacheFull if it cannot fit.
+        `tenant`: who sent the request (its API key's id), for an engine that keeps text across requests (the
+        suffix drafter's tree of recent outputs, scoped per tenant); a request's first sync names it."""
 
     def feed(self, rid: str, tokens: list[int]) -> None:
         """Append tokens to the request's pending ones."""
@@ -126,7 +130,8 @@ class DraftingEngine(Protocol):
 
     def step(self, rids: list[str], want_loglik: bool = False) -> dict[str, Proposal]:
         """Process the pending tokens of `rids` (each needs at least one); the next-token proposal for each, with
-        `context_loglik` where `want_loglik` and more than one token was pending."""
+        `context_loglik` where `want_loglik` and more than one token was pending (a model-free drafter: only for
+        the requests it has a match for, never a log-likelihood)."""
 
     def draft(self, rids: list[str], k: int | dict[str, int]) -> dict[str, list[Proposal]]:
         """The greedy chain of up to k proposals per request (each fed back as the next input); shorter where the

@@ -5,8 +5,10 @@ server directly."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
+import os
 from urllib.parse import quote
 
 from fastapi import FastAPI, Request
@@ -35,6 +37,17 @@ ROUTES = {  # the server's method -> its route (Ray Serve LLM's endpoint map)
     "completions": lambda a: a.post("/v1/completions", openapi_extra=P.openapi_body(P.CompletionRequest),
                                     responses=P.openapi_responses(400, 401, 404, 413, 429, 500, stream=True)),
 }
+
+
+def configured_api_key(cfg) -> str | None:
+    """The key clients must send: the ingress replicas' COSINE_API_KEY, else the configuration's."""
+    return os.environ.get("COSINE_API_KEY") or cfg.ingress.api_key
+
+
+def tenant_of(api_key: str | None) -> str | None:
+    """The tenant of the requests authenticated by `api_key` (a digest of it, never the key itself), by which
+    drafting across requests is scoped (the suffix drafter's tree of recent outputs); None without a key."""
+    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else None
 
 
 def openai_app(server, api_key: str | None = None) -> FastAPI:

@@ -7,11 +7,9 @@ and the model name are those of this server: nothing is shared through a module-
 
 from __future__ import annotations
 
-import os
-
 from ray import serve
 
-from serve_app.app import openai_app
+from serve_app.app import configured_api_key, openai_app
 from serve_app.server import OpenAIServer
 
 
@@ -19,4 +17,4 @@ from serve_app.server import OpenAIServer
 @serve.ingress()
 class IngressDeployment(OpenAIServer):
     def __serve_build_asgi_app__(self):
-        return openai_app(self, api_key=os.environ.get("COSINE_API_KEY") or self.cfg.ingress.api_key)
+        return openai_app(self, api_key=configured_api_key(self.cfg))

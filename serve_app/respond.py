@@ -15,7 +15,7 @@ from config import AppConfig
 from engines.sampling import SamplingParams
 from serve_app import protocol as P
 from serve_app import responses as R
-from serve_app.app import error_response, ignored_headers
+from serve_app.app import configured_api_key, error_response, ignored_headers, tenant_of
 from serve_app.choices import ChatReply, CompletionChoice, Prompt
 from serve_app.detokenize import Detokenizer, TokenNames, token_id_name
 from speculation.messages import SpeculationOverrides
@@ -118,6 +118,8 @@ class Responder:
         self.model_name = config.ingress.model_name
         self.token_names = TokenNames(tokenizer)
         self.in_flight = 0
+        # every request past the API key check carried the one configured key: they are one tenant (none without)
+        self.tenant = tenant_of(configured_api_key(config))
 
     def admit(self, n: int) -> None:
         """Room for n more requests in flight, or a 429."""
@@ -142,7 +144,7 @@ class Responder:
         c = self._choices(req, items, chat, vreq)
         headers = ignored_headers(req, c.rid)
         self.in_flight += len(c.picks)
-        overrides = SpeculationOverrides(**req.speculation.fields()) if req.speculation else None
+        overrides = SpeculationOverrides(**(req.speculation.fields() if req.speculation else {}), tenant=self.tenant)
         if req.stream:
             return await self._streamed(c, overrides, headers)
         try:  # one reply per choice (a client hanging up cancels the calls, and the requests with them)

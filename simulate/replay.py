@@ -56,6 +56,10 @@ def annotate(records: list[dict], cfg: AppConfig) -> list[ReplayRequest]:
     from engines.verifier import load_causal_lm
     from model_family.sources import resolve_model
 
+    model_free = [d.name for d in cfg.drafters if d.model_free]
+    if model_free:
+        raise ValueError(f"cosine simulate replays drafter models only; drafters {model_free} are model-free "
+                         "(n-gram, suffix): leave them out of the simulated configuration")
     reqs = [ReplayRequest(r["id"], list(r["prompt"]), list(r["output"]), {}, r.get("domain"))
             for r in records if r["output"]]
     for spec in cfg.drafters:

@@ -79,7 +79,8 @@ class _Drafting:
             return {}
         first = depth == 0 and self.scoring
         return {n: DrafterCall(self.req.request_id, self.req.context + self.path[n],
-                               steps=1 if first else self.req.k - depth, score_context=first)
+                               steps=1 if first else self.req.k - depth, score_context=first,
+                               tenant=self.req.tenant)
                 for n in self.alive if depth not in self.ahead[n]}
 
     def receive(self, depth: int, name: str, chain: list[Proposal]) -> None:
@@ -126,12 +127,13 @@ class SpeculationCoordinator:
                  step_timeout_s: float = 5.0, generalists: set[str] | frozenset[str] = frozenset(),
                  round_budget_s: float | None = None, health: DrafterHealth | None = None,
                  vote: MajorityVote | None = None, families: dict[str, str] | None = None,
-                 speculation: SpeculationSpec | None = None):
+                 speculation: SpeculationSpec | None = None, model_free: set[str] | frozenset[str] = frozenset()):
         """`vote`: Minions' majority vote, for the requests drafting by vote (default: speculation.vote's).
         `families`: each drafter's model, for chain choice (drafters of one model draft the same chains).
-        `speculation`: the mode and its settings (default: SpeculationSpec's)."""
+        `speculation`: the mode and its settings (default: SpeculationSpec's). `model_free`: the n-gram and
+        suffix drafters, which join every routed round beside the routed models (speculation/routing.py)."""
         self.drafters = list(drafters)
-        self.router = Router(self.drafters, routing or RoutingSpec(), frozenset(generalists))
+        self.router = Router(self.drafters, routing or RoutingSpec(), frozenset(generalists), frozenset(model_free))
         roster = Roster(self.drafters, self.router, embeddings)
         self.unscored = roster.unscored  # requests whose prompt no drafter has scored yet (routing's cold start)
         self.strategies = strategies(Setup(roster, speculation or SpeculationSpec(), fixed_drafters, vote,
@@ -153,8 +155,9 @@ class SpeculationCoordinator:
                    fixed_drafters=spec.fixed_drafters, step_timeout_s=spec.drafter_timeout_ms / 1000,
                    generalists={d.name for d in cfg.drafters if d.generalist},
                    round_budget_s=ROUND_SHARE * spec.draft_timeout_ms / 1000,
-                   health=DrafterHealth(*spec.drafter_backoff_s), families={d.name: d.model for d in cfg.drafters},
-                   speculation=spec)
+                   health=DrafterHealth(*spec.drafter_backoff_s),
+                   families={d.name: d.model or d.name for d in cfg.drafters}, speculation=spec,
+                   model_free={d.name for d in cfg.drafters if d.model_free})
 
     def state(self) -> dict:
         """Counters and timings, how many requests drafters hold a cache for (what a soak watches), the

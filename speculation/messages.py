@@ -55,6 +55,7 @@ class SpeculationOverrides:
     lockstep: bool | None = None
     drafters_per_request: int | None = None
     mode: RequestMode | None = None  # None: the server's speculation.mode
+    tenant: str | None = None  # who sent it (the ingress: its API key's id); scopes drafting across requests
 
 
 @dataclass
@@ -73,6 +74,7 @@ class DraftRequest:
     # context is not all committed, so routing feedback waits for a round that starts from committed tokens
     ahead: bool = False
     wait_s: float | None = None  # how long the verifier waits for this round's drafts (None: draft_timeout_ms)
+    tenant: str | None = None  # SpeculationOverrides.tenant
 
 
 @dataclass
@@ -85,6 +87,7 @@ class DrafterCall:
     context: list[int]
     steps: int = 1
     score_context: bool = False
+    tenant: str | None = None  # DraftRequest.tenant: a drafter that remembers outputs keeps them per tenant
 
 
 @dataclass

@@ -61,7 +61,8 @@ class DraftPlanner:
             batch.append(DraftRequest(r, contexts[r], k,
                                       # up to n nodes per depth: the fused path and its branches
                                       budget=min(spec.tree_budget, mode.drafters_per_request * k),
-                                      participation=mode, drafters=o.drafters, routing=o.routing, ahead=ahead))
+                                      participation=mode, drafters=o.drafters, routing=o.routing, ahead=ahead,
+                                      tenant=o.tenant))
         if self.retirement is not None:
             if not (self.controller and self.controller.probing):  # a probe of a routed mode only measures it
                 self.retirement.observe(len(batch), sum(1 for d in batch if not d.participation.generalist))

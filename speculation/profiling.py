@@ -27,6 +27,29 @@ def fit_draft_latency(model, batch: int, context: int = 128, make_runner=None) -
     return lat
 
 
+def fit_step_latency(engine, batch: int, context: int = 128, vocab: int = 1000, steps: int = 8) -> LinearLatency:
+    """t(batch size) of a drafting engine's one-token step, timed on repetitive random contexts (a model-free
+    drafter's cost, which no model's step time gives); its test requests are released after."""
+    import random
+    import time
+
+    rng = random.Random(0)
+    lat = LinearLatency()
+    for b in sorted({1, max(1, batch // 2), batch}):
+        rids = [f"profile-{b}-{i}" for i in range(b)]
+        for r in rids:
+            text = [rng.randrange(3, vocab) for _ in range(context // 4)]
+            engine.sync(r, (text * 4)[:context])
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step(rids)
+        lat.samples.append((b, (time.perf_counter() - t) / steps))
+        for r in rids:
+            engine.release(r)
+    lat.refit()
+    return lat
+
+
 def profile_verifier(engine, batches=(1, 4, 8), ks=(0, 2, 4), prompt_len: int = 128, steps: int = 4,
                      vocab: int = 1000) -> LinearLatency:
     """t(tokens in the step) of a verifier engine (either kind) as the loop drives it: `batches` requests, each

@@ -21,6 +21,15 @@ tends to give a prompt a higher likelihood than the matching specialist, yet dra
 the softmax `generalist_margin` nats per token down, so it leads only on prompts no domain drafter explains.
 Measured on 240 held-out 64-token prompts, own domain first: 141 raw, 186 with the margin, 206 with the margin and
 the drafters' per-token floor (engines/drafter.py). Without prompt scores every drafter starts equal.
+
+Model-free drafters (n-gram, suffix: engines/model_free.py) take no place: the routed places go to the drafter
+models, and every model-free drafter joins each routed round beside them. They cost a lookup, not a forward pass,
+and propose nothing where the context's end never occurred before, so the choice between them and the models is
+made per step, token by token, by fusion (Eq. 4): a match's confidence (its continuation's frequency) against the
+models' probabilities, Snowflake's hybrid of suffix and model drafts made by the match's score. Their routing
+scores are kept by the same Eq. 1-2 as the models' (their tokens are scored against what the target committed), so
+a request's ranking at release says which drafter its output followed; they have no prompt likelihood, so the
+cold start leaves them at 0.
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ class Router:
     drafters: list[str]
     config: RoutingSpec = field(default_factory=RoutingSpec)
     generalists: frozenset[str] = frozenset()  # drafters trained on every domain rather than one
+    model_free: frozenset[str] = frozenset()  # n-gram and suffix drafters: in every routed round, no place taken
 
     def __post_init__(self):
         self.requests: dict[str, _RequestState] = {}
@@ -110,16 +120,16 @@ class Router:
         return st.recent_accepted_length is not None and st.recent_accepted_length < self.config.tau
 
     def route(self, rid: str, n: int | None = None, exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
-        """Drafters for the next round: top-scored ones, each place taken at random with prob alpha/beta; none
-        of `exclude` (drafters sitting out)."""
-        ranked = [d for d in self.ranking(rid) if d not in exclude]
+        """Drafters for the next round: top-scored drafter models, each place taken at random with prob
+        alpha/beta, then every model-free drafter; none of `exclude` (drafters sitting out)."""
+        ranked = [d for d in self.ranking(rid) if d not in exclude and d not in self.model_free]
         n = min(n or self.config.drafters_per_request, len(ranked))
         p_random = self.config.alpha if self.exploring(rid) else self.config.beta
         chosen: list[str] = []
         for _ in range(n):
             rest = [d for d in ranked if d not in chosen]
             chosen.append(self.rng.choice(rest) if self.rng.random() < p_random else rest[0])
-        return chosen
+        return chosen + [d for d in self.drafters if d in self.model_free and d not in exclude]
 
     def update(self, rid: str, accepted_length: float, round_scores: dict[str, float]) -> None:
         """Feedback after a verification: the request's accepted length and each participating drafter's m."""

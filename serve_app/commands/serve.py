@@ -61,8 +61,9 @@ def profile(args) -> int:
     finally:
         getattr(engine, "shutdown", lambda: None)()
     draft = None
-    if cfg.drafters:
-        draft = fit_draft_latency(load_causal_lm(str(resolve_model(cfg.drafters[0].model)), "cpu"), b)
+    models = [d.model for d in cfg.drafters if not d.model_free]
+    if models:
+        draft = fit_draft_latency(load_causal_lm(str(resolve_model(models[0])), "cpu"), b)
     print(f"# measured by `cosine profile {args.config}`: t = a + b * n in ms (n: tokens in a verify step; "
           "requests in a drafter step)")
     print("speculation:\n  controller:")

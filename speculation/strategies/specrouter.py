@@ -28,13 +28,16 @@ class SpecRouterChains(DraftingStrategy):
 
     def choose(self, req: DraftRequest, up: list[str], last: RoundRecord | None) -> Choice:
         choice = route(self.roster, req, up)
-        rid = req.request_id
-        if choice.ranked and req.participation.drafters_per_request == 1 and choice.drafters:
-            # the routed chain, or a tried one that is cheaper
-            tried = self.costs.tried(rid, up)
-            current = next(iter(last.proposals)) if last is not None and len(last.proposals) == 1 else None
-            candidates = list(dict.fromkeys(choice.drafters + tried))
-            choice.drafters = [self.costs.best(rid, candidates, req.k, current) or choice.drafters[0]]
+        rid, free = req.request_id, self.roster.router.model_free
+        models = [d for d in choice.drafters if d not in free]
+        if choice.ranked and req.participation.drafters_per_request == 1 and models:
+            # the routed chain, or a tried one that is cheaper (model-free drafters join either, as routed)
+            tried = [d for d in self.costs.tried(rid, up) if d not in free]
+            last_models = [n for n in last.proposals if n not in free] if last is not None else []
+            current = last_models[0] if len(last_models) == 1 else None
+            candidates = list(dict.fromkeys(models + tried))
+            best = self.costs.best(rid, candidates, req.k, current) or models[0]
+            choice.drafters = [best] + [d for d in choice.drafters if d in free]
         return choice
 
     def observe(self, rid: str, committed: list[int], rnd: RoundRecord) -> None:

@@ -1,0 +1,203 @@
+"""The model-free drafters (engines/ngram_drafter.py, engines/suffix_drafter.py): their indexes and matching, their
+confidence, rollback, the tenant scoping of the suffix drafter's cross-request tree, their configuration, and
+greedy output identical to the target's with them in the roster."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from assembly.loop import build_loop, generate_all
+from config import AppConfig, DrafterSpec
+from engines.ngram_drafter import NgramDrafterEngine
+from engines.sampling import SamplingParams
+from engines.suffix_drafter import SuffixDrafterEngine, SuffixTree
+from model_family import DOMAINS
+from model_family.distill import greedy_continue
+from serve_app.app import tenant_of
+from serve_app.cli import refusal
+from speculation.messages import SpeculationOverrides
+
+
+def _substrings(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
+    """Occurrences of every substring of at most `depth` tokens: what the trie's counts must be."""
+    out: dict[tuple[int, ...], int] = {}
+    for s in seqs:
+        for i in range(len(s)):
+            for n in range(1, min(depth, len(s) - i) + 1):
+                out[tuple(s[i:i + n])] = out.get(tuple(s[i:i + n]), 0) + 1
+    return out
+
+
+def _paths(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+    out, stack = {}, [((), tree.root)]
+    while stack:
+        path, node = stack.pop()
+        for t, child in node.children.items():
+            out[path + (t,)] = child.count
+            stack.append((path + (t,), child))
+    return out
+
+
+def test_suffix_tree_counts_every_substring_up_to_its_depth_and_takes_them_back():
+    rng = random.Random(0)
+    seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
+    tree = SuffixTree(depth=5)
+    for s in seqs:
+        tree.add(s)
+    assert _paths(tree) == _substrings(seqs, 5)
+    tree.remove(seqs[1])
+    assert _paths(tree) == _substrings(seqs[:1] + seqs[2:], 5)
+    for s in seqs[:1] + seqs[2:]:
+        tree.remove(s)
+    assert _paths(tree) == {}
+    # the last token of a growing sequence taken back, one at a time: as if never added
+    s, active = seqs[0], []
+    for t in s:
+        active = tree.extend(active, t)
+    for n in range(len(s), 0, -1):
+        tree.retract(s[:n][-5:])
+        assert _paths(tree) == _substrings([s[:n - 1]], 5)
+
+
+def test_suffix_tree_matches_the_longest_suffix_that_occurred_with_a_continuation():
+    tree = SuffixTree(depth=8)
+    tree.add([1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3, 5])
+    m = tree.match([8, 7, 2, 3])  # [7, 2, 3] occurred once, followed by 5; [2, 3] three times
+    assert m.length == 3 and {t: c for t, (c, _) in m.counts.items()} == {5: 1}
+    m = tree.match([6, 2, 3])  # only [2, 3]: followed by 4 once and 5 twice
+    assert m.length == 2 and {t: c for t, (c, _) in m.counts.items()} == {4: 1, 5: 2}
+    assert m.proposal().token == 5 and m.proposal().top_tokens == [5, 4]
+    assert tree.match([6, 6]) is None
+
+
+def test_ngram_drafter_copies_the_longest_earlier_ngram_with_frequency_confidence():
+    e = NgramDrafterEngine("ngram", min_n=2, max_n=4)
+    e.sync("r", [5, 1, 2, 3, 4, 8, 1, 2, 3, 4, 8, 0, 2, 3, 7, 1, 2, 3])
+    [p] = e.draft(["r"], 1)["r"]
+    # [1, 2, 3] was followed by 4 twice; the 4-gram [_, 1, 2, 3] ending the context never occurred before
+    assert p.token == 4 and p.prob == pytest.approx(2 / (2 + 4 / 3))
+    chain = e.draft(["r"], 4)["r"]
+    # each proposal fed back and matched again; after [2, 3, 4, 8] came 1 and 0 once each: the first seen wins
+    assert [q.token for q in chain] == [4, 8, 1, 2]
+    e.sync("r", [9, 9, 9, 1])  # nothing before ends like this: no proposal
+    assert e.step(["r"]) == {}
+
+
+@pytest.mark.parametrize("make", [lambda: NgramDrafterEngine("ngram", 1, 4),
+                                  lambda: SuffixDrafterEngine("suffix", max_depth=6)])
+def test_a_model_free_drafter_synced_back_and_forth_drafts_as_a_fresh_one(make):
+    rng = random.Random(1)
+    text = [rng.randrange(6) for _ in range(120)]
+    moved = make()
+    for _ in range(30):  # contexts that grow, diverge and shrink, as rounds and lockstep re-calls give them
+        n = rng.randrange(2, len(text))
+        ctx = text[:n] + ([rng.randrange(6) for _ in range(rng.randrange(3))] if rng.random() < 0.5 else [])
+        moved.sync("r", ctx)
+        fresh = make()
+        fresh.sync("r", ctx)
+        assert moved.draft(["r"], 6) == fresh.draft(["r"], 6)
+
+
+def test_suffix_drafter_drafts_a_tenants_earlier_output_for_that_tenant_only():
+    e = SuffixDrafterEngine("suffix", max_depth=16)
+    secret = list(range(100, 140))
+    e.sync("a1", [1, 2, 3], tenant="A")
+    e.sync("a1", [1, 2, 3] + secret)  # its output, as later rounds sync it
+    e.release("a1")
+    asked = [7, 8] + secret[:6]  # a prompt that starts the same text
+    e.sync("b1", asked, tenant="B")
+    e.sync("anon", asked)
+    assert e.draft(["b1", "anon"], 8) == {"b1": [], "anon": []}  # never drafted for another tenant, or none
+    e.sync("a2", asked, tenant="A")
+    assert [p.token for p in e.draft(["a2"], 8)["a2"]] == secret[6:14]
+    for rid in ("b1", "anon"):
+        e.sync(rid, asked + [50, 51, 52])
+        e.release(rid)  # B's output is B's; one without a tenant leaves nothing behind
+    assert set(e.tenants) == {"A", "B"}
+    e.sync("b2", asked, tenant="B")
+    assert e.draft(["b2"], 8) == {"b2": []}
+
+
+def test_suffix_drafter_keeps_the_last_outputs_of_the_most_recent_tenants():
+    e = SuffixDrafterEngine("suffix", max_depth=8, cached_outputs=2, max_tenants=2)
+    for i, tenant in enumerate(["A", "A", "A", "B", "C"]):
+        e.sync(f"r{i}", [1], tenant=tenant)
+        e.sync(f"r{i}", [1] + [10 * i + j for j in range(1, 6)])
+        e.release(f"r{i}")
+    assert list(e.tenants) == ["B", "C"]  # A served least recently: forgotten
+    e2 = SuffixDrafterEngine("suffix", max_depth=8, cached_outputs=2)
+    for i in range(3):
+        e2.sync(f"r{i}", [1], tenant="A")
+        e2.sync(f"r{i}", [1] + [10 * i + j for j in range(1, 6)])
+        e2.release(f"r{i}")
+    tree, outputs = e2.tenants["A"]
+    assert len(outputs) == 2 and tree.match([1, 2]) is None and tree.match([11, 12]).length == 2
+
+
+def _spec(**kw) -> DrafterSpec:
+    return DrafterSpec.model_validate({"name": "x", **kw})
+
+
+def test_model_free_drafters_are_configured_in_the_drafter_schema_and_bad_settings_refused_in_one_line():
+    assert _spec(kind="ngram").ngram.max_n == 5 and _spec(kind="suffix", suffix={"max_depth": 8}).suffix.max_depth == 8
+    assert _spec(kind="suffix").model_free and not _spec(model="drafter-code").model_free
+    bad = [dict(kind="ngram", model="drafter-code"), dict(kind="suffix", dtype="float32"), dict(kind="model"),
+           dict(kind="ngram", ngram={"min_n": 4, "max_n": 2}), dict(kind="ngram", suffix={}),
+           dict(model="drafter-code", ngram={}), dict(kind="suffix", suffix={"max_depth": 1})]
+    for kw in bad:
+        with pytest.raises(ValidationError) as e:
+            _spec(**kw)
+        line = refusal(e.value)
+        assert "\n" not in line and line.startswith("invalid configuration")
+
+
+def _cfg(drafters: list[dict], k: int = 8) -> AppConfig:
+    return AppConfig.model_validate({
+        "tokenizer": "tokenizer", "drafters": drafters,
+        "verifier": {"engine": "torch", "model": "target", "max_batch": 8, "max_len": 1024},
+        "speculation": {"mode": "cosine", "k": k, "tree_budget": 16, "adaptive": False, "draft_timeout_ms": 10000}})
+
+
+FREE = [{"name": "ngram", "kind": "ngram"}, {"name": "suffix", "kind": "suffix"}]
+
+
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_greedy_output_is_the_targets_with_model_free_drafters_in_the_roster(target, tokenizer, heldout, lockstep):
+    cfg = _cfg([{"name": "code", "model": "drafter-code"}, {"name": "legal", "model": "drafter-legal"}] + FREE)
+    cfg.speculation.lockstep = lockstep
+    prompts = [tokenizer(heldout[d][5], add_special_tokens=False).input_ids[:48] for d in DOMAINS]
+    loop = build_loop(cfg)
+    got = asyncio.run(generate_all(loop, prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * len(prompts)))
+    want = [greedy_continue(target, torch.tensor([p]), 40)[0, len(p):].tolist() for p in prompts]
+    assert [g.token_ids for g in got] == want
+    assert any({"ngram", "suffix"} & set(g.stats["drafters_used"]) for g in got)
+    assert any({"code", "legal"} & set(g.stats["drafters_used"]) for g in got)
+
+
+def test_the_tenant_reaches_the_suffix_drafter_through_the_loop_and_only_its_outputs_draft_for_it(tokenizer, heldout):
+    """A served request carries its API key's tenant (serve_app/app.py `tenant_of`) in its overrides; the planner,
+    the coordinator and the drafter server hand it to the suffix drafter, whose tree of that tenant's outputs then
+    drafts a later request of the same tenant, not one of another."""
+    assert tenant_of("k1") == tenant_of("k1") != tenant_of("k2") and "k1" not in tenant_of("k1")
+    assert tenant_of(None) is None
+    cfg = _cfg([{"name": "suffix", "kind": "suffix"}], k=4)
+    loop = build_loop(cfg)
+    server = loop.drafting.servers["suffix"]
+    suffix = server.engine
+    prompt = tokenizer(heldout["legal"][2], add_special_tokens=False).input_ids[:40]
+    params = [SamplingParams(max_tokens=48, ignore_eos=True)]
+    [first] = asyncio.run(generate_all(loop, [prompt], params, [SpeculationOverrides(tenant="A")]))
+    server.executor.submit(lambda: None).result()  # the release runs on the drafter's thread, after its steps
+    assert set(suffix.tenants) == {"A"}
+    # the same prompt again: tenant A drafts from its first output from the start, tenant B only from its own context
+    [again] = asyncio.run(generate_all(loop, [prompt], params, [SpeculationOverrides(tenant="A")]))
+    [other] = asyncio.run(generate_all(loop, [prompt], params, [SpeculationOverrides(tenant="B")]))
+    assert again.token_ids == other.token_ids == first.token_ids
+    assert again.stats["num_accepted_tokens"] > other.stats["num_accepted_tokens"]
+    server.executor.submit(lambda: None).result()
+    assert set(suffix.tenants) == {"A", "B"}
