@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -120,7 +121,7 @@ def is_other_run(argv: list[str]) -> bool:
     names = [Path(a).name for a in argv]
     if "pytest" in names or "py.test" in names or ("-m" in argv and "pytest" in argv):
         return True
-    return any(a in ("cosine", "serve_app.cli") and b == "bench" for a, b in zip(names, names[1:]))
+    return any(a in ("cosine", "serve_app.cli") and b == "bench" for a, b in pairwise(names))
 
 
 def _processes(proc: Path) -> dict[int, tuple[int, list[str]]]:

@@ -45,8 +45,8 @@ def spread(row: dict) -> float:
 
 
 def refuse_noisy(column: str, baselines: list[dict]) -> None:
-    noisy = [f"{r.get('system') or r['method']} at {r.get('concurrency') or r.get('batch')}: "
-             f"{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f} tok/s, spread {spread(r):.2f}"
+    noisy = [(f"{r.get('system') or r['method']} at {r.get('concurrency') or r.get('batch')}: "
+              f"{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f} tok/s, spread {spread(r):.2f}")
              for r in baselines if spread(r) > SPREAD_LIMIT]
     if noisy:
         raise NoisyBaseline(f"{column}: baselines spread over {SPREAD_LIMIT} (re-run on a quiet machine): "

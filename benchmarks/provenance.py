@@ -22,6 +22,7 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 from importlib import metadata
+from itertools import pairwise
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +125,7 @@ def missing_fields(result, path: str | None = None) -> list[str]:
     if not (argv[:1] == ["cosine"] or (argv[:1] and argv[0].startswith("python") and argv[1:2] == ["-m"])):
         wrong.append(f"command {command!r} is not a cosine or python -m command")
     elif path is not None:
-        outputs = [b for a, b in zip(argv, argv[1:]) if a == "--json"]
+        outputs = [b for a, b in pairwise(argv) if a == "--json"]
         outputs += [a.split("=", 1)[1] for a in argv if a.startswith("--json=")]
         if not any(o == path or o.endswith("/" + path) for o in outputs):
             wrong.append(f"command does not write {path} (no --json {path})")
@@ -138,7 +139,7 @@ def known_commit(commit: str) -> bool | None:
         return None
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
-                             capture_output=True, timeout=30)
+                             capture_output=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.returncode == 0

@@ -9,10 +9,10 @@ Every source installs by package name (apt download, pip download, npm pack); no
 
 from __future__ import annotations
 
+import bz2
 import email
 import json
 import lzma
-import bz2
 import re
 import struct
 import subprocess

@@ -10,14 +10,20 @@ import time
 
 import pytest
 
-from benchmarks.common import ALLOW_BUSY, MachineBusy, is_other_run, machine_load, other_runs, refuse_if_busy
+from benchmarks.common import (
+    ALLOW_BUSY,
+    MachineBusy,
+    is_other_run,
+    machine_load,
+    other_runs,
+    refuse_if_busy,
+)
 
 
 def test_the_load_is_recorded_at_start_and_end_even_when_the_run_fails():
-    with pytest.raises(ZeroDivisionError):
-        with machine_load() as load:
-            assert set(load) == {"logical_cores", "start"}
-            1 / 0
+    with pytest.raises(RuntimeError), machine_load() as load:
+        assert set(load) == {"logical_cores", "start"}
+        raise RuntimeError("the benchmark failed")
     assert load["logical_cores"] == os.cpu_count() and len(load["start"]) == len(load["end"]) == 3
     assert all(x >= 0 for x in load["start"] + load["end"])
 
@@ -26,8 +32,8 @@ def test_the_load_is_recorded_at_start_and_end_even_when_the_run_fails():
 def stranger():
     """A process outside this test's tree whose command line reads as a test run: started by a shell that exits at
     once, so it is nobody's child here."""
-    out = subprocess.run(["sh", "-c", f"'{sys.executable}' -c 'import time; time.sleep(60)' -m pytest tests/x.py "
-                          ">/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True)
+    line = f"'{sys.executable}' -c 'import time; time.sleep(60)' -m pytest tests/x.py >/dev/null 2>&1 & echo $!"
+    out = subprocess.run(["sh", "-c", line], capture_output=True, text=True, check=True)
     pid = int(out.stdout)
     deadline = time.time() + 10
     while time.time() < deadline and not any("tests/x.py" in c for c in other_runs()):

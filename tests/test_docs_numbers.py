@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -296,8 +297,8 @@ CITED = re.compile(r"bench_results/[\w./-]+\.json|models/[\w-]+\.json")
 # its date or commit; a paper's figure; a simulated or datasheet-scaled one.
 NOT_KEPT_RUN = re.compile(r"not kept.*(\d{4}-\d{2}-\d{2}|\b[0-9a-f]{7,40}\b)|(\d{4}-\d{2}-\d{2}|\b[0-9a-f]{7,40}\b)"
                           r".*not kept")
-PAPER = re.compile(r"\bpapers?\b|\(CoSine|CoSine paper|arXiv", re.I)
-SIMULATED = re.compile(r"simulat|datasheet", re.I)
+PAPER = re.compile(r"\bpapers?\b|\(CoSine|CoSine paper|arXiv", re.IGNORECASE)
+SIMULATED = re.compile(r"simulat|datasheet", re.IGNORECASE)
 
 
 def _values(obj, key: str = "", out: dict | None = None) -> dict[str, list[float]]:
@@ -377,7 +378,7 @@ def _units(text: str) -> list[tuple[set[str], str]]:
     """(the JSON files its section and the sections above it cite, the text) of every table row, paragraph and list
     item of a markdown text (a wrapped line is read with the rest of its paragraph), code blocks left out."""
     lines = text.splitlines()
-    sections, fence, level_of = [], False, []
+    sections, fence = [], False
     for i, line in enumerate(lines):  # (heading level, first line) of each section
         if line.startswith("```"):
             fence = not fence
@@ -434,8 +435,7 @@ def test_every_ratio_is_in_the_json_its_line_or_section_cites(rel):
 
 
 def test_the_ratio_check_catches_a_figure_no_json_holds(tmp_path, monkeypatch):
-    import tests.test_docs_numbers as me
-
+    me = sys.modules[__name__]
     (tmp_path / "bench_results").mkdir()
     (tmp_path / "bench_results" / "r.json").write_text(json.dumps({"rows": [
         {"batch": 1, "tokens_per_s": 30.0}, {"batch": 1, "tokens_per_s": 20.0, "s": 1.234},
