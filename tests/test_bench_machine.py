@@ -10,14 +10,7 @@ import time
 
 import pytest
 
-from benchmarks.common import (
-    ALLOW_BUSY,
-    MachineBusy,
-    is_other_run,
-    machine_load,
-    other_runs,
-    refuse_if_busy,
-)
+from benchmarks.common import ALLOW_BUSY, MachineBusy, is_other_run, machine_load, other_runs, refuse_if_busy
 
 
 def test_the_load_is_recorded_at_start_and_end_even_when_the_run_fails():
