@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 from model_family import DOMAINS
-from benchmarks.common import ServedApp, cell, heldout_prompts, tps_cell
+from benchmarks.common import ServedApp, cell, heldout_prompts, machine_load, refuse_if_busy, tps_cell
 from benchmarks.metrics import save_json
 from benchmarks.sampled import (P_FLOOR, Sampling, check_cell, check_header, distribution_pvalue, reference_model,
                                 text_columns)
@@ -50,6 +50,11 @@ SERVED = "ours: vLLM verifier + drafting tier, served (Ray Serve, HTTP)"
 OURS = "ours: vLLM verifier + drafting tier, in process"
 HF = "HF assisted generation, domain drafter"
 ORACLE = "vLLM draft_model, domain drafter"
+
+
+# `--systems`: the short names of the rows to run (vLLM target-only, the baseline, always runs)
+SHORT = {"draft-generic": "vLLM draft_model, generic drafter", "draft-domain": ORACLE, "ngram": "vLLM ngram",
+         "hf": HF, "ours": OURS, "served": SERVED}
 
 
 def _systems(served: bool) -> dict[str, dict]:
@@ -66,7 +71,8 @@ def _systems(served: bool) -> dict[str, dict]:
 
 def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: int = 128, concurrencies=(1, 8),
         prompt_len: int = 64, repeats: int = 3, served: bool = True, port: int = 8011, k: int = 4,
-        sampling: Sampling = Sampling(), log=print) -> dict:
+        sampling: Sampling = Sampling(), only: tuple[str, ...] | None = None, log=print) -> dict:
+    """`only`: the short names (`SHORT`) of the systems to run beside vLLM target-only; all by default."""
     """`sampling`: every system at these settings, each request with its own seed, the same for every system
     (benchmarks/sampled.py); sampled outputs are checked by distribution instead of against target-only's."""
     from transformers import AutoTokenizer
@@ -80,13 +86,16 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     prompts = heldout_prompts(tok, per_domain, prompt_len)
     max_batch = max(concurrencies)
     systems = _systems(served)
+    if only is not None:
+        keep = {TARGET_ONLY} | {SHORT[o] for o in only}
+        systems = {name: spec for name, spec in systems.items() if name in keep}
     logs = Path(tempfile.mkdtemp(prefix="cosine-anchors-"))
     log(f"worker logs: {logs}")
     plan = [(name, c) for c in concurrencies for name in systems if not (name == HF and c > 1)]
     # The domain-drafter rows need one vLLM engine per domain, and this machine's memory does not hold nine vLLM
     # engines at once: they run first, one domain's engine at a time (warm-up, then the repeats).
     runs: dict[tuple[str, int], list[dict]] = _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch,
-                                                            k, logs, log, sampling)
+                                                            k, logs, log, sampling) if ORACLE in systems else {}
     runners: dict[str, object] = {}
     try:
         for i, (name, spec) in enumerate(systems.items()):
@@ -208,7 +217,7 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
     tpot = statistics.median(s / max(1, len(o)) for s, o in zip(mid["seconds"], mid["outputs"]))
     return {"system": name, "concurrency": concurrency, "tokens_per_s": round(statistics.median(tps), 1),
             "tokens_per_s_min": round(tps[0], 1), "tokens_per_s_max": round(tps[-1], 1), "runs": len(runs),
-            "tpot_ms": round(1000 * tpot, 1),
+            "tpot_ms": round(1000 * tpot, 1), **_latency(mid),
             "mean_accepted_length": round(1 + mid["accepted"] / mid["drafts"], 3) if mid["drafts"] else None,
             "target_passes_per_token": round(mid["steps"] / mid["tokens"], 3) if mid["steps"] else None,
             # the median run's drafting cost (None where the system does not report it: HF, served, target-only)
@@ -220,6 +229,17 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             "identical_to_vllm_target_only": all(_same(r, reference, tok) for r in runs)
             if greedy else None,
             "text": text_stats([o for r in runs for o in r["outputs"]])}
+
+
+def _latency(run: dict) -> dict:
+    """Time to first token (median over the run's requests) and the 99th percentile of the intervals between a
+    request's tokens (over all of them), where the system reports arrivals (not HF's nor the served row's)."""
+    lat = run.get("latency")
+    if not lat:
+        return {"ttft_ms": None, "itl_p99_ms": None}
+    itl = sorted(x for r in lat for x in r["itl_s"])
+    return {"ttft_ms": round(1000 * statistics.median(r["ttft_s"] for r in lat), 1),
+            "itl_p99_ms": round(1000 * itl[min(len(itl) - 1, int(0.99 * len(itl)))], 1) if itl else None}
 
 
 def _same(run: dict, reference: list[list[int]], tok) -> bool:
@@ -238,23 +258,28 @@ def _goals(rows: list[dict], concurrencies) -> dict:
     builtin = [r["system"] for r in rows if r["system"].startswith("vLLM") and r["system"] != TARGET_ONLY]
     out = {}
     lo, hi = min(concurrencies), max(concurrencies)
-    best_builtin = max(tps(s, lo) for s in set(builtin))
+    best_builtin = max((tps(s, lo) for s in set(builtin)), default=None)
     for s in ours:
         if tps(s, lo) is not None:
-            out[f"{s} / best built-in vLLM method, concurrency {lo}"] = round(tps(s, lo) / best_builtin, 3)
+            if best_builtin:
+                out[f"{s} / best built-in vLLM method, concurrency {lo}"] = round(tps(s, lo) / best_builtin, 3)
             out[f"{s} / vLLM target-only, concurrency {hi}"] = round(tps(s, hi) / tps(TARGET_ONLY, hi), 3)
     return out
 
 
 def format_table(result: dict) -> str:
     text_head, text_sep, text_cells = text_columns(result)
+    # time to first token and p99 inter-token latency: in the runs that measured them (not the earlier JSON's)
+    latency = any("ttft_ms" in r for r in result["rows"])
+    lat_head, lat_sep = ("| time to first token ms | p99 inter-token ms ", "---|---|") if latency else ("", "")
     lines = [("| system | concurrency | tok/s median (min-max) | time per output token ms | mean accepted length "
-              "| target passes/token | drafting ms per drafted token | drafting ms per round "
+              f"{lat_head}| target passes/token | drafting ms per drafted token | drafting ms per round "
               f"| speed-up vs vLLM target-only | {check_header(result, 'output = vLLM target-only')} |{text_head}"),
-             "|---|---|---|---|---|---|---|---|---|---|" + text_sep]
+             "|---|---|---|---|---|---|---|---|---|---|" + lat_sep + text_sep]
     for r in result["rows"]:
+        lat = f"| {cell(r.get('ttft_ms'), '{:.1f}')} | {cell(r.get('itl_p99_ms'), '{:.1f}')} " if latency else ""
         lines.append(f"| {r['system']} | {r['concurrency']} | {tps_cell(r)} | {r['tpot_ms']:.1f} "
-                     f"| {cell(r['mean_accepted_length'])} | {cell(r['target_passes_per_token'], '{:.3f}')} "
+                     f"| {cell(r['mean_accepted_length'])} {lat}| {cell(r['target_passes_per_token'], '{:.3f}')} "
                      f"| {cell(r.get('draft_ms_per_drafted_token'))} | {cell(r.get('draft_ms_per_round'))} "
                      f"| {r['speedup_vs_vllm_target_only']:.2f}x | {check_cell(r, 'identical_to_vllm_target_only')} "
                      f"|{text_cells(r)}")
@@ -268,9 +293,12 @@ def format_table(result: dict) -> str:
 
 
 def main(args) -> int:
-    result = run(args.config, per_domain=args.per_domain, new_tokens=args.new_tokens,
-                 concurrencies=tuple(args.concurrency), repeats=args.repeats, served=not args.no_served,
-                 port=args.port, k=args.k, sampling=Sampling.from_args(args))
+    refuse_if_busy()
+    with machine_load() as load:
+        result = run(args.config, per_domain=args.per_domain, new_tokens=args.new_tokens,
+                     concurrencies=tuple(args.concurrency), repeats=args.repeats, served=not args.no_served,
+                     port=args.port, k=args.k, sampling=Sampling.from_args(args), only=args.systems)
+    result["machine_load"] = load
     print(format_table(result))
     save_json(result, args.json)
     return 0

@@ -154,10 +154,10 @@ def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 20
             return res["intervals"]
 
         cells = [(b, n) for n in prompt_lens for b in batches]
-        for name in runners:
+        for name in runners:  # at every batch size, on short prompts (a long prompt's prefill warms nothing more)
             log(f"[warm-up] {name}")
-            for b, n in cells:
-                measure(name, _prompts(b, n, vocab, 1), 8)
+            for b in batches:
+                measure(name, _prompts(b, min(prompt_lens), vocab, 1), 8)
         per_repeat: dict[tuple[str, int, int], list[float]] = {}
         for rep in range(repeats):
             for b, n in cells:
@@ -217,10 +217,14 @@ def table(result: dict) -> str:
 
 
 def main(args) -> int:
+    from benchmarks.common import machine_load, refuse_if_busy
     from benchmarks.metrics import save_json
 
-    result = run(args.config, tuple(args.batches), tuple(args.prompt_lens), args.new_tokens, args.repeats,
-                 args.served, args.port, args.temperature, args.top_p)
+    refuse_if_busy()
+    with machine_load() as load:
+        result = run(args.config, tuple(args.batches), tuple(args.prompt_lens), args.new_tokens, args.repeats,
+                     args.served, args.port, args.temperature, args.top_p)
+    result["machine_load"] = load
     print(table(result))
     save_json(result, args.json)
     return 0

@@ -82,6 +82,9 @@ class VerifyLoop:
                                                  initargs=(torch.get_num_threads(),))
         self.requests: dict[str, _Request] = {}
         self._fresh: set[str] = set()  # requests whose prompt no step has fed yet
+        # the next speculative step pays one-time costs (its round scored new prompts for routing, or drafters catch
+        # up on the tokens committed while steps were plain): the guard leaves it out, as it leaves out prefills
+        self._catching_up = False
         self._asked: set[str] = set()  # requests a drafting round was asked for since their last step
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.ids = itertools.count()
@@ -203,6 +206,7 @@ class VerifyLoop:
                 participations.add(d.participation if req.drafted else None)
                 scored += 0 if req.drafted else len(d.context)
                 req.participation, req.drafted = d.participation, True
+        self._catching_up |= scored > 0
         t, work = time.perf_counter(), WORK.snapshot()
         try:
             timeout = draft_timeout_s(self.cfg.speculation, list(self.stats.verify_seconds)[-32:], scored > 0)
@@ -316,7 +320,8 @@ class VerifyLoop:
             seconds, turn = last_end - t, self.grouping.turn
             self.stats.verify_step(seconds, drafts, outs, len(self.requests))
             asked = bool(drafts) or any(r in self._asked for r in members)
-            prefill = any(o.request_id in self._fresh for o in outs)
+            prefill = self._catching_up or any(o.request_id in self._fresh for o in outs)
+            self._catching_up = False
             self._asked.difference_update(members)
             self._fresh.difference_update(o.request_id for o in outs)
             self.planner.observe_committed(len(outs), sum(len(o.new_token_ids) for o in outs), last_end - since,

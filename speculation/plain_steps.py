@@ -70,4 +70,5 @@ class PlainSteps:
         if loop.trace:
             loop.trace.step(end, len(outs), loop.engine.last_step_tokens, end - t, 0.0, 0)
         loop.deliver(outs)
+        loop._catching_up = True  # the next speculative step's drafters catch up on this step's tokens
         return end

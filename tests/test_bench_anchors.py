@@ -64,9 +64,12 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
         res["tokens"] = sum(len(o) for o in res["outputs"])
         row = anchors._row(name, 2, [res], reference, tokenizer)
         assert row["draft_ms_per_drafted_token"] > 0 and row["draft_ms_per_round"] > 0
+        # latency from each request's token arrivals: the first token after the prompt, later ones closer together
+        assert 0 < row["itl_p99_ms"] and 0 < row["ttft_ms"]
+        assert all(len(r["itl_s"]) >= 1 for r in res["latency"])
         rows.append(dict(row, speedup_vs_vllm_target_only=1.0))
     table = anchors.format_table({"rows": rows, "goals": {}})
-    assert "drafting ms per drafted token" in table
+    assert "drafting ms per drafted token" in table and "p99 inter-token ms" in table
     assert f"{rows[0]['draft_ms_per_drafted_token']:.2f}" in table
 
 
