@@ -18,6 +18,7 @@ from engines.sampling import SamplingParams
 from engines.suffix_drafter import SuffixDrafterEngine, SuffixTree
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
+from model_family.text_stats import repeated_ngram_share
 from serve_app.app import tenant_of
 from serve_app.cli import refusal
 from speculation.messages import SpeculationOverrides
@@ -201,3 +202,32 @@ def test_the_tenant_reaches_the_suffix_drafter_through_the_loop_and_only_its_out
     assert again.stats["num_accepted_tokens"] > other.stats["num_accepted_tokens"]
     server.executor.submit(lambda: None).result()
     assert set(suffix.tenants) == {"A", "B"}
+
+
+def test_a_request_whose_output_repeats_its_context_is_drafted_by_the_model_free_drafters(target, tokenizer, heldout):
+    """The target's own looping text as the prompt (the shipped target loops on code): its continuation repeats the
+    context, and the model-free drafters alone draft it at full depth, output unchanged; beside a drafter model of
+    another domain their tokens are accepted too. On free text (the least repetitive literature continuation) the
+    domain drafter model stays ranked first."""
+    def continued(domain: str, pick) -> tuple[list[int], list[int]]:
+        outs = []
+        for text in heldout[domain][:2]:
+            p = tokenizer(text, add_special_tokens=False).input_ids[:32]
+            out = greedy_continue(target, torch.tensor([p]), 96)[0, len(p):].tolist()
+            outs.append((repeated_ngram_share(out[48:]), p + out[:48], out[48:]))
+        _, prompt, want = pick(outs, key=lambda o: o[0])
+        return prompt, want
+
+    prompt, want = continued("code", max)
+    assert repeated_ngram_share(want) > 0.5
+    for drafters in (FREE, [{"name": "biomedical", "model": "drafter-biomedical"}] + FREE):
+        loop = build_loop(_cfg(drafters))
+        [g] = asyncio.run(generate_all(loop, [prompt], [SamplingParams(max_tokens=48, ignore_eos=True)]))
+        assert g.token_ids == want
+        assert g.stats["mean_acceptance_length"] >= 6 and {"ngram", "suffix"} & set(g.stats["drafters_used"])
+    prompt, want = continued("literature", min)
+    loop = build_loop(_cfg([{"name": "literature", "model": "drafter-literature"}] + FREE))
+    [g] = asyncio.run(generate_all(loop, [prompt], [SamplingParams(max_tokens=48, ignore_eos=True)]))
+    assert g.token_ids == want
+    [(_, ranking)] = loop.drafting.coordinator.routing_history
+    assert ranking[0] == "literature"
