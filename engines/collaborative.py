@@ -99,6 +99,9 @@ class CollaborativeEngine(TorchVerifierEngine):
                              f"{partner.config.vocab_size} tokens, the target {self.model.config.vocab_size}")
         # it steps on the verifier's thread, between the target's steps: the verifier's stream
         self.partner = LlamaRunner(partner, max_slots=max_batch, max_len=self.max_len, role=VERIFIER)
+        if self.partner.graphs is not None:  # as the target's: every bucket captured now, none while serving
+            for hidden_only_last in (False, True):
+                self.partner.graphs.capture(hidden_only_last)
         self.combination = combination
         self.k = k
         self.alternate = alternate

@@ -2,10 +2,11 @@
 (on a GPU each one waits for the device: a sync), CUDA graph captures, and captures after warm-up (which must be 0:
 a capture costs tens of milliseconds and, on a GPU, holds every other stream).
 
-The counts are the same on a CPU, where the reads cost nothing, so that tests here bound what a GPU will pay: a
-drafting round costs one forward per drafter shape and depth, and one host read per forward. The verify loop
-takes the counts around each drafting round and verify step (`LoopStats`), `cosine bench engine` reports them per
-round and depth, and the verifier and drafter deployments export them on /metrics.
+The counts are the same on a CPU, where the reads cost nothing (and steps at padded shapes record the shapes a GPU
+would capture, engines/graphs.py), so that tests here bound what a GPU will pay: a drafting round costs one forward
+per drafter shape and depth, and one host read per forward. The verify loop takes the counts around each drafting
+round and verify step (`LoopStats`), `cosine bench engine` reports them per round and depth, and the verifier and
+drafter deployments export them on /metrics.
 """
 
 from __future__ import annotations
