@@ -28,7 +28,7 @@ def build_loop(cfg: AppConfig, engine: VerifierEngine | None = None,
     already loaded `drafter_models`, name -> model or `DrafterEngine`)."""
     tier = InProcessDraftingTier.from_config(cfg, drafter_models) if cfg.speculation.mode != "off" else None
     loop = VerifyLoop(engine if engine is not None else build_verifier_engine(cfg), cfg, tier)
-    loop.drafting_overlaps_verification = colocated_overlap(cfg.speculation.colocated_overlap, loop.engine.device)
+    loop.drafting_overlaps_verification = cfg.speculation.colocated_overlaps(loop.engine.device)
     freeze_startup_heap()
     return loop
 
@@ -39,13 +39,6 @@ def freeze_startup_heap() -> None:
     startup, before our drafters and deployment exist)."""
     gc.collect()
     gc.freeze()
-
-
-def colocated_overlap(setting: str, verifier_device: str) -> bool:
-    """Whether drafting in the verifier's process overlaps verification (`speculation.colocated_overlap`); auto: on
-    a GPU, where the target's step is the device's work and drafting mostly the host's, so the two can run at once;
-    not on a CPU, where they would take the same cores."""
-    return setting == "on" or (setting == "auto" and verifier_device.startswith("cuda"))
 
 
 async def generate_all(loop: VerifyLoop, prompts: list[list[int]], params: list[SamplingParams],

@@ -225,6 +225,13 @@ class SpeculationSpec(Strict):
     # hold a cache), so it runs as one replica; place it next to the verifier
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
 
+    def colocated_overlaps(self, verifier_device: str) -> bool:
+        """Whether drafting in the verifier's process overlaps verification (`colocated_overlap`); auto: on a GPU,
+        where the target's step is the device's work and drafting mostly the host's, so the two can run at once; not
+        on a CPU, where they would take the same cores."""
+        setting = self.colocated_overlap
+        return setting == "on" or (setting == "auto" and verifier_device.startswith("cuda"))
+
     @model_validator(mode="after")
     def _fixed_timeout_as_written(self):
         if "draft_timeout_ms" in self.model_fields_set and "draft_timeout_share" not in self.model_fields_set:

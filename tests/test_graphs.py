@@ -1,7 +1,8 @@
 """What a GPU run's device work rests on, checked on the CPU: CUDA graphs' bookkeeping and the lock (engines/graphs.py)
-and the overlap of colocated drafting with verification (assembly/loop.py). What a GPU would capture at startup
-covers every shape a round meets; a runner whose cache a drafter pool re-points drops the graphs that addressed the
-old one; steps never wait for a capture; drafting overlaps verification where the verifier runs on a GPU."""
+and the overlap of colocated drafting with verification (`speculation.colocated_overlap`). What a GPU would capture
+at startup covers every shape a round meets; a runner whose cache a drafter pool re-points drops the graphs that
+addressed the old one; steps never wait for a capture; drafting overlaps verification where the verifier runs on a
+GPU."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from assembly.loop import build_loop, colocated_overlap, generate_all
-from config import AppConfig
+from assembly.loop import build_loop, generate_all
+from config import AppConfig, SpeculationSpec
 from engines.device_work import WORK, warmed_up
 from engines.drafter import DrafterEngine
 from engines.drafter_pool import DrafterPool
@@ -142,9 +143,12 @@ def test_colocated_drafting_overlaps_verification_where_the_verifier_runs_on_a_g
     """`speculation.colocated_overlap`: auto overlaps on a GPU (the target's kernels while the drafters' host work
     runs), not on a CPU (the same cores); on and off as set. The loop built in process takes it from the config and
     the verifier's device."""
-    assert colocated_overlap("auto", "cuda") and colocated_overlap("auto", "cuda:1")
-    assert not colocated_overlap("auto", "cpu")
-    assert colocated_overlap("on", "cpu") and not colocated_overlap("off", "cuda")
+    def spec(setting):
+        return SpeculationSpec(colocated_overlap=setting)
+
+    assert spec("auto").colocated_overlaps("cuda") and spec("auto").colocated_overlaps("cuda:1")
+    assert not spec("auto").colocated_overlaps("cpu")
+    assert spec("on").colocated_overlaps("cpu") and not spec("off").colocated_overlaps("cuda")
     verifier = TorchVerifierEngine(target, max_batch=2, max_len=MAX_LEN)
     engines = {n: DrafterEngine(m, name=n, max_requests=2, max_len=MAX_LEN) for n, m in drafter_models.items()}
     for setting, overlaps in (("auto", False), ("on", True), ("off", False)):
