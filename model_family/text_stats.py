@@ -1,4 +1,5 @@
-"""How repetitive a model's outputs are: distinct tokens per output and the share of its 4-grams that repeat.
+"""How repetitive a model's outputs are: distinct tokens per output and the share of its 4-grams that repeat (and,
+for a repeated-context workload, the share of its 4-grams its prompt holds).
 
 A model that loops (the same few tokens over and over) drafts well for any drafter, n-gram lookup included, so a
 speed measured on its outputs says little about text a real model writes. These figures go beside every
@@ -25,6 +26,16 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
     return repeats / len(grams)
 
 
+def copied_ngram_share(prompt: Sequence[int], output: Sequence[int], n: int = 4) -> float:
+    """The share of the output's n-grams that occur in its prompt (0 when it has none): how much of what a model
+    wrote it copied from what it was shown (a repeated-context workload's measure, benchmarks/repeated.py)."""
+    grams = [tuple(output[i:i + n]) for i in range(len(output) - n + 1)]
+    if not grams:
+        return 0.0
+    shown = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    return sum(g in shown for g in grams) / len(grams)
+
+
 def _spread(values: list[float], digits: int) -> dict:
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
             "max": round(max(values), digits)}
@@ -39,6 +50,13 @@ def text_stats(outputs: Sequence[Sequence[int]]) -> dict | None:
     return {"outputs": len(outputs),
             "distinct_tokens": _spread([len(set(o)) for o in outputs], 1),
             "repeated_4gram_share": _spread([repeated_ngram_share(o) for o in outputs], 3)}
+
+
+def copied_share_stats(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> dict | None:
+    """The copied 4-gram share of each output from its prompt, as median, min and max (None for no outputs)."""
+    if not outputs:
+        return None
+    return _spread([copied_ngram_share(p, o) for p, o in zip(prompts, outputs)], 3)
 
 
 def stats_cells(stats: dict | None) -> tuple[str, str]:
