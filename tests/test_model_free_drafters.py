@@ -7,14 +7,16 @@ from __future__ import annotations
 import asyncio
 import random
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
+from scipy.stats import chisquare
 
 from assembly.loop import build_loop, generate_all
 from config import AppConfig, DrafterSpec
 from engines.ngram_drafter import NgramDrafterEngine
-from engines.sampling import SamplingParams
+from engines.sampling import SamplingParams, target_probs
 from engines.suffix_drafter import SuffixDrafterEngine, SuffixTree
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
@@ -204,30 +206,58 @@ def test_the_tenant_reaches_the_suffix_drafter_through_the_loop_and_only_its_out
     assert set(suffix.tenants) == {"A", "B"}
 
 
+def _continued(target, tokenizer, heldout, domain: str, pick) -> tuple[list[int], list[int]]:
+    """Of a domain's first two held-out texts, the one whose greedy continuation repeats itself most (`pick` max)
+    or least (min): its first 32 tokens and 48 of the target's as the prompt, and the target's next 48."""
+    outs = []
+    for text in heldout[domain][:2]:
+        p = tokenizer(text, add_special_tokens=False).input_ids[:32]
+        out = greedy_continue(target, torch.tensor([p]), 96)[0, len(p):].tolist()
+        outs.append((repeated_ngram_share(out[48:]), p + out[:48], out[48:]))
+    _, prompt, want = pick(outs, key=lambda o: o[0])
+    return prompt, want
+
+
 def test_a_request_whose_output_repeats_its_context_is_drafted_by_the_model_free_drafters(target, tokenizer, heldout):
     """The target's own looping text as the prompt (the shipped target loops on code): its continuation repeats the
     context, and the model-free drafters alone draft it at full depth, output unchanged; beside a drafter model of
     another domain their tokens are accepted too. On free text (the least repetitive literature continuation) the
     domain drafter model stays ranked first."""
-    def continued(domain: str, pick) -> tuple[list[int], list[int]]:
-        outs = []
-        for text in heldout[domain][:2]:
-            p = tokenizer(text, add_special_tokens=False).input_ids[:32]
-            out = greedy_continue(target, torch.tensor([p]), 96)[0, len(p):].tolist()
-            outs.append((repeated_ngram_share(out[48:]), p + out[:48], out[48:]))
-        _, prompt, want = pick(outs, key=lambda o: o[0])
-        return prompt, want
-
-    prompt, want = continued("code", max)
+    prompt, want = _continued(target, tokenizer, heldout, "code", max)
     assert repeated_ngram_share(want) > 0.5
     for drafters in (FREE, [{"name": "biomedical", "model": "drafter-biomedical"}] + FREE):
         loop = build_loop(_cfg(drafters))
         [g] = asyncio.run(generate_all(loop, [prompt], [SamplingParams(max_tokens=48, ignore_eos=True)]))
         assert g.token_ids == want
         assert g.stats["mean_acceptance_length"] >= 6 and {"ngram", "suffix"} & set(g.stats["drafters_used"])
-    prompt, want = continued("literature", min)
+    prompt, want = _continued(target, tokenizer, heldout, "literature", min)
     loop = build_loop(_cfg([{"name": "literature", "model": "drafter-literature"}] + FREE))
     [g] = asyncio.run(generate_all(loop, [prompt], [SamplingParams(max_tokens=48, ignore_eos=True)]))
     assert g.token_ids == want
     [(_, ranking)] = loop.drafting.coordinator.routing_history
     assert ranking[0] == "literature"
+
+
+def test_sampling_with_model_free_drafters_follows_the_targets_distribution(target, tokenizer, heldout):
+    """Their drafts are deterministic proposals like every drafter's, verified by the same rejection rule: the first
+    two sampled tokens of a prompt whose continuation repeats it (the target's own loop, so that both draft and are
+    accepted) follow the target's joint distribution."""
+    prompt, _ = _continued(target, tokenizer, heldout, "code", max)
+    params = dict(max_tokens=2, temperature=1.0, top_k=4, ignore_eos=True)
+    n = 1200
+    cfg = _cfg(FREE, k=2)
+    cfg.verifier.max_batch = 64
+    out = asyncio.run(generate_all(build_loop(cfg), [prompt] * n, [SamplingParams(seed=i, **params) for i in range(n)]))
+    pairs = [tuple(o.token_ids) for o in out]
+    sp = SamplingParams(**params)
+    with torch.no_grad():
+        p1 = target_probs(target(input_ids=torch.tensor([prompt])).logits[0, -1], sp)
+        firsts = p1.nonzero().flatten().tolist()
+        p2 = {a: target_probs(target(input_ids=torch.tensor([prompt + [a]])).logits[0, -1], sp) for a in firsts}
+    cells = [(a, b) for a in firsts for b in p2[a].nonzero().flatten().tolist()]
+    expected = np.array([float(p1[a] * p2[a][b]) for a, b in cells])
+    observed = np.array([pairs.count(c) for c in cells], dtype=float)
+    assert observed.sum() == n  # nothing outside the target's support
+    assert chisquare(observed, expected / expected.sum() * n).pvalue > 1e-3
+    assert sum(o.stats["num_accepted_tokens"] for o in out) > 0.05 * n
+    assert all(set(o.stats["drafters_used"]) <= {"ngram", "suffix"} for o in out)
