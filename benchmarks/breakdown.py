@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.common import cell
 from benchmarks.workers import Worker, step_intervals
 
 VLLM = "vLLM engine.step()"
@@ -142,7 +143,7 @@ def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 20
             log(f"[start] {VLLM_SERVE}")
             runners[VLLM_SERVE] = VllmServe(port + 2, max_batch, max_len, logs / "vllm-serve.log")
 
-        def measure(name: str, prompts, max_tokens: int) -> list[float]:
+        def measure(name: str, prompts, max_tokens: int) -> dict:
             r = runners[name]
             if name == SERVED:
                 res = streamstep_intervals(r.url, r.model, prompts, max_tokens, sampling,
@@ -151,7 +152,7 @@ def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 20
                 res = streamstep_intervals(r.url, r.model, prompts, max_tokens, sampling, {})
             else:
                 res = r.run(prompts, len(prompts), max_tokens, [], sampling)
-            return res["intervals"]
+            return res
 
         cells = [(b, n) for n in prompt_lens for b in batches]
         for name in runners:  # at every batch size, on short prompts (a long prompt's prefill warms nothing more)
@@ -159,19 +160,23 @@ def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 20
             for b in batches:
                 measure(name, _prompts(b, min(prompt_lens), vocab, 1), 8)
         per_repeat: dict[tuple[str, int, int], list[float]] = {}
+        cpu: dict[tuple[str, int, int], list[float]] = {}
         for rep in range(repeats):
             for b, n in cells:
                 prompts = _prompts(b, n, vocab, 100 + rep)
                 for name in runners:
-                    ms = 1000 * statistics.median(measure(name, prompts, new_tokens))
+                    res = measure(name, prompts, new_tokens)
+                    ms = 1000 * statistics.median(res["intervals"])
                     per_repeat.setdefault((name, b, n), []).append(round(ms, 3))
+                    if res.get("cpu_per_step"):
+                        cpu.setdefault((name, b, n), []).append(round(1000 * statistics.median(res["cpu_per_step"]), 3))
                     log(f"[{rep + 1}/{repeats}] batch {b}, prompt {n}: {name} {ms:.2f} ms per step")
     finally:
         for r in runners.values():
             r.stop()
     return {"config": {"ours": config, "batches": list(batches), "prompt_lens": list(prompt_lens),
                        "new_tokens": new_tokens, "repeats": repeats, "sampling": sampling, "served": served},
-            "rows": rows(per_repeat)}
+            "rows": rows(per_repeat, cpu)}
 
 
 def _served_config(config: str, max_batch: int, max_len: int, logs: Path) -> str:
@@ -184,9 +189,12 @@ def _served_config(config: str, max_batch: int, max_len: int, logs: Path) -> str
     return str(out)
 
 
-def rows(per_repeat: dict[tuple[str, int, int], list[float]]) -> list[dict]:
+def rows(per_repeat: dict[tuple[str, int, int], list[float]],
+         cpu: dict[tuple[str, int, int], list[float]] | None = None) -> list[dict]:
     """A row per (system, batch, prompt length): ms per step over the repeats; against vLLM's own (in process:
-    `engine.step()`, served: `vllm serve`) the ratio of speeds and the host time added per step."""
+    `engine.step()`, served: `vllm serve`) the ratio of speeds and the host time added per step; in process also
+    the process's CPU ms per step (all its threads), and what ours adds to vLLM's."""
+    cpu = cpu or {}
     out = []
     for (name, b, n), ms in per_repeat.items():
         base_name = VLLM_SERVE if name in (SERVED, VLLM_SERVE) else VLLM
@@ -200,19 +208,26 @@ def rows(per_repeat: dict[tuple[str, int, int], list[float]]) -> list[dict]:
             row |= {"baseline": base_name, "speed_vs_baseline": round(statistics.median(ratios), 3),
                     "speed_vs_baseline_min": round(min(ratios), 3), "speed_vs_baseline_max": round(max(ratios), 3),
                     "host_ms_added": round(med - statistics.median(base), 3)}
+        if (name, b, n) in cpu:
+            row |= {"cpu_ms_per_step": round(statistics.median(cpu[(name, b, n)]), 3),
+                    "cpu_ms_per_step_repeats": cpu[(name, b, n)]}
+            if (base_name, b, n) in cpu:
+                row["cpu_ms_added"] = round(row["cpu_ms_per_step"] - statistics.median(cpu[(base_name, b, n)]), 3)
         out.append(row)
     return out
 
 
 def table(result: dict) -> str:
-    lines = ["| system | batch | prompt | ms per step (min-max) | speed vs vLLM's own (min-max) | ms added |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| system | batch | prompt | ms per step (min-max) | speed vs vLLM's own (min-max) | ms added "
+             "| CPU ms per step | CPU ms added |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ratio = "-" if "speed_vs_baseline" not in r else \
             f"{r['speed_vs_baseline']:.3f}x ({r['speed_vs_baseline_min']:.3f}-{r['speed_vs_baseline_max']:.3f})"
         added = "-" if r["system"] in (VLLM, VLLM_SERVE) else f"{r.get('host_ms_added', 0):+.2f}"
+        cpu_added = "-" if "cpu_ms_added" not in r or r["system"] == VLLM else f"{r['cpu_ms_added']:+.2f}"
         lines.append(f"| {r['system']} | {r['batch']} | {r['prompt_len']} | {r['ms_per_step']:.2f} "
-                     f"({r['ms_per_step_min']:.2f}-{r['ms_per_step_max']:.2f}) | {ratio} | {added} |")
+                     f"({r['ms_per_step_min']:.2f}-{r['ms_per_step_max']:.2f}) | {ratio} | {added} "
+                     f"| {cell(r.get('cpu_ms_per_step'))} | {cpu_added} |")
     return "\n".join(lines)
 
 

@@ -9,7 +9,6 @@ PNG plots: throughput, acceptance per drafter, verify and drafter step latency, 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections import defaultdict
@@ -22,12 +21,8 @@ from benchmarks.provenance import with_provenance
 
 
 def save_json(result: dict, path: str) -> None:
-    """A benchmark's result as JSON at `path` (its folder made), with its provenance, and where it went. The commit
-    and dirty flag given in COSINE_COMMIT and COSINE_DIRTY (1 or 0) replace git's: a tree sent to another machine
-    without its .git (benchmarks/gpu_engine.sh) gets them from the caller, who read them before sending it."""
+    """A benchmark's result as JSON at `path` (its folder made), with its provenance, and where it went."""
     out = with_provenance(result)
-    if os.environ.get("COSINE_COMMIT"):
-        out["provenance"] |= {"commit": os.environ["COSINE_COMMIT"], "dirty": os.environ.get("COSINE_DIRTY") != "0"}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")

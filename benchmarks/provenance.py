@@ -65,16 +65,24 @@ def _version(*names: str) -> str | None:
 
 
 def command_line(argv: list[str] | None = None) -> str:
+    if argv is None and sys.orig_argv[1:2] == ["-m"]:  # `python -m serve_app.cli ...`, as it was typed
+        return shlex.join(["python", *sys.orig_argv[1:]])
     argv = list(sys.argv if argv is None else argv)
     if argv:
-        argv[0] = Path(argv[0]).name  # `cosine`, `pytest`, `cli.py`: not where this machine keeps it
+        argv[0] = Path(argv[0]).name  # `cosine`, `pytest`: not where this machine keeps it
     return shlex.join(argv)
 
 
 def provenance() -> dict:
-    commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench_results",
-                  ":(exclude)docs/img") if commit else None
+    """Where a result came from. The commit and dirty flag given in COSINE_COMMIT and COSINE_DIRTY (1 or 0) replace
+    git's: a tree sent to another machine without its .git (benchmarks/gpu_engine.sh) gets them from the caller,
+    who read them before sending it."""
+    commit = os.environ.get("COSINE_COMMIT") or _git("rev-parse", "HEAD")
+    if os.environ.get("COSINE_COMMIT"):
+        status = "dirty" if os.environ.get("COSINE_DIRTY") != "0" else ""
+    else:
+        status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench_results",
+                      ":(exclude)docs/img") if commit else None
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": commit, "dirty": None if status is None else bool(status),
             "machine": {"cpu": _cpu_model(), "logical_cores": os.cpu_count(), "gpu": _gpu()},

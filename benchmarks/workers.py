@@ -233,13 +233,15 @@ def _breakdown_engine(spec: dict):
                 max_tokens=max_tokens, temperature=sampling["temperature"], top_p=sampling["top_p"],
                 seed=sampling["seed"] + i, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA))
             arrivals[rid] = []
+        cpu: list[tuple[float, float]] = []
         while engine.has_unfinished_requests():
             outs = engine.step()
             now = time.perf_counter()
+            cpu.append((now, time.process_time()))
             for o in outs:
                 if o.outputs and o.outputs[0].token_ids:
                     arrivals[o.request_id].append(now)
-        return arrivals
+        return arrivals, cpu
 
     return run
 
@@ -263,6 +265,7 @@ def _breakdown_loop(spec: dict):
 
     async def go(prompts, max_tokens, sampling):
         arrivals: dict[str, list[float]] = {}
+        cpu: list[tuple[float, float]] = []  # at each of the first request's tokens: one a step
 
         async def one(i, p):
             times = arrivals.setdefault(str(i), [])
@@ -271,9 +274,11 @@ def _breakdown_loop(spec: dict):
             async for chunk in loop.generate(p, params):
                 if chunk.token_ids:
                     times.append(time.perf_counter())
+                    if i == 0:
+                        cpu.append((times[-1], time.process_time()))
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        return arrivals
+        return arrivals, cpu
 
     return lambda prompts, max_tokens, sampling: aio.run_until_complete(go(prompts, max_tokens, sampling))
 
@@ -284,10 +289,13 @@ def _breakdown_worker(spec: dict, max_batch: int):
     run = (_breakdown_engine if spec["system"] in ("vllm", "hooks") else _breakdown_loop)(spec)
 
     def measure(prompts, concurrency, max_tokens, domains, sampling):
-        arrivals = run(prompts, max_tokens, sampling)
+        arrivals, cpu = run(prompts, max_tokens, sampling)
         # the last prefill's step: the latest first token; steps after it decode every request
         first_decode = max(t[0] for t in arrivals.values())
-        return {"intervals": step_intervals(arrivals, first_decode)}
+        decode = [c for t, c in cpu if t >= first_decode]
+        # the process's CPU seconds per step (every thread's): what the machine's other load does not change
+        return {"intervals": step_intervals(arrivals, first_decode),
+                "cpu_per_step": [b - a for a, b in zip(decode, decode[1:])]}
 
     return measure
 

@@ -211,7 +211,8 @@ class VerifierDeployment:
         self.engine = build_verifier_engine(config, loggers)
         self.loop = VerifyLoop(self.engine, config, drafting, PrometheusStats())
         # colocated drafters compute on this replica's hardware: drafting takes its cycles from verification
-        self.loop.drafting_overlaps_verification = plan.fixed == "deployments"
+        self.loop.drafting_overlaps_verification = plan.fixed == "deployments" or \
+            config.speculation.colocated_overlaps(self.engine.device)
         if self.tiers is not None:  # follows the tier in use
             self.tiers.attach(self.loop)
         self.placement_checked = not plan.remote

@@ -302,6 +302,8 @@ class GoodputController(DraftLengthController):
         if not rids:
             return ks, 0.0
         acc = {r: self._acceptance_at(r, participation) for r in rids}
+        if participation is not None:
+            return self._allocate_fast(rids, caps, acc, participation, overlap, ahead)
         group_list = [(groups or {}).get(r, 0) for r in rids]
 
         def goodput(kv: dict[str, int]) -> float:
@@ -330,3 +332,48 @@ class GoodputController(DraftLengthController):
             if cand is None:
                 return ks, best
             ks, best = cand
+
+    def _allocate_fast(self, rids, caps: dict[str, int], acc: dict[str, float], participation: Participation,
+                       overlap: float, ahead: bool) -> tuple[dict[str, int], float]:
+        """`_allocate`'s greedy search, the same moves in the same order, for a participation's round model: there a
+        plan's goodput depends on the draft lengths only through their sum, maximum, count above zero and the sum of
+        expected tokens, so each move is priced from running totals instead of a pass over the plan (the search
+        priced ~360 plans per round at batch 8, 6-8 ms of the loop's thread per round on this CPU)."""
+        n, model, verify = participation.drafters_per_request, self.draft_model(participation), self.verify
+        expected = {r: [expected_tokens(acc[r], k) for k in range(caps[r] + 1)] for r in rids}
+        requests = len(rids)
+
+        def rate(tokens: float, total_k: int, depth: int, drafting: int) -> float:
+            t = verify(requests + n * total_k)
+            if depth:
+                t += max(0.0, model(depth + ahead, drafting) - overlap)
+            return tokens / max(t, 1e-9)
+
+        ks = {r: 0 for r in rids}
+        tokens, total_k, drafting = float(sum(e[0] for e in expected.values())), 0, 0
+        best = rate(tokens, 0, 0, 0)
+        top_k = max(caps.values())
+        while True:
+            ordered = sorted(ks.values(), reverse=True)
+            first, second = ordered[0], ordered[1] if requests > 1 else 0
+            cand = None
+            for r in rids:
+                old, e = ks[r], expected[r]
+                others_max = second if old == first else first
+                for j in range(old + 1, caps[r] + 1):
+                    g = rate(tokens - e[old] + e[j], total_k - old + j, max(others_max, j),
+                             drafting - (old > 0) + 1)
+                    if g > best * (1 + 1e-3) and (cand is None or g > cand[1]):
+                        cand = ({**ks, r: j}, g)
+            for j in range(1, top_k + 1):
+                kv = {r: max(ks[r], min(j, caps[r])) for r in rids}
+                if kv != ks:
+                    g = rate(sum(expected[r][k] for r, k in kv.items()), sum(kv.values()), max(kv.values()),
+                             sum(1 for k in kv.values() if k > 0))
+                    if g > best * (1 + 1e-3) and (cand is None or g > cand[1]):
+                        cand = (kv, g)
+            if cand is None:
+                return ks, best
+            ks, best = cand
+            tokens = sum(expected[r][k] for r, k in ks.items())
+            total_k, drafting = sum(ks.values()), sum(1 for k in ks.values() if k > 0)

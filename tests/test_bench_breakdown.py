@@ -25,5 +25,5 @@ def test_rows_compare_each_repeat_with_vllms_own_of_the_same_repeat():
     assert off["host_ms_added"] == 5.0 and off["ms_per_step_repeats"] == [21.0, 30.0, 30.0]
     served = rows[breakdown.SERVED]
     assert served["baseline"] == breakdown.VLLM_SERVE and served["speed_vs_baseline"] == pytest.approx(40 / 44, abs=1e-3)
-    assert "| ours, speculation off | 1 | 64 | 30.00 (21.00-30.00) | 0.952x (0.833-1.000) | +5.00 |" in \
+    assert "| ours, speculation off | 1 | 64 | 30.00 (21.00-30.00) | 0.952x (0.833-1.000) | +5.00 | - | - |" in \
         breakdown.table({"rows": list(rows.values())})

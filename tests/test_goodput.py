@@ -277,3 +277,51 @@ def test_a_round_drafted_ahead_is_priced_one_token_deeper():
     assert c.choose(["a"], {"a": 1}, overlap_s=0.0135, ahead=True)["a"] == 0
     assert c._time([1], overlap=0.0135, ahead=True) == pytest.approx(0.0135 + 2 * 0.019 - 0.0135)
     assert c._time([0], overlap=0.0135, ahead=True) == pytest.approx(0.0135)  # nothing drafted, nothing deeper
+
+
+def _search_by_full_passes(c: GoodputController, rids, caps, acc, participation, overlap, ahead):
+    """The allocation's greedy search, each plan priced by a full pass (`_time`): the oracle for the fast search."""
+    ks = {r: 0 for r in rids}
+
+    def goodput(kv):
+        t = c._time(list(kv.values()), None, participation, overlap, ahead)
+        return sum(expected_tokens(acc[r], k) for r, k in kv.items()) / max(t, 1e-9)
+
+    best = goodput(ks)
+    while True:
+        cand = None
+        for r in rids:
+            for j in range(ks[r] + 1, caps[r] + 1):
+                g = goodput({**ks, r: j})
+                if g > best * (1 + 1e-3) and (cand is None or g > cand[1]):
+                    cand = ({**ks, r: j}, g)
+        for j in range(1, max(caps.values()) + 1):
+            kv = {r: max(ks[r], min(j, caps[r])) for r in rids}
+            if kv != ks and (g := goodput(kv)) > best * (1 + 1e-3) and (cand is None or g > cand[1]):
+                cand = (kv, g)
+        if cand is None:
+            return ks, best
+        ks, best = cand
+
+
+def test_the_fast_search_chooses_what_full_passes_choose():
+    """Priced from running totals, the search makes the same choices as pricing every plan by a full pass, over
+    random batches, acceptances, caps, round models, overlaps and drafting ahead."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(2000):
+        c = GoodputController(k_max=8)
+        c.verify.a, c.verify.b = rng.uniform(0.002, 0.03), rng.uniform(0.0, 0.004)
+        p = Participation(rng.choice([1, 2]), rng.random() < 0.5)
+        m = c.draft_model(p)
+        m.a, m.b, m.c = rng.uniform(0, 0.005), rng.uniform(0, 0.004), rng.uniform(0, 0.002)
+        rids = [f"r{i}" for i in range(rng.randint(1, 12))]
+        caps = {r: rng.randint(0, 8) for r in rids}
+        acc = {r: rng.uniform(0.0, 0.99) for r in rids}
+        overlap, ahead = (0.0, False) if rng.random() < 0.5 else (rng.uniform(0, 0.02), rng.random() < 0.5)
+        if max(caps.values()) == 0:
+            continue
+        fast = c._allocate_fast(rids, caps, acc, p, overlap, ahead)
+        ks, g = _search_by_full_passes(c, rids, caps, acc, p, overlap, ahead)
+        assert fast[0] == ks and fast[1] == pytest.approx(g, rel=1e-9)
