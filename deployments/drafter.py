@@ -55,13 +55,15 @@ class DrafterDeployment:
         return drafter_signals(self.meter, len(self.server.engine.states), self.generalist)
 
     def placement(self) -> dict:
-        """Where this replica computes: its Ray node, device type and process."""
+        """Where this replica computes: its Ray node, device type (a model-free drafter's lookups: the CPU) and
+        process."""
         import os
 
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "device": self.server.engine.runner.device.type,
-                "pid": os.getpid()}
+        runner = self.server.engine.runner
+        return {"node_id": ray.get_runtime_context().get_node_id(),
+                "device": "cpu" if runner is None else runner.device.type, "pid": os.getpid()}
 
     def num_requests(self) -> int:
         """Requests holding a KV cache here (0 once every request has finished or been cancelled)."""

@@ -13,8 +13,9 @@ import torch
 from pydantic import ValidationError
 from scipy.stats import chisquare
 
+from assembly.drafter_server import DrafterServer
 from assembly.loop import build_loop, generate_all
-from config import AppConfig, DrafterSpec
+from config import AppConfig, DrafterSpec, RoutingSpec
 from engines.ngram_drafter import NgramDrafterEngine
 from engines.sampling import SamplingParams, target_probs
 from engines.suffix_drafter import SuffixDrafterEngine, SuffixTree
@@ -23,7 +24,8 @@ from model_family.distill import greedy_continue
 from model_family.text_stats import repeated_ngram_share
 from serve_app.app import tenant_of
 from serve_app.cli import refusal
-from speculation.messages import SpeculationOverrides
+from speculation.messages import DrafterCall, SpeculationOverrides
+from speculation.routing import Router
 
 
 def _substrings(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
@@ -261,3 +263,27 @@ def test_sampling_with_model_free_drafters_follows_the_targets_distribution(targ
     assert chisquare(observed, expected / expected.sum() * n).pvalue > 1e-3
     assert sum(o.stats["num_accepted_tokens"] for o in out) > 0.05 * n
     assert all(set(o.stats["drafters_used"]) <= {"ngram", "suffix"} for o in out)
+
+
+def test_model_free_drafters_take_no_routed_place_and_join_every_routed_round():
+    r = Router(["code", "legal", "ngram", "suffix"], RoutingSpec(drafters_per_request=1, alpha=0.0, beta=0.0),
+               model_free=frozenset({"ngram", "suffix"}))
+    r.add_request("x", {"code": -2.0, "legal": -5.0})  # the cold start: the models' prompt likelihoods only
+    assert r.requests["x"].scores["ngram"] == 0.0 and r.route("x") == ["code", "ngram", "suffix"]
+    for _ in range(30):
+        r.update("x", 8.0, {"ngram": 1.0, "suffix": 1.0, "code": 0.1})
+    assert r.ranking("x")[:2] == ["ngram", "suffix"]  # ranked by the same scores...
+    assert r.route("x") == ["code", "ngram", "suffix"]  # ... but the places are the models'
+    assert r.route("x", exclude={"suffix", "code"}) == ["legal", "ngram"]  # sitting out: left out
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_a_model_free_drafter_serves_drafter_calls_from_its_spec_and_times_its_own_steps(kind):
+    server = DrafterServer.from_spec(DrafterSpec(name=kind, kind=kind, max_len=256))
+    ctx = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    reply = server.step([DrafterCall("r", ctx, steps=3, tenant="A"), DrafterCall("s", [1, 2, 3], steps=3)])
+    assert [p.token for p in reply.chains["r"]] == [8, 9, 1] and "s" not in reply.chains  # no match: no chain
+    cost = server.batch_cost(4)
+    assert 0 <= cost(4) < 0.01 and set(server.engine.states) == {"r", "s"}  # seconds; its own requests released
+    server.release(["r", "s"])
+    assert server.engine.states == {} and server.capture() == 0
