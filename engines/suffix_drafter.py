@@ -45,13 +45,15 @@ class SuffixTree:
         its start); the new sequence's such nodes."""
         self.clock += 1
         new = []
-        for node in [self.root] + active:
+        for node in (self.root, *active):
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Node(self.clock)
             child.count += 1
             new.append(child)
-        return new[:self.depth - 1]
+        if len(new) == self.depth:  # the longest suffix reached the depth: it is not extended again
+            new.pop()
+        return new
 
     def active(self, tail: list[int]) -> list[_Node]:
         """The nodes of `tail`'s suffixes of 1..depth-1 tokens (`tail`: a sequence's end, all of it added)."""
