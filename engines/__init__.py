@@ -10,6 +10,9 @@
   budget holds; refuses what neither runner can run.
 - `drafter.DrafterEngine`: per-request drafting steps returning the proposal, its probability and alternatives;
   `cascade.CascadeDrafterEngine`: a drafter whose chains a smaller assistant drafts (SpecRouter's chains).
+- `model_free`: what the model-free drafters share (per-request indexes, their confidence, chains);
+  `ngram_drafter.NgramDrafterEngine` (prompt lookup) and `suffix_drafter.SuffixDrafterEngine` (suffix decoding,
+  with its tenant-scoped tree of recent outputs): drafters without a model behind the same `DraftingEngine`.
 - `drafter_pool.DrafterPool`: drafters of one shape stepping together, one batched forward per depth.
 - `draft_tree.Draft`: a chain or token tree sent to a verifier; `rules`: greedy and rejection-sampling verification;
   `sampling`, `stopping`: request parameters and stop conditions.
