@@ -26,6 +26,7 @@ from serve_app.app import tenant_of
 from serve_app.cli import refusal
 from speculation.messages import DrafterCall, SpeculationOverrides
 from speculation.routing import Router
+from tests.helpers.openai_server import openai_server
 
 
 def _substrings(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
@@ -287,3 +288,13 @@ def test_a_model_free_drafter_serves_drafter_calls_from_its_spec_and_times_its_o
     assert 0 <= cost(4) < 0.01 and set(server.engine.states) == {"r", "s"}  # seconds; its own requests released
     server.release(["r", "s"])
     assert server.engine.states == {} and server.capture() == 0
+
+
+def test_the_ingress_names_its_requests_tenant_by_the_api_key_it_checks(monkeypatch):
+    """Every request past the key check carried the configured key (COSINE_API_KEY first): its digest is the tenant
+    of the requests' overrides; without a key there is none (no cross-request drafting)."""
+    monkeypatch.delenv("COSINE_API_KEY", raising=False)
+    assert openai_server(api_key="s3cret").responder.tenant == tenant_of("s3cret")
+    assert openai_server().responder.tenant is None
+    monkeypatch.setenv("COSINE_API_KEY", "other")
+    assert openai_server(api_key="s3cret").responder.tenant == tenant_of("other")
