@@ -1,7 +1,8 @@
 """The one draft/verify loop: the service, `cosine generate` and the engine benchmark all run this class.
 
 `VerifyLoop` owns a verifier engine's running batch (CoSine's request pool). `generate` registers a request and
-yields a `TokenChunk` per verify step that committed tokens for it. One task repeats: admit, ask the drafting tier
+yields a `TokenChunk` per verify step that committed tokens for it (the steps' chunks merged where several were
+waiting for a busy consumer). One task repeats: admit, ask the drafting tier
 for drafts for the step's requests (bounded by `draft_timeout_ms`; late or failed drafting means plain decoding
 this step), verify them in a worker thread, hand the results to the requests' queues, and start drafting the next
 round beside the next step. Which requests a step takes and which rounds run beside it (CoSine's pipeline halves,
@@ -105,6 +106,13 @@ class VerifyLoop:
                 chunk = await req.queue.get()
                 if isinstance(chunk, Exception):
                     raise chunk
+                # steps that committed while the consumer was busy go out as one chunk (through Serve, one message)
+                while not chunk.finished and not req.queue.empty():
+                    later = req.queue.get_nowait()
+                    if isinstance(later, Exception):
+                        req.queue.put_nowait(later)  # raised at the next read, after what came before it
+                        break
+                    chunk.extend(later)
                 if self.trace:
                     output += chunk.token_ids
                     drafted, accepted = drafted + chunk.num_draft_tokens, accepted + chunk.num_accepted_tokens

@@ -328,3 +328,29 @@ def test_greedy_on_cuda_equals_target(target, drafter_models, mixed_prompts, sha
         assert verifier.runner.graphs.graphs  # its chain steps were replayed from CUDA graphs
     assert [o.token_ids for o in out] == ref
     assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
+
+
+def test_a_busy_consumer_gets_the_steps_waiting_for_it_as_one_chunk(target, mixed_prompts, reference):
+    """Speculation off (every step plain): a consumer that reads slowly gets the chunks that queued meanwhile merged,
+    fewer chunks than steps, the same tokens; one that keeps up gets a chunk per step."""
+    cfg = AppConfig(verifier={"model": "target", "max_batch": 4, "max_len": 512}, speculation={"mode": "off"})
+    loop = build_loop(cfg, TorchVerifierEngine(target, max_batch=4, max_len=512))
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    async def read(prompt, pause):
+        chunks = []
+        async for chunk in loop.generate(prompt, params):
+            chunks.append(chunk)
+            await asyncio.sleep(pause)
+        return chunks
+
+    async def run():
+        try:
+            return await asyncio.gather(read(mixed_prompts[1], 0.0), read(mixed_prompts[4], 0.2))
+        finally:
+            await loop.stop()
+
+    quick, slow = asyncio.run(run())
+    assert [t for c in quick for t in c.token_ids] == reference[1]
+    assert [t for c in slow for t in c.token_ids] == reference[4]
+    assert len(quick) == NEW_TOKENS and len(slow) < NEW_TOKENS and slow[-1].finished
