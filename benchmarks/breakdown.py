@@ -57,7 +57,7 @@ class VllmServe:
         from model_family.paths import model_path
 
         self.url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                           str(model_path("bench-target")), "--host", "127.0.0.1", "--port", str(port),
@@ -133,15 +133,15 @@ def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 20
     log(f"worker logs: {logs}")
     runners: dict[str, object] = {}
     try:
-        for i, (name, spec) in enumerate(IN_PROCESS.items()):
-            log(f"[start {i + 1}/{len(IN_PROCESS) + 2 * served}] {name}")
-            runners[name] = Worker(dict(spec, config=config, max_batch=max_batch, max_len=max_len),
-                                   logs / f"{i}.log")
-        if served:
-            log(f"[start] {SERVED}")
-            runners[SERVED] = ServedApp(_served_config(config, max_batch, max_len, logs), port, port + 1)
+        if served:  # first: vLLM's server checks the memory left for its KV cache when it starts
             log(f"[start] {VLLM_SERVE}")
             runners[VLLM_SERVE] = VllmServe(port + 2, max_batch, max_len, logs / "vllm-serve.log")
+            log(f"[start] {SERVED}")
+            runners[SERVED] = ServedApp(_served_config(config, max_batch, max_len, logs), port, port + 1)
+        for i, (name, spec) in enumerate(IN_PROCESS.items()):
+            log(f"[start {i + 1}/{len(IN_PROCESS)}] {name}")
+            runners[name] = Worker(dict(spec, config=config, max_batch=max_batch, max_len=max_len),
+                                   logs / f"{i}.log")
 
         def measure(name: str, prompts, max_tokens: int) -> dict:
             r = runners[name]
@@ -183,7 +183,7 @@ def _served_config(config: str, max_batch: int, max_len: int, logs: Path) -> str
     import yaml
 
     doc = yaml.safe_load(Path(config).read_text())
-    doc["applications"][0]["args"]["verifier"].update(max_batch=max_batch, max_len=max_len, kv_cache_gib=2)
+    doc["applications"][0]["args"]["verifier"].update(max_batch=max_batch, max_len=max_len, kv_cache_gib=1)
     out = logs / "served.yaml"
     out.write_text(yaml.safe_dump(doc))
     return str(out)

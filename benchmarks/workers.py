@@ -255,7 +255,7 @@ def _breakdown_loop(spec: dict):
     from engines.sampling import SamplingParams
 
     args = yaml.safe_load(Path(spec["config"]).read_text())["applications"][0]["args"]
-    args["verifier"].update(engine="vllm", max_batch=spec["max_batch"], max_len=spec["max_len"], kv_cache_gib=2)
+    args["verifier"].update(engine="vllm", max_batch=spec["max_batch"], max_len=spec["max_len"], kv_cache_gib=1)
     if spec["system"] == "off":
         args["speculation"]["mode"] = "off"
     loop = build_loop(AppConfig.model_validate(args))
@@ -285,7 +285,7 @@ def _breakdown_loop(spec: dict):
 
 def _breakdown_worker(spec: dict, max_batch: int):
     """`cosine bench breakdown`'s systems (benchmarks/breakdown.py): a function of one request -> its step intervals."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # 8 requests of 2,048 tokens take 0.8 GiB
     run = (_breakdown_engine if spec["system"] in ("vllm", "hooks") else _breakdown_loop)(spec)
 
     def measure(prompts, concurrency, max_tokens, domains, sampling):
