@@ -231,7 +231,7 @@ def _breakdown_engine(spec: dict):
             rid = f"r{next(ids)}"
             engine.add_request(rid, TokensPrompt(prompt_token_ids=p), SamplingParams(
                 max_tokens=max_tokens, temperature=sampling["temperature"], top_p=sampling["top_p"],
-                seed=sampling["seed"] + i, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA))
+                ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA))
             arrivals[rid] = []
         cpu: list[tuple[float, float]] = []
         while engine.has_unfinished_requests():
@@ -270,7 +270,7 @@ def _breakdown_loop(spec: dict):
         async def one(i, p):
             times = arrivals.setdefault(str(i), [])
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=sampling["temperature"],
-                                    top_p=sampling["top_p"], seed=sampling["seed"] + i)
+                                    top_p=sampling["top_p"])
             async for chunk in loop.generate(p, params):
                 if chunk.token_ids:
                     times.append(time.perf_counter())
