@@ -16,8 +16,9 @@ A step's time is the median interval between a request's consecutive tokens as t
 (the caller of `step()`, the loop's `generate`, the HTTP client's stream), over every request of the batch and the
 steps after the last prefill: one token per request per step with speculation off, so this is the step's wall time
 including everything around the engine's own. Batches of 1 and 8 requests, prompts of 64 and 2,000 tokens (our
-per-step work that copies contexts grows with them). Every system is warmed up; the cells are interleaved over
-the repeats; each figure is the median repeat with min and max, and each repeat's figure is kept in the JSON. The
+per-step work that copies contexts grows with them). In two phases (in process, then served: six systems at once
+do not fit the machine's memory), every system is warmed up and the cells are interleaved over the repeats; each
+figure is the median repeat with min and max, and each repeat's figure is kept in the JSON. The
 host time ours adds is ours minus vLLM's own, per step.
 """
 
@@ -85,7 +86,7 @@ class VllmServe:
             self.proc.kill()
 
 
-def streamstep_intervals(url: str, model: str, prompts, max_tokens: int, sampling: dict, extra: dict) -> dict:
+def stream_intervals(url: str, model: str, prompts, max_tokens: int, sampling: dict, extra: dict) -> dict:
     """Every prompt streamed at once from an OpenAI completions endpoint; the arrival of each chunk with tokens."""
     async def go():
         arrivals: dict[int, list[float]] = {}
@@ -132,49 +133,48 @@ def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 20
     sampling = {"temperature": temperature, "top_p": top_p}
     logs = Path(tempfile.mkdtemp(prefix="cosine-breakdown-"))
     log(f"worker logs: {logs}")
-    runners: dict[str, object] = {}
-    try:
-        if served:  # first: vLLM's server checks the memory left for its KV cache when it starts
-            log(f"[start] {VLLM_SERVE}")
-            runners[VLLM_SERVE] = VllmServe(port + 2, max_batch, max_len, logs / "vllm-serve.log")
-            log(f"[start] {SERVED}")
-            runners[SERVED] = ServedApp(_served_config(config, max_batch, max_len, logs), port, port + 1)
-        for i, (name, spec) in enumerate(IN_PROCESS.items()):
-            log(f"[start {i + 1}/{len(IN_PROCESS)}] {name}")
-            runners[name] = Worker(dict(spec, config=config, max_batch=max_batch, max_len=max_len),
-                                   logs / f"{i}.log")
+    cells = [(b, n) for n in prompt_lens for b in batches]
+    per_repeat: dict[tuple[str, int, int], list[float]] = {}
+    cpu: dict[tuple[str, int, int], list[float]] = {}
 
-        def measure(name: str, prompts, max_tokens: int) -> dict:
-            r = runners[name]
-            if name == SERVED:
-                res = streamstep_intervals(r.url, r.model, prompts, max_tokens, sampling,
-                                       {"speculation": {"enabled": False}})
-            elif name == VLLM_SERVE:
-                res = streamstep_intervals(r.url, r.model, prompts, max_tokens, sampling, {})
-            else:
-                res = r.run(prompts, len(prompts), max_tokens, [], sampling)
-            return res
+    def measure(name: str, r, prompts, max_tokens: int) -> dict:
+        if name == SERVED:
+            return stream_intervals(r.url, r.model, prompts, max_tokens, sampling, {"speculation": {"enabled": False}})
+        if name == VLLM_SERVE:
+            return stream_intervals(r.url, r.model, prompts, max_tokens, sampling, {})
+        return r.run(prompts, len(prompts), max_tokens, [], sampling)
 
-        cells = [(b, n) for n in prompt_lens for b in batches]
-        for name in runners:  # at every batch size, on short prompts (a long prompt's prefill warms nothing more)
-            log(f"[warm-up] {name}")
-            for b in batches:
-                measure(name, _prompts(b, min(prompt_lens), vocab, 1), 8)
-        per_repeat: dict[tuple[str, int, int], list[float]] = {}
-        cpu: dict[tuple[str, int, int], list[float]] = {}
-        for rep in range(repeats):
-            for b, n in cells:
-                prompts = _prompts(b, n, vocab, 100 + rep)
-                for name in runners:
-                    res = measure(name, prompts, new_tokens)
-                    ms = 1000 * statistics.median(res["intervals"])
-                    per_repeat.setdefault((name, b, n), []).append(round(ms, 3))
-                    if res.get("cpu_per_step"):
-                        cpu.setdefault((name, b, n), []).append(round(1000 * statistics.median(res["cpu_per_step"]), 3))
-                    log(f"[{rep + 1}/{repeats}] batch {b}, prompt {n}: {name} {ms:.2f} ms per step")
-    finally:
-        for r in runners.values():
-            r.stop()
+    # two phases, each compared within itself: in process (against engine.step()), then served (against vllm
+    # serve); all six systems at once left the machine's 24 GiB short and slowed the last ones started
+    phases = [[(name, lambda i=i, spec=spec: Worker(dict(spec, config=config, max_batch=max_batch, max_len=max_len),
+                                                   logs / f"{i}.log")) for i, (name, spec) in enumerate(IN_PROCESS.items())]]
+    if served:  # vLLM's server first: it checks the memory left for its KV cache when it starts
+        phases.append([(VLLM_SERVE, lambda: VllmServe(port + 2, max_batch, max_len, logs / "vllm-serve.log")),
+                       (SERVED, lambda: ServedApp(_served_config(config, max_batch, max_len, logs), port, port + 1))])
+    for phase in phases:
+        runners: dict[str, object] = {}
+        try:
+            for name, start in phase:
+                log(f"[start] {name}")
+                runners[name] = start()
+            for name, r in runners.items():  # every batch size, on short prompts (a long prefill warms nothing more)
+                log(f"[warm-up] {name}")
+                for b in batches:
+                    measure(name, r, _prompts(b, min(prompt_lens), vocab, 1), 8)
+            for rep in range(repeats):
+                for b, n in cells:
+                    prompts = _prompts(b, n, vocab, 100 + rep)
+                    for name, r in runners.items():
+                        res = measure(name, r, prompts, new_tokens)
+                        ms = 1000 * statistics.median(res["intervals"])
+                        per_repeat.setdefault((name, b, n), []).append(round(ms, 3))
+                        if res.get("cpu_per_step"):
+                            cpu.setdefault((name, b, n), []).append(
+                                round(1000 * statistics.median(res["cpu_per_step"]), 3))
+                        log(f"[{rep + 1}/{repeats}] batch {b}, prompt {n}: {name} {ms:.2f} ms per step")
+        finally:
+            for r in runners.values():
+                r.stop()
     return {"config": {"ours": config, "batches": list(batches), "prompt_lens": list(prompt_lens),
                        "new_tokens": new_tokens, "repeats": repeats, "sampling": sampling, "served": served},
             "rows": rows(per_repeat, cpu)}
