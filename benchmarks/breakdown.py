@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import cell
+from benchmarks.common import cell, wait_until_serving
 from benchmarks.workers import Worker, step_intervals
 
 VLLM = "vLLM engine.step()"
@@ -66,17 +66,7 @@ class VllmServe:
                                           str(max_batch), "--enforce-eager", "--served-model-name", "bench-target"],
                                          stdout=log, stderr=subprocess.STDOUT, env=env)
         self.model = "bench-target"
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}); its log: {log_path}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(3)
-        raise RuntimeError(f"vllm serve did not come up in 600 s; its log: {log_path}")
+        wait_until_serving(self.url, self.proc, f"vllm serve (its log: {log_path})")
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -169,6 +169,21 @@ def refuse_if_busy() -> None:
                           "run anyway):\n" + "\n".join(busy))
 
 
+def wait_until_serving(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 600) -> None:
+    """Until the OpenAI server at `url` lists its models; RuntimeError if `proc` exits first or it takes too long."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode})")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(3)
+    raise RuntimeError(f"{what} did not come up in {timeout_s:.0f} s")
+
+
 class ServedApp:
     """`cosine serve CONFIG` on loopback ports of its own, and a closed-loop HTTP client."""
 
@@ -177,16 +192,7 @@ class ServedApp:
         cli = Path(sys.executable).with_name("cosine")
         self.proc = subprocess.Popen([str(cli), "serve", config, "--port", str(port), "--dashboard-port",
                                       str(dashboard_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cosine serve exited ({self.proc.returncode})")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(3)
+        wait_until_serving(self.url, self.proc, "cosine serve")
         self.model = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
 
     def run(self, prompts, concurrency, max_tokens, domains, sampling: dict | None = None) -> dict:

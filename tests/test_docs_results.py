@@ -227,9 +227,10 @@ def _readme_sources() -> dict[str, list[str]]:
 
 
 def _settings(result: dict) -> dict:
-    """What a run measured (its config but the number of repeats): runs with the same settings answer the same
-    question."""
-    return {k: v for k, v in result.get("config", {}).items() if k != "repeats"}
+    """What a run measured (its config but the number of repeats, and the systems it ran: a run of a subset, such as
+    `--systems ours served`, answers another question): runs with the same settings answer the same question."""
+    systems = sorted({r.get("system") or r.get("method") for r in result.get("rows", [])})
+    return {k: v for k, v in result.get("config", {}).items() if k != "repeats"} | {"systems": systems}
 
 
 def _date(result: dict) -> str:

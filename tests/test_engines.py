@@ -5,10 +5,8 @@ Speculative runs go through `VerifyLoop`, the loop the service runs, with the dr
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 import asyncio
@@ -17,12 +15,13 @@ import random
 from config import AppConfig
 from engines.interface import VerifierEngine
 from engines.runner import LlamaRunner
-from engines.sampling import SamplingParams, target_probs
+from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
 from assembly.loop import build_loop, generate_all
 from speculation.messages import SpeculationOverrides
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
+from tests.helpers.distribution import assert_first_two_tokens_follow_the_target
 
 NEW_TOKENS = 24
 
@@ -219,17 +218,7 @@ def test_sampling_through_the_engines_matches_the_target(target, drafter_models,
                                                                        else [])
     out, _ = _run(target, voters, [prompt] * n, k=2, batch=64,
                   params=[SamplingParams(seed=i, **params) for i in range(n)], max_len=256, mode=mode)
-    pairs = [tuple(o.token_ids) for o in out]
-    sp = SamplingParams(**params)
-    with torch.no_grad():
-        p1 = target_probs(target(input_ids=torch.tensor([prompt])).logits[0, -1], sp)
-        firsts = p1.nonzero().flatten().tolist()
-        p2 = {a: target_probs(target(input_ids=torch.tensor([prompt + [a]])).logits[0, -1], sp) for a in firsts}
-    cells = [(a, b) for a in firsts for b in p2[a].nonzero().flatten().tolist()]
-    expected = np.array([float(p1[a] * p2[a][b]) for a, b in cells])
-    observed = np.array([pairs.count(c) for c in cells], dtype=float)
-    assert observed.sum() == n  # nothing outside the target's support
-    assert chisquare(observed, expected / expected.sum() * n).pvalue > 1e-3
+    assert_first_two_tokens_follow_the_target(target, prompt, params, out)
     assert sum(o.stats["num_accepted_tokens"] for o in out) > 0
 
 
