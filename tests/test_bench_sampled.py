@@ -95,23 +95,25 @@ def test_the_headline_puts_each_run_in_its_own_column_labelled_with_its_settings
     from benchmarks.anchors import SERVED, TARGET_ONLY
 
     def run(sampling, served):
-        rows = [{"system": s, "concurrency": c, "tokens_per_s": t} for c in (1, 8)
+        rows = [{"system": s, "concurrency": c, "tokens_per_s": t, "tokens_per_s_min": 0.95 * t,
+                 "tokens_per_s_max": 1.05 * t} for c in (1, 8)
                 for s, t in ((SERVED, served), (TARGET_ONLY, 40.0), ("vLLM draft_model, generic drafter", 100.0))]
         return {"config": {"k": 4} | ({"sampling": sampling.as_dict()} if sampling else {}), "rows": rows,
                 "workload": {"distinct_tokens": {"median": 18.0}, "repeated_4gram_share": {"median": 0.724}}}
 
     lines = headline.anchors_table([run(None, 80.0), run(Sampling(0.7, 0.95), 60.0)])
     assert lines[0] == "| result | k = 4, greedy | k = 4, sampled (T = 0.7, top_p 0.95) |"
-    assert lines[2].endswith("| 2.00x (80.0 / 40.0 tok/s) | 1.50x (60.0 / 40.0 tok/s) |")
-    assert lines[3].endswith("| 0.80x (80.0 / 100.0 tok/s, generic drafter) "
-                             "| 0.60x (60.0 / 100.0 tok/s, generic drafter) |")
+    assert lines[2].endswith("| 2.00x (80.0 / 40.0 tok/s; repeats 1.81-2.21x) "
+                             "| 1.50x (60.0 / 40.0 tok/s; repeats 1.36-1.66x) |")
+    assert lines[3].endswith("| 0.80x (80.0 / 100.0 tok/s, generic drafter; repeats 0.72-0.88x) "
+                             "| 0.60x (60.0 / 100.0 tok/s, generic drafter; repeats 0.54-0.66x) |")
     assert lines[-1].endswith("| 18, 0.72 | 18, 0.72 |")
     # a sampled run where vLLM's own speculation samples the wrong distribution says so beside its figure
     wrong = run(Sampling(0.7, 0.95), 60.0)
     for r in wrong["rows"]:
         r["distribution_p"] = 0.0 if r["system"].startswith("vLLM draft_model") else 0.5
     assert headline.anchors_table([wrong])[3].endswith(
-        "| 0.60x (60.0 / 100.0 tok/s, generic drafter; its samples fail the distribution test) |")
+        "| 0.60x (60.0 / 100.0 tok/s, generic drafter; its samples fail the distribution test; repeats 0.54-0.66x) |")
     assert "fail" not in headline.anchors_table([run(Sampling(0.7, 0.95), 60.0)])[3]
 
 
