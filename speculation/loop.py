@@ -318,7 +318,7 @@ class VerifyLoop:
             ahead = self._draft_ahead(drafts)
             work = WORK.snapshot()
             try:
-                outs = await self.plain.submit(drafts, set(members))
+                outs = await self.submit_step(drafts, set(members))
             except Exception as e:  # noqa: BLE001 - an engine failure fails the requests in it, not the loop
                 logger.exception("verify step failed")
                 self.fail(members, e)
@@ -340,6 +340,12 @@ class VerifyLoop:
             nxt = self.grouping.verified(seconds, self.engine.running)
             if nxt:  # this half's next drafts are produced while the other half is verified
                 pending[turn] = asyncio.get_running_loop().create_task(self._drafts(nxt))
+
+    def submit_step(self, drafts: dict, only: set[str] | None) -> asyncio.Future:
+        """The engine's step on the thread it steps on (`step_executor`), else on the loop's verify thread."""
+        if self.engine.step_executor is not None:
+            return asyncio.wrap_future(self.engine.step_executor.submit(self.engine.step, drafts, only))
+        return asyncio.get_running_loop().run_in_executor(self._verify_thread, self.engine.step, drafts, only)
 
     def fail(self, rids: list[str], error: Exception) -> None:
         """A verify step over `rids` failed: they fail with it (aborted everywhere), the loop goes on."""

@@ -14,7 +14,6 @@ output changes: every token is the target's either way.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -39,20 +38,13 @@ class PlainSteps:
             return True
         return not any(loop._speculating(r) for r in loop.engine.running)
 
-    def submit(self, drafts: dict, only: set[str] | None) -> asyncio.Future:
-        """The engine's step on the thread it steps on (the loop's verify thread where it has none)."""
-        loop, engine = self.loop, self.loop.engine
-        if engine.step_executor is not None:
-            return asyncio.wrap_future(engine.step_executor.submit(engine.step, drafts, only))
-        return asyncio.get_running_loop().run_in_executor(loop._verify_thread, engine.step, drafts, only)
-
     async def step(self, since: float) -> float | None:
         """One plain step; `since`: the previous step's end (or now, after idling). Returns this step's end, or
         None when the engine failed (its requests failed with it)."""
         loop = self.loop
         t = time.perf_counter()
         try:
-            outs = await self.submit({}, None)
+            outs = await loop.submit_step({}, None)
         except Exception as e:  # noqa: BLE001 - an engine failure fails the requests in it, not the loop
             logger.exception("verify step failed")
             loop.fail(list(loop.engine.running), e)
