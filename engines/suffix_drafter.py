@@ -142,6 +142,12 @@ class SuffixDrafterEngine(ModelFreeDrafter):
             return other
         return own
 
+    def forget_outputs(self) -> int:
+        """Forget every tenant's outputs (a benchmark's repeats each start from an empty tree); how many there were."""
+        n = sum(len(outputs) for _, outputs in self.tenants.values())
+        self.tenants.clear()
+        return n
+
     def _forget(self, rid: str) -> None:
         st = self.states[rid]
         output = st.tokens[st.prompt_len:]
