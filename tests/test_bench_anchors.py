@@ -1,16 +1,21 @@
 """`cosine bench anchors`: the pieces that decide what is compared (the runs themselves are benchmarks)."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from assembly.drafter_server import DrafterServer
 from benchmarks import anchors
+from benchmarks.repeated import repeated_prompts, workload_stats
 from benchmarks.sampled import Sampling
-from benchmarks.workers import Worker
-from config import AppConfig
+from benchmarks.workers import BENCH_TENANT, Worker, forget_outputs, suffix_unavailable
+from config import AppConfig, DrafterSpec
+from speculation.messages import DrafterCall
 
 BENCH = Path(__file__).resolve().parent.parent / "examples" / "bench.yaml"
+MODEL_FREE = BENCH.with_name("bench-model-free.yaml")
 
 
 def test_with_k_changes_only_the_draft_length(tmp_path):
@@ -32,7 +37,85 @@ def test_goals_compare_with_the_fastest_built_in_method():
             row(anchors.OURS, 8, 150)]
     goals = anchors._goals(rows, (1, 8))
     assert goals[f"{anchors.OURS} / best built-in vLLM method, concurrency 1"] == 1.1
+    assert goals[f"{anchors.OURS} / best built-in vLLM method, concurrency 8"] == round(150 / 180, 3)
     assert goals[f"{anchors.OURS} / vLLM target-only, concurrency 8"] == round(150 / 160, 3)
+    # vLLM suffix is a built-in method too; ours with the model-free drafters has goals of its own
+    rows += [row(anchors.SUFFIX, 1, 150), row(anchors.OURS_MF, 1, 165), row(anchors.OURS_MF, 8, 170)]
+    goals = anchors._goals(rows, (1, 8))
+    assert goals[f"{anchors.OURS} / best built-in vLLM method, concurrency 1"] == round(132 / 150, 3)
+    assert goals[f"{anchors.OURS_MF} / best built-in vLLM method, concurrency 1"] == 1.1
+    assert goals[f"{anchors.OURS_MF} / vLLM target-only, concurrency 8"] == round(170 / 160, 3)
+
+
+def test_the_model_free_configuration_is_the_bench_configuration_with_the_model_free_drafters():
+    """examples/bench-model-free.yaml (ours' -model-free rows, and for users) differs from examples/bench.yaml by
+    the n-gram and suffix drafters alone, and is valid (one schema: config/)."""
+    plain = yaml.safe_load(BENCH.read_text())
+    model_free = yaml.safe_load(MODEL_FREE.read_text())
+    args = model_free["applications"][0]["args"]
+    added = [d for d in args["drafters"] if d.get("kind") in ("ngram", "suffix")]
+    assert sorted(d["kind"] for d in added) == ["ngram", "suffix"]
+    args["drafters"] = [d for d in args["drafters"] if d not in added]
+    assert model_free == plain
+    cfg = AppConfig.model_validate(yaml.safe_load(MODEL_FREE.read_text())["applications"][0]["args"])
+    assert {d.name for d in cfg.drafters if d.model_free} == {"ngram", "suffix"}
+
+
+def test_the_cli_offers_every_system_and_workload_the_benchmark_has():
+    from serve_app.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "anchors", "--workload", "repeated", "--systems", *anchors.SHORT])
+    assert args.workload == "repeated" and args.model_free_config == str(MODEL_FREE.relative_to(BENCH.parent.parent))
+    assert set(args.systems) == set(anchors.SHORT)
+    assert build_parser().parse_args(["bench", "anchors"]).workload in anchors.WORKLOADS
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "anchors", "--workload", "nonsense"])
+
+
+def test_served_configs_of_two_systems_do_not_overwrite_each_other(tmp_path):
+    assert anchors._with_k(str(BENCH), 4, tmp_path) != anchors._with_k(str(MODEL_FREE), 4, tmp_path)
+
+
+def test_the_table_names_the_workload_whether_it_copies_enough_and_a_system_not_run():
+    rows = [dict(anchors._row(anchors.TARGET_ONLY, 1, [{"outputs": [[1, 2, 3, 4, 5]], "tokens": 5, "wall": 1.0,
+                                                          "seconds": [1.0], "accepted": 0, "drafts": 0,
+                                                          "steps": None}], [[1, 2, 3, 4, 5]], None),
+                 speedup_vs_vllm_target_only=1.0)]
+    stats = workload_stats([[1, 2, 3, 4, 5, 6]], [[1, 2, 3, 4, 5]])
+    result = {"config": {"workload": "repeated"}, "workload": stats, "rows": rows, "goals": {},
+              "unavailable": {anchors.SUFFIX: "arctic-inference is not installed"}}
+    table = anchors.format_table(result)
+    assert ("- workload: repeated context (benchmarks/repeated.py), the share of the target's output 4-grams its "
+            "prompt holds: median 1.00 (1.00-1.00), enough") in table
+    assert "- vLLM suffix: not run: arctic-inference is not installed" in table
+    result["workload"] = workload_stats([[9, 9, 9, 9]], [[1, 2, 3, 4, 5]])
+    assert "median 0.00 (0.00-0.00), NOT enough (below 0.3)" in anchors.format_table(result)
+    result["config"]["workload"], result["workload"] = "heldout", {"distinct_tokens": {}}
+    assert "- workload: held-out prompts to continue\n" in anchors.format_table(result) + "\n"
+    del result["config"]["workload"]  # a JSON from before the workloads: no such line
+    assert "- workload" not in anchors.format_table(result)
+
+
+def test_forgetting_outputs_empties_the_suffix_drafters_tenant_trees_between_repeats():
+    """The worker's `forget_outputs` on an in-process tier: a tenant's earlier output drafts a repeat of its prompt
+    until forgotten, then the drafter has only the request's own context, as in the first repeat."""
+    suffix = DrafterServer.from_spec(DrafterSpec(name="suffix", kind="suffix", max_len=512))
+    ngram = DrafterServer.from_spec(DrafterSpec(name="ngram", kind="ngram", max_len=512))
+    tier = SimpleNamespace(servers={"suffix": suffix, "ngram": ngram})
+    prompt, output = [5, 6, 7], [11, 12, 13, 14, 15, 16]
+
+    def repeat(rid: str) -> list[int]:
+        """The prompt, what the drafter proposes after the output's first token, then the output to its end."""
+        suffix.step([DrafterCall(rid, prompt, tenant=BENCH_TENANT)])
+        chain = suffix.step([DrafterCall(rid, prompt + output[:1], steps=4, tenant=BENCH_TENANT)]).chains.get(rid, [])
+        suffix.step([DrafterCall(rid, prompt + output, tenant=BENCH_TENANT)])
+        suffix.release_later([rid]).result()
+        return [p.token for p in chain]
+
+    assert repeat("r1") == []  # nothing to copy: the context has no earlier occurrence of its end
+    assert repeat("r2") == output[1:5]  # the first repeat's output
+    assert forget_outputs(tier) == 2 and forget_outputs(tier) == 0
+    assert repeat("r3") == []
 
 
 @pytest.mark.slow
@@ -93,3 +176,34 @@ def test_sampled_rows_report_a_p_value_text_statistics_and_a_warning():
     assert "- sampling: T = 0.7, top_p 0.95, seed 0" in table and "- WARNING: vLLM ngram" in table
     assert Sampling(0.7, 0.95, 3).for_requests(2, 1) == {"temperature": 0.7, "top_p": 0.95,
                                                            "seeds": [10_003, 10_004]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("system", [anchors.SUFFIX, anchors.OURS_MF])
+def test_a_worker_forgets_the_outputs_it_drafts_from_between_repeats(tmp_path, tokenizer, system, monkeypatch):
+    """The real workers on two repeated-context prompts, greedy: vLLM suffix (arctic-inference from
+    `make vllm-suffix`) and ours in process with the model-free drafters remember a run's outputs, and forget them
+    when told; vLLM suffix then drafts as in its first run, and both write the target's greedy output. The
+    arctic-inference plugin is enabled, and would refuse this vLLM version if it were loaded: it is not."""
+    from model_family.bench_target import ensure_bench_target
+    from model_family.paths import models_dir
+
+    if system == anchors.SUFFIX and suffix_unavailable():
+        pytest.skip(suffix_unavailable())
+    monkeypatch.setenv("ARCTIC_INFERENCE_ENABLED", "1")
+    ensure_bench_target(models_dir())
+    prompts = [ids for _, ids in repeated_prompts(tokenizer, 1, quote_len=24)][:2]
+    greedy = Sampling().for_requests(2, 0)
+    spec = anchors._systems(False, str(BENCH), str(MODEL_FREE))[system]
+    worker = Worker(dict(spec, max_batch=2, k=4), tmp_path / "worker.log")
+    try:
+        runs = [worker.run(prompts, 1, 24, ["code", "legal"], greedy)]
+        assert worker.forget_outputs() == 2 and worker.forget_outputs() == 0
+        runs.append(worker.run(prompts, 1, 24, ["code", "legal"], greedy))
+        runs.append(worker.run(prompts, 1, 24, ["code", "legal"], greedy))  # the outputs above remembered
+    finally:
+        worker.stop()
+    assert runs[0]["outputs"] == runs[1]["outputs"] == runs[2]["outputs"]
+    assert all(len(o) == 24 for o in runs[0]["outputs"])
+    if system == anchors.SUFFIX:
+        assert runs[1]["accepted"] == runs[0]["accepted"] < runs[2]["accepted"]

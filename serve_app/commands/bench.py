@@ -105,18 +105,25 @@ def _serve(bsub) -> None:
 
 
 def _anchors(bsub) -> None:
-    an = bsub.add_parser("anchors", help="ours with the vLLM verifier vs vLLM target-only, vLLM draft_model and "
-                                         "ngram speculation and HF assisted generation, side by side")
+    an = bsub.add_parser("anchors", help="ours with the vLLM verifier vs vLLM target-only, vLLM draft_model, "
+                                         "ngram and suffix speculation and HF assisted generation, side by side")
     an.add_argument("--config", default="examples/bench.yaml", help="our configuration (served and in process)")
+    an.add_argument("--model-free-config", default="examples/bench-model-free.yaml", help="ours with the "
+                    "model-free drafters in the roster (the ours-model-free and served-model-free rows)")
+    an.add_argument("--workload", choices=["heldout", "repeated"], default="heldout", help="heldout: held-out "
+                    "prompts to continue; repeated: prompts whose answer repeats text they quote "
+                    "(benchmarks/repeated.py); either at any --temperature")
     _prompt_options(an, 2, 128)
     an.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     an.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP.format("system"))
     an.add_argument("--no-served", action="store_true", help="skip ours through Ray Serve")
     an.add_argument("--k", type=int, default=4, help="draft tokens per step for every method (ours: the maximum)")
-    an.add_argument("--systems", nargs="+", choices=["draft-generic", "draft-domain", "ngram", "hf", "ours", "served"],
-                    help="run only these beside vLLM target-only (default: every system)")
+    an.add_argument("--systems", nargs="+", choices=["draft-generic", "draft-domain", "ngram", "suffix", "hf", "ours",
+                                                     "served", "ours-model-free", "served-model-free"],
+                    help="run only these beside vLLM target-only (default: every system; suffix needs "
+                         "`make vllm-suffix`)")
     an.add_argument("--port", type=int, default=8011, help="loopback port of the served graph (and port + 1 for "
-                                                           "its dashboard)")
+                                                           "its dashboard; the model-free one: port + 2 and + 3)")
     add_sampling_arguments(an)
     an.add_argument("--json", default="bench_results/anchors.json")
     an.set_defaults(func=_runs("anchors"))
