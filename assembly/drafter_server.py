@@ -114,13 +114,14 @@ class DrafterServer:
         rids = self.admit(calls)
         if not rids:
             return DrafterReply({}, (time.perf_counter() - t) * 1000)
-        first = self.engine.step(rids, want_loglik=any(c.score_context for c in calls))
+        alternatives = any(c.alternatives for c in calls)
+        first = self.engine.step(rids, want_loglik=any(c.score_context for c in calls), alternatives=alternatives)
         chains: dict[str, list[Proposal]] = {r: [p] for r, p in first.items()}
         more = {c.request_id: c.steps - 1 for c in calls if c.steps > 1 and c.request_id in first}
         if more:
             for r in more:
                 self.engine.feed(r, [first[r].token])
-            for r, chain in self.engine.draft(list(more), more).items():
+            for r, chain in self.engine.draft(list(more), more, alternatives).items():
                 chains[r].extend(chain)
         return DrafterReply(chains, (time.perf_counter() - t) * 1000)
 

@@ -138,7 +138,9 @@ class _PooledCalls:
         t = time.perf_counter()
         rids = {name: self.servers[name].admit(calls) for name, calls in batch}
         rids = {n: r for n, r in rids.items() if r}
-        first = self.pool.step(rids, want_loglik={n for n, calls in batch if any(c.score_context for c in calls)})
+        alternatives = any(c.alternatives for _, calls in batch for c in calls)
+        first = self.pool.step(rids, want_loglik={n for n, calls in batch if any(c.score_context for c in calls)},
+                               alternatives=alternatives)
         chains = {n: {r: [p] for r, p in got.items()} for n, got in first.items()}
         more = {n: {c.request_id: c.steps - 1 for c in calls if c.steps > 1 and c.request_id in first.get(n, {})}
                 for n, calls in batch}
@@ -146,7 +148,7 @@ class _PooledCalls:
         for n, m in more.items():
             for r in m:
                 self.pool.engines[n].feed(r, [first[n][r].token])
-        for n, got in self.pool.draft({n: list(m) for n, m in more.items()}, more).items():
+        for n, got in self.pool.draft({n: list(m) for n, m in more.items()}, more, alternatives).items():
             for r, chain in got.items():
                 chains[n][r].extend(chain)
         ms = (time.perf_counter() - t) * 1000

@@ -37,7 +37,7 @@ class CascadeDrafterEngine(DrafterEngine):
             self.assistant.release(rid)
 
     @torch.no_grad()
-    def draft(self, rids: list[str], k: int | dict[str, int]) -> dict[str, list[Proposal]]:
+    def draft(self, rids: list[str], k: int | dict[str, int], alternatives: bool = False) -> dict[str, list[Proposal]]:
         """This drafter's greedy chains of up to k proposals, as `DrafterEngine.draft` returns them, in fewer
         forward passes: per pass, the assistant's chain of up to `assistant_k` tokens is checked and the agreeing
         prefix is kept with this drafter's own next token."""
@@ -67,7 +67,7 @@ class CascadeDrafterEngine(DrafterEngine):
                 self.assistant_drafted += len(guess)
                 self.assistant_accepted += n
                 self.runner.commit(r, inputs[r], list(range(len(pending) + n)))
-                props = self._propose(lg[base:base + n + 1])  # the kept guesses, then its own
+                props = self._propose(lg[base:base + n + 1], alternatives)  # the kept guesses, then its own
                 chains[r] += props
                 self.states[r].pending = [props[-1].token] if len(chains[r]) < ks[r] else []
             active = [r for r in active if len(chains[r]) < ks[r]]

@@ -120,8 +120,9 @@ class DrafterEngine:
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
-    def step(self, rids: list[str], want_loglik: bool = False) -> dict[str, Proposal]:
-        """One batched forward over the pending tokens of `rids`; a proposal for each."""
+    def step(self, rids: list[str], want_loglik: bool = False, alternatives: bool = False) -> dict[str, Proposal]:
+        """One batched forward over the pending tokens of `rids`; a proposal for each. `alternatives`: each
+        proposal's top `top_alternatives` tokens too (lockstep fusion's branches); otherwise only its token."""
         out: dict[str, Proposal] = {}
         long = [r for r in rids if len(self.states[r].pending) > LONG_PENDING]
         short = [r for r in rids if len(self.states[r].pending) <= LONG_PENDING]
@@ -133,7 +134,8 @@ class DrafterEngine:
             logits = self.runner.forward(group, inputs, hidden_only_last=not full)
             self.forward_passes += 1
             count(drafter_forwards=1)
-            proposals = self._propose(torch.stack([lg[-1] for lg in logits]))
+            last = torch.stack([lg[-1] for lg in logits]) if full else torch.cat(logits)
+            proposals = self._propose(last, alternatives)
             for r, x, lg, proposal in zip(group, inputs, logits, proposals):
                 self.runner.commit_all(r, x)
                 self.states[r].pending = []
@@ -142,18 +144,21 @@ class DrafterEngine:
                     out[r].context_loglik = context_loglik(lg, x)
         return out
 
-    def _propose(self, logits: torch.Tensor) -> list[Proposal]:
-        """A proposal from each row of `logits` [n, vocab], all rows in one pass (a step's requests together)."""
+    def _propose(self, logits: torch.Tensor, alternatives: bool = True) -> list[Proposal]:
+        """A proposal from each row of `logits` [n, vocab], all rows in one pass (a step's requests together).
+        Without `alternatives`, a proposal's top tokens are its own token alone (no top-k over the vocabulary)."""
         logits = logits[:, :self.vocab_limit]
         q = torch.softmax(logits.float(), dim=-1)
         tokens = logits.argmax(-1)
         probs = q.gather(-1, tokens[:, None])[:, 0]
+        if not alternatives:
+            return [Proposal(t, p, [t], [p]) for t, p in zip(tokens.tolist(), probs.tolist())]
         top_p, top_i = q.topk(self.top_alternatives, dim=-1)
         return [Proposal(t, p, i, tp) for t, p, i, tp in
                 zip(tokens.tolist(), probs.tolist(), top_i.tolist(), top_p.tolist())]
 
-    def draft(self, rids: list[str], k: int | dict[str, int]) -> dict[str, list[Proposal]]:
-        """Chains of up to k proposals per request, each fed back as the next input."""
+    def draft(self, rids: list[str], k: int | dict[str, int], alternatives: bool = False) -> dict[str, list[Proposal]]:
+        """Chains of up to k proposals per request, each fed back as the next input (`alternatives`: as in `step`)."""
         ks = k if isinstance(k, dict) else {r: k for r in rids}
         chains: dict[str, list[Proposal]] = {r: [] for r in rids}
         active = [r for r in rids if ks.get(r, 0) > 0]
@@ -162,7 +167,7 @@ class DrafterEngine:
                       and self.runner.length(r) + len(self.states[r].pending) + 1 < self.runner.max_len]
             if not active:
                 break
-            props = self.step(active)
+            props = self.step(active, alternatives=alternatives)
             for r, p in props.items():
                 chains[r].append(p)
                 if len(chains[r]) < ks[r]:

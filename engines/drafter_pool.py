@@ -101,16 +101,24 @@ def _mm(x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None]) -> torch.
 
 def _choose(logits: torch.Tensor, vocab_limit: int | None, top: int) -> torch.Tensor:
     """`DrafterEngine._propose`'s choice over rows of `logits` [..., vocab], on the logits' device, packed for one
-    host read: [..., 2 + 2 top] = token, its probability, the top ids, their probabilities (float64: ids exact)."""
+    host read: [..., 2 + 2 top] = token, its probability, the top ids, their probabilities (float64: ids exact;
+    `top` 0: no top-k over the vocabulary)."""
     logits = logits[..., :vocab_limit]
     q = torch.softmax(logits.float(), dim=-1)
     tokens = logits.argmax(-1, keepdim=True)
-    top_p, top_i = q.topk(top, dim=-1)
-    return torch.cat([tokens.double(), q.gather(-1, tokens).double(), top_i.double(), top_p.double()], dim=-1)
+    chosen = [tokens.double(), q.gather(-1, tokens).double()]
+    if top:
+        top_p, top_i = q.topk(top, dim=-1)
+        chosen += [top_i.double(), top_p.double()]
+    return torch.cat(chosen, dim=-1)
 
 
-def _proposal(row: list[float], top: int, loglik: float | None = None) -> Proposal:
-    return Proposal(int(row[0]), row[1], [int(t) for t in row[2:2 + top]], row[2 + top:2 + 2 * top], loglik)
+def _proposal(row: list[float], top: int, loglik: float | None, alternatives: bool) -> Proposal:
+    """The proposal in a `_choose` row; without `alternatives`, its token alone as its top (`DrafterEngine.step`)."""
+    token = int(row[0])
+    if not alternatives:
+        return Proposal(token, row[1], [token], [row[1]], loglik)
+    return Proposal(token, row[1], [int(t) for t in row[2:2 + top]], row[2 + top:2 + 2 * top], loglik)
 
 
 def _pooled_cache(runners: list[LlamaRunner]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +198,8 @@ class DrafterPool:
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
-    def step(self, rids: dict[str, list[str]], want_loglik: Collection[str] = ()) -> dict[str, dict[str, Proposal]]:
+    def step(self, rids: dict[str, list[str]], want_loglik: Collection[str] = (),
+             alternatives: bool = False) -> dict[str, dict[str, Proposal]]:
         """`DrafterEngine.step` of every named drafter over its `rids`: the prompts among them (long pending runs)
         in one forward, the rest in another (one drafter alone, eager: its own step)."""
         out: dict[str, dict[str, Proposal]] = {n: {} for n in rids}
@@ -207,15 +216,17 @@ class DrafterPool:
                 if groups is short and self.padded and not any(
                         n in want_loglik and any(len(self.engines[n].states[r].pending) > 1 for r in g)
                         for n, g in groups.items()):
-                    self._padded_step(groups, out)
+                    self._padded_step(groups, out, alternatives)
                 elif len(groups) == 1 and sum(map(len, groups.values())) == 1 or (groups is short and len(groups) == 1):
                     (name, group), = groups.items()
-                    out[name] |= self.engines[name].step(group, want_loglik=name in want_loglik)
+                    out[name] |= self.engines[name].step(group, want_loglik=name in want_loglik,
+                                                         alternatives=alternatives)
                 else:
-                    self._pooled(groups, want_loglik, out)
+                    self._pooled(groups, want_loglik, out, alternatives)
         return out
 
-    def draft(self, rids: dict[str, list[str]], k: dict[str, dict[str, int]]) -> dict[str, dict[str, list[Proposal]]]:
+    def draft(self, rids: dict[str, list[str]], k: dict[str, dict[str, int]],
+              alternatives: bool = False) -> dict[str, dict[str, list[Proposal]]]:
         """`DrafterEngine.draft` of every named drafter, each depth one pooled step: chains of up to k[name][rid]
         proposals, each fed back as that drafter's next input."""
         chains = {n: {r: [] for r in group} for n, group in rids.items()}
@@ -229,7 +240,7 @@ class DrafterPool:
                     del active[n]
             if not active:
                 break
-            for n, props in self.step(active).items():
+            for n, props in self.step(active, alternatives=alternatives).items():
                 for r, p in props.items():
                     chains[n][r].append(p)
                     if len(chains[n][r]) < k[n][r]:
@@ -250,7 +261,7 @@ class DrafterPool:
         return torch.tensor(rows).view(len(names), B, N + 4)
 
     def _commit(self, groups: dict[str, list[str]], names: list[str], B: int, packed: torch.Tensor,
-                out: dict[str, dict[str, Proposal]], logliks: dict | None = None) -> None:
+                out: dict[str, dict[str, Proposal]], alternatives: bool, logliks: dict | None = None) -> None:
         """The forward's tokens committed to each request's cache, its proposal from `packed` [drafters, B, ...]
         (already on the host)."""
         table = packed.tolist()
@@ -264,10 +275,10 @@ class DrafterPool:
                 engine.runner.requests[r].pending = len(x)
                 engine.runner.commit_all(r, x)
                 engine.states[r].pending = []
-                out[n][r] = _proposal(table[i][b], self.top, (logliks or {}).get((i, b)))
+                out[n][r] = _proposal(table[i][b], self.top, (logliks or {}).get((i, b)), alternatives)
 
     def _pooled(self, groups: dict[str, list[str]], want_loglik: Collection[str],
-                out: dict[str, dict[str, Proposal]]) -> None:
+                out: dict[str, dict[str, Proposal]], alternatives: bool) -> None:
         """One eager forward over the drafters in `groups` at their inputs' exact shapes."""
         t_start = time.perf_counter()
         names = sorted(groups, key=self.index.get)
@@ -281,7 +292,8 @@ class DrafterPool:
         h = self._forward(w, host.to(self.device), N)  # [P, B, N, hidden]
         n_new = host[..., N + 3].to(self.device)
         last = h[torch.arange(P, device=h.device)[:, None], torch.arange(B, device=h.device), (n_new - 1).clamp(min=0)]
-        packed = _choose(_mm(last, w.head), self.vocab_limit, self.top)  # [P, B, 2 + 2 top]
+        top = self.top if alternatives else 0
+        packed = _choose(_mm(last, w.head), self.vocab_limit, top)  # [P, B, 2 + 2 top]
         lls = {}
         for i in (i for i, f in enumerate(full) if f):  # routing's cold start: a drafter at a time, [B, N, vocab]
             head = (w.head[0][i:i + 1], None if w.head[1] is None else w.head[1][i:i + 1])
@@ -300,10 +312,11 @@ class DrafterPool:
         self.forward_passes += 1
         logliks = {(i, b): float(packed[i, b, -1]) for i in lls for b, r in enumerate(groups[names[i]])
                    if len(self.engines[names[i]].states[r].pending) > 1}
-        self._commit(groups, names, B, packed, out, logliks)
+        self._commit(groups, names, B, packed, out, alternatives, logliks)
         self.forward_seconds += time.perf_counter() - t_start
 
-    def _padded_step(self, groups: dict[str, list[str]], out: dict[str, dict[str, Proposal]]) -> None:
+    def _padded_step(self, groups: dict[str, list[str]], out: dict[str, dict[str, Proposal]],
+                     alternatives: bool) -> None:
         """One forward over every pool drafter at bucketed shapes (a CUDA graph replay on a GPU)."""
         t_start = time.perf_counter()
         names = list(self.engines)
@@ -313,7 +326,7 @@ class DrafterPool:
         packed = self.graphs.run((B, N), host, self._padded_forward).cpu()
         count(drafter_forwards=1, host_reads=1)
         self.forward_passes += 1
-        self._commit(groups, names, B, packed, out)
+        self._commit(groups, names, B, packed, out, alternatives)
         self.forward_seconds += time.perf_counter() - t_start
 
     def capture(self) -> int:

@@ -128,12 +128,13 @@ class DraftingEngine(Protocol):
 
     def __contains__(self, rid: str) -> bool: ...
 
-    def step(self, rids: list[str], want_loglik: bool = False) -> dict[str, Proposal]:
+    def step(self, rids: list[str], want_loglik: bool = False, alternatives: bool = False) -> dict[str, Proposal]:
         """Process the pending tokens of `rids` (each needs at least one); the next-token proposal for each, with
         `context_loglik` where `want_loglik` and more than one token was pending (a model-free drafter: only for
-        the requests it has a match for, never a log-likelihood)."""
+        the requests it has a match for, never a log-likelihood). `alternatives`: its top tokens and their
+        probabilities too (lockstep fusion's branches); without, a model drafter gives its token alone there."""
 
-    def draft(self, rids: list[str], k: int | dict[str, int]) -> dict[str, list[Proposal]]:
+    def draft(self, rids: list[str], k: int | dict[str, int], alternatives: bool = False) -> dict[str, list[Proposal]]:
         """The greedy chain of up to k proposals per request (each fed back as the next input); shorter where the
         cache is full."""
 

@@ -130,8 +130,9 @@ class ModelFreeDrafter(ABC):
     def __contains__(self, rid: str) -> bool:
         return rid in self.states
 
-    def step(self, rids: list[str], want_loglik: bool = False) -> dict:
-        """The next proposal of each request that has a match (no prompt log-likelihood: there is no model)."""
+    def step(self, rids: list[str], want_loglik: bool = False, alternatives: bool = False) -> dict:
+        """The next proposal of each request that has a match (no prompt log-likelihood: there is no model; its
+        ranked matches are the alternatives, whether asked or not)."""
         out = {}
         for r in rids:
             st = self.states[r]
@@ -143,7 +144,7 @@ class ModelFreeDrafter(ABC):
                     out[r] = p
         return out
 
-    def draft(self, rids: list[str], k: int | dict[str, int]) -> dict[str, list[Proposal]]:
+    def draft(self, rids: list[str], k: int | dict[str, int], alternatives: bool = False) -> dict[str, list[Proposal]]:
         """Each request's chain, each proposal fed back, until k, no match, or the context's room ends."""
         ks = k if isinstance(k, dict) else {r: k for r in rids}
         chains: dict[str, list[Proposal]] = {r: [] for r in rids}

@@ -137,6 +137,11 @@ class LlamaRunner:
             self.k = torch.zeros(shape, dtype=dtype, device=self.device)
             self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.graphs = StepGraphs(self) if use_graphs else None
+        # one-token steps' inputs (token, slot, cached length per request) written into one persistent host
+        # buffer, not built as tensors each step; the key positions their mask compares against
+        self._one = torch.zeros(3, max_slots, dtype=torch.long)
+        self._one_np = self._one.numpy()
+        self._key_pos = torch.arange(self.max_len, device=self.device)
         self.kv_cache_bytes = 2 * self.k.numel() * self.k.element_size()
         self.requests: dict[str, _Slot] = {}
         self.forward_seconds = 0.0  # time spent in forward passes (benchmarks split it from orchestration)
@@ -207,6 +212,8 @@ class LlamaRunner:
             if self.graphs is not None and chains and max(map(len, inputs)) <= GRAPH_MAX_NEW:
                 logits = self.graphs.step([s.slot for s in slots], [s.length for s in slots], inputs,
                                           hidden_only_last)
+            elif all(len(x) == 1 for x in inputs):
+                logits = self._step_one(slots, inputs)
             else:
                 logits = self._step(slots, inputs, None if chains else parents, hidden_only_last)
             if self.device.type != "cpu":
@@ -214,7 +221,8 @@ class LlamaRunner:
         count(host_reads=1)
         for s, x in zip(slots, inputs):
             s.pending = len(x)
-        out = [logits[b, :1 if hidden_only_last else len(x)] for b, x in enumerate(inputs)]
+        out = list(logits.unbind(0)) if hidden_only_last or logits.shape[1] == 1 else \
+            [logits[b, :len(x)] for b, x in enumerate(inputs)]
         self.forward_seconds += time.perf_counter() - t_start
         return out
 
@@ -285,6 +293,33 @@ class LlamaRunner:
         if hidden_only_last:
             return w.lm_head(h[torch.arange(B, device=self.device), last]).unsqueeze(1)
         return w.lm_head(h)
+
+    def _step_one(self, slots: list[_Slot], inputs: list[list[int]]) -> torch.Tensor:
+        """`_step` for one new token per request (a chain's next depth), its inputs from the persistent buffer:
+        logits [B, 1, vocab]."""
+        B = len(slots)
+        lens = [s.length for s in slots]
+        self._one_np[0, :B] = [x[0] for x in inputs]
+        self._one_np[1, :B] = [s.slot for s in slots]
+        self._one_np[2, :B] = lens
+        one = self._one[:, :B] if self.device.type == "cpu" else self._one[:, :B].to(self.device)
+        ids, slot_idx, pos = one[0, :, None], one[1], one[2]
+        total = max(lens) + 1
+        # each query sees its request's prefix and itself; alone, that is every key attended over
+        mask = None if B == 1 else (self._key_pos[:total] < (pos + 1)[:, None])[:, None, None]
+        contiguous = [s.slot for s in slots] == list(range(B))
+
+        def store(li: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.k[li, slot_idx, :, pos] = k[:, :, 0]
+            self.v[li, slot_idx, :, pos] = v[:, :, 0]
+
+        def attended(li: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if contiguous:
+                return self.k[li, :B, :, :total], self.v[li, :B, :, :total]
+            return self.k[li, slot_idx, :, :total], self.v[li, slot_idx, :, :total]
+
+        w = self.w
+        return w.lm_head(self._layers(w.embed(ids), *w.rotary(pos[:, None]), mask, store, attended))
 
     def padded_step(self, ids: torch.Tensor, slot_idx: torch.Tensor, lens: torch.Tensor, n_new: torch.Tensor,
                     hidden_only_last: bool, contiguous: bool) -> torch.Tensor:

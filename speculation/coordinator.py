@@ -80,7 +80,7 @@ class _Drafting:
         first = depth == 0 and self.scoring
         return {n: DrafterCall(self.req.request_id, self.req.context + self.path[n],
                                steps=1 if first else self.req.k - depth, score_context=first,
-                               tenant=self.req.tenant)
+                               tenant=self.req.tenant, alternatives=self.lockstep)
                 for n in self.alive if depth not in self.ahead[n]}
 
     def receive(self, depth: int, name: str, chain: list[Proposal]) -> None:

@@ -88,6 +88,7 @@ class DrafterCall:
     steps: int = 1
     score_context: bool = False
     tenant: str | None = None  # DraftRequest.tenant: a drafter that remembers outputs keeps them per tenant
+    alternatives: bool = False  # each proposal's runner-up tokens too (lockstep fusion's branches), not its token alone
 
 
 @dataclass

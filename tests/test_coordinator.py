@@ -238,7 +238,8 @@ def test_lockstep_fusion_calls_a_drafter_again_only_where_its_token_lost(servers
         # the reference: every drafter fed the fused token at every depth, one call per drafter and depth
         ref, losers, fused = FusionTree(budget=3 * k), 0, []
         for depth in range(k):
-            props = {n: servers[n].step([DrafterCall(ref_id, ctx + fused)]).chains[ref_id][0] for n in names}
+            props = {n: servers[n].step([DrafterCall(ref_id, ctx + fused, alternatives=True)]).chains[ref_id][0]
+                     for n in names}
             fused.append(ref.step(props))
             if depth < k - 1:
                 losers += sum(p.token != fused[-1] for p in props.values())

@@ -93,7 +93,7 @@ def _assert_matches(chain, reference, atol: float = PROB_ATOL) -> None:
 
 def _draft_alone(engine: DrafterEngine, rid: str, context: list[int]):
     engine.sync(rid, context)
-    return engine.draft([rid], K)[rid]
+    return engine.draft([rid], K, alternatives=True)[rid]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

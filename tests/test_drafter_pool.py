@@ -59,13 +59,14 @@ def test_pooled_steps_equal_each_drafters_own(drafter_models, texts, padded):
     ctx = {r: texts[(j * 3 + i) % len(texts)][:10 + 13 * i] for j, n in enumerate(NAMES)
            for i, r in enumerate(rids[n])}  # 10 tokens (pooled prefill) to 49 (alone)
 
-    def check(want_loglik=()):
-        want = {n: alone[n].step(rids[n], want_loglik=n in want_loglik) for n in rids}
-        got = pool.step(rids, want_loglik=want_loglik)
+    def check(want_loglik=(), alternatives=False):
+        want = {n: alone[n].step(rids[n], want_loglik=n in want_loglik, alternatives=alternatives) for n in rids}
+        got = pool.step(rids, want_loglik=want_loglik, alternatives=alternatives)
         for n, group in rids.items():
             assert set(got[n]) == set(group)
             for r in group:
                 _same(want[n][r], got[n][r])
+                assert len(got[n][r].top_tokens) == (4 if alternatives else 1)
         return want
 
     def sync(contexts):
@@ -75,15 +76,15 @@ def test_pooled_steps_equal_each_drafters_own(drafter_models, texts, padded):
                 pooled[n].sync(r, contexts[r])
 
     sync(ctx)
-    first = check(want_loglik=set(NAMES))
+    first = check(want_loglik=set(NAMES), alternatives=True)
     assert any(p.context_loglik is not None for g in first.values() for p in g.values())
     ks = {n: {r: 3 + i for i, r in enumerate(rids[n])} for n in rids}
     for n, group in rids.items():
         for r in group:
             alone[n].feed(r, [first[n][r].token])
             pooled[n].feed(r, [first[n][r].token])
-    want = {n: alone[n].draft(rids[n], ks[n]) for n in rids}
-    got = pool.draft(rids, ks)
+    want = {n: alone[n].draft(rids[n], ks[n], alternatives=True) for n in rids}
+    got = pool.draft(rids, ks, alternatives=True)
     for n, group in rids.items():
         for r in group:
             assert len(got[n][r]) == ks[n][r]

@@ -247,6 +247,24 @@ def test_release_between_forward_and_commit_keeps_the_movers_new_tokens(target, 
         assert torch.allclose(logits, want, atol=1e-4), r
 
 
+def test_one_token_steps_equal_the_general_step_exactly(target, mixed_prompts):
+    """A chain's next depth (one new token per request, its inputs from the runner's persistent buffer) gives the
+    general exact-shape step's logits bit for bit: alone, batched over contexts of different lengths, and over
+    slots out of order (after a release moved one)."""
+    runner = LlamaRunner(target, max_slots=4, max_len=512, graphs=False)
+    for rid, p in zip("abcd", mixed_prompts[:4]):
+        runner.add(rid)
+        runner.forward([rid], [p])
+        runner.commit_all(rid, p)
+    runner.release("a")  # d moves into slot 0
+    for rids in (["b"], ["b", "c", "d"], ["d", "b"]):
+        inputs = [[17 + i] for i in range(len(rids))]
+        got = torch.stack(runner.forward(rids, inputs))
+        with torch.no_grad():
+            want = runner._step([runner.requests[r] for r in rids], inputs, None, hidden_only_last=True)
+        assert got.shape == want.shape and torch.equal(got, want), rids
+
+
 def test_prepacked_cpu_linears_match_plain_matmuls(target):
     from engines.cpu_kernels import Linear
 
