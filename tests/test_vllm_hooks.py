@@ -86,6 +86,21 @@ def test_the_cpu_rejection_sampling_bugs_are_still_there(kernels):
     assert "both bugs still there" in run.stdout
 
 
+def test_the_cpu_seeded_partial_prefill_bug_is_still_there():
+    """What vllm_hooks.fix_cpu_seeded_partial_prefill works around: sample_tokens rewinds the generators of the
+    discarded (partly prefilled) requests by offset, which CPU generators refuse; the fix hides them from
+    sample_tokens, whose sampling reads the input batch's generators by reference."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "gen.set_offset" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    src = inspect.getsource(GPUModelRunner.sample_tokens)
+    assert "self._sample(" in src and "self._bookkeeping_sync(" in src
+    assert "generators=self.generators" in inspect.getsource(InputBatch._make_sampling_metadata)
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        torch.Generator().get_offset()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
 def test_expand_rows_repeats_each_requests_value_over_its_draft_rows(dtype):
     x = torch.tensor([3, 0, 5], dtype=dtype)

