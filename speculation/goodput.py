@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -106,6 +107,13 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
+@lru_cache(maxsize=4096)
+def _expected_row(acceptance: float, k_max: int) -> tuple[float, ...]:
+    """`expected_tokens` at k = 0..k_max (a request's estimate is the same over a plan's participations, and stays
+    so over rounds where it drafted nothing)."""
+    return tuple(expected_tokens(acceptance, k) for k in range(k_max + 1))
+
+
 @dataclass
 class GoodputController(DraftLengthController):
     """Per-request draft lengths from acceptance estimates and fitted step-latency models."""
@@ -142,6 +150,8 @@ class GoodputController(DraftLengthController):
     predicted_goodput: float = 0.0  # tokens per second the last choice expects (the model's, for operators)
     probing: bool = False  # the last `choose` tried a participation for its measurements, not for its goodput
     held_participation: Participation | None = None  # the participation chosen for its goodput last (not a probe)
+    # per participation: the last plan, and what it was planned from (`_plan_inputs`)
+    last_plans: dict[Participation | None, tuple] = field(default_factory=dict, repr=False)
 
     def observe_acceptance(self, rid: str, drafted: int, accepted: int,
                            participation: Participation | None = None) -> None:
@@ -297,14 +307,38 @@ class GoodputController(DraftLengthController):
 
     def _allocate(self, rids, k_caps, groups, participation: Participation | None = None,
                   overlap: float = 0.0, ahead: bool = False) -> tuple[dict[str, int], float]:
+        """The plan for `participation`: the last one where what it is planned from is unchanged (a copy: `choose`
+        adds its probes to it), the greedy search's otherwise."""
         caps = {r: min(self.k_max, (k_caps or {}).get(r, self.k_max)) for r in rids}
-        ks = {r: 0 for r in rids}
         if not rids:
-            return ks, 0.0
+            return {}, 0.0
         acc = {r: self._acceptance_at(r, participation) for r in rids}
+        group_list = [(groups or {}).get(r, 0) for r in rids]
+        inputs = self._plan_inputs(rids, caps, acc, group_list, participation, overlap, ahead)
+        last = self.last_plans.get(participation)
+        if last is None or last[0] != inputs:
+            last = self.last_plans[participation] = (inputs, self._search(rids, caps, acc, group_list, participation,
+                                                                     overlap, ahead))
+        ks, g = last[1]
+        return dict(ks), g
+
+    def _plan_inputs(self, rids, caps, acc, group_list, participation: Participation | None, overlap: float,
+                     ahead: bool) -> tuple:
+        """Everything a plan depends on: the requests in order (the search breaks ties by it), their caps and
+        acceptances, the latency models' coefficients, the overlap and drafting ahead."""
+        if participation is not None:
+            model = self.draft_model(participation)
+            drafting = (model.a, model.b, model.c)
+        else:
+            drafting = (self.draft.a, self.draft.b, tuple(group_list), self.drafters_per_request, self.parallel_groups)
+        return (tuple(rids), tuple(caps[r] for r in rids), tuple(acc[r] for r in rids), self.verify.a, self.verify.b,
+                drafting, overlap, ahead)
+
+    def _search(self, rids, caps, acc, group_list, participation: Participation | None, overlap: float,
+                ahead: bool) -> tuple[dict[str, int], float]:
         if participation is not None:
             return self._allocate_fast(rids, caps, acc, participation, overlap, ahead)
-        group_list = [(groups or {}).get(r, 0) for r in rids]
+        ks = {r: 0 for r in rids}
 
         def goodput(kv: dict[str, int]) -> float:
             t = self._time(list(kv.values()), group_list, participation, overlap, ahead)
@@ -340,7 +374,7 @@ class GoodputController(DraftLengthController):
         expected tokens, so each move is priced from running totals instead of a pass over the plan (the search
         priced ~360 plans per round at batch 8, 6-8 ms of the loop's thread per round on this CPU)."""
         n, model, verify = participation.drafters_per_request, self.draft_model(participation), self.verify
-        expected = {r: [expected_tokens(acc[r], k) for k in range(caps[r] + 1)] for r in rids}
+        expected = {r: _expected_row(acc[r], caps[r]) for r in rids}
         requests = len(rids)
 
         def rate(tokens: float, total_k: int, depth: int, drafting: int) -> float:

@@ -325,3 +325,42 @@ def test_the_fast_search_chooses_what_full_passes_choose():
         fast = c._allocate_fast(rids, caps, acc, p, overlap, ahead)
         ks, g = _search_by_full_passes(c, rids, caps, acc, p, overlap, ahead)
         assert fast[0] == ks and fast[1] == pytest.approx(g, rel=1e-9)
+
+
+def test_a_plan_is_reused_while_its_inputs_are_unchanged_and_made_again_when_one_changes():
+    """Each participation's plan is searched again only when something it is planned from changed: a request's
+    acceptance, the latency models, the caps, the requests or their order, the overlap, drafting ahead."""
+    c = GoodputController(k_max=8, participations=(ONE, FUSED))
+    c.verify.a, c.verify.b = 0.02, 0.001
+    for p in (ONE, FUSED):
+        m = c.draft_model(p)
+        m.a, m.b, m.c = 0.001, 0.002, 0.0005
+    searched = []
+    search = c._search
+    c._search = lambda rids, caps, acc, groups, p, overlap, ahead: searched.append(p) or search(
+        rids, caps, acc, groups, p, overlap, ahead)
+    rids, caps = ["a", "b"], {"a": 8, "b": 8}
+
+    def plans(**kw):
+        searched.clear()
+        return {p: c._allocate(kw.get("rids", rids), kw.get("caps", caps), None, p, kw.get("overlap", 0.0),
+                               kw.get("ahead", False)) for p in (ONE, FUSED)}
+
+    first = plans()
+    assert sorted(map(str, searched)) == sorted(map(str, (ONE, FUSED)))
+    first[ONE][0]["a"] = 99  # what `choose` does to a plan (its probes) does not reach the kept one
+    again = plans()
+    assert not searched and again[ONE][0]["a"] != 99 and again[FUSED] == first[FUSED]
+    changes = [lambda: c.observe_acceptance("a", 4, 1, ONE), lambda: setattr(c.verify, "b", 0.0012),
+               lambda: setattr(c.draft_model(FUSED), "c", 0.0006)]
+    for change in changes:
+        change()
+        plans()
+        assert searched, change
+        plans()
+        assert not searched
+    for kw in ({"caps": {"a": 8, "b": 4}}, {"rids": ["b", "a"]}, {"rids": ["a"]}, {"overlap": 0.004},
+               {"ahead": True}):
+        plans(**kw)
+        assert sorted(map(str, searched)) == sorted(map(str, (ONE, FUSED))), kw
+        assert plans(**kw) and not searched, kw
