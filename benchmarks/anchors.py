@@ -23,8 +23,8 @@ Workloads (`--workload`, independent of the sampling settings): `heldout`, the h
 texts' first `prompt_len` tokens quoted in a request whose answer repeats them), with the JSON's `workload` block
 saying how much of the target's output its prompt holds and whether that is enough for the workload to count.
 Systems that remember earlier requests' outputs (vLLM `suffix`'s global tree, our suffix drafters' tenant trees)
-forget them before every repeat (benchmarks/workers.py), so no repeat drafts from the warm-up's or an earlier
-repeat's outputs of the same prompts.
+forget them before every timed run (benchmarks/workers.py), so no run drafts from the outputs the warm-up, an earlier
+repeat or the other concurrency's run wrote for the same prompts.
 Every system lives in its own process (one vLLM engine per process: benchmarks/workers.py), is warmed up, and the
 other systems are interleaved over the repeats; each row is the median run with min and max. Reported: tokens/s,
 time per output token, mean accepted length (vLLM's definition: 1 + accepted / drafts), target passes per token
@@ -145,11 +145,10 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
             log(f"[warm-up {i + 1}/{len(interleaved)}] concurrency {c}: {name}")
             measure(name, c, prompts[::per_domain][:max(2, c)], 16, 0)
         for rep in range(repeats):
-            for runner in runners.values():
-                if isinstance(runner, Worker):  # the served graphs have no tenant: nothing remembered across requests
-                    runner.forget_outputs()
             for i, (name, c) in enumerate(interleaved):
                 log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(interleaved)}] concurrency {c}: {name}")
+                if isinstance(runners[name], Worker):  # the served graphs have no tenant: they remember nothing
+                    runners[name].forget_outputs()
                 res = measure(name, c, prompts, new_tokens, rep + 1)
                 res["tokens"] = sum(len(o) for o in res["outputs"])
                 runs.setdefault((name, c), []).append(res)

@@ -3,7 +3,7 @@ engine per process): the worker side (vLLM as its users run it, ours in process,
 request per stdin line, one result per stdout line) and the benchmark's handle on a worker (`Worker`).
 
 A worker forgets what it remembers of earlier requests' outputs when told (`Worker.forget_outputs`, before each of
-the benchmark's repeats): vLLM `suffix`'s global tree, and our suffix drafters' trees of the benchmark's tenant (ours
+the benchmark's timed runs): vLLM `suffix`'s global tree, and our suffix drafters' trees of the benchmark's tenant (ours
 in process sends every request as one tenant, `BENCH_TENANT`, as one client with an API key is served)."""
 
 from __future__ import annotations

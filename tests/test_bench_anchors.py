@@ -96,6 +96,40 @@ def test_the_table_names_the_workload_whether_it_copies_enough_and_a_system_not_
     assert "- workload" not in anchors.format_table(result)
 
 
+def test_the_repeated_workload_reaches_every_system_and_each_timed_run_starts_forgetting(monkeypatch, tokenizer):
+    """`run` with `workload="repeated"`, its workers replaced by ones that copy their prompt: every system gets the
+    repeated-context prompts, each timed run is preceded by forgetting (not the warm-up: it is forgotten after),
+    and the JSON's workload block finds the copying."""
+    calls = []
+
+    class Copying:
+        def __init__(self, spec, log_path):
+            self.name = spec.get("config") or str(spec)
+
+        def run(self, prompts, concurrency, max_tokens, domains, sampling):
+            calls.append((self.name, "run", max_tokens, prompts))
+            return {"outputs": [p[:max_tokens] for p in prompts], "seconds": [1.0] * len(prompts), "wall": 1.0,
+                    "drafts": 0, "accepted": 0, "steps": None}
+
+        def forget_outputs(self):
+            calls.append((self.name, "forget"))
+            return 0
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(anchors, "Worker", Copying)
+    result = anchors.run(per_domain=1, new_tokens=24, concurrencies=(1, 2), repeats=2, served=False,
+                         only=("ngram", "ours-model-free"), workload="repeated", log=lambda *a: None)
+    prompts = [ids for _, ids in repeated_prompts(tokenizer, 1, quote_len=64)]
+    timed = [i for i, c in enumerate(calls) if c[1] == "run" and c[2] == 24]
+    assert len(timed) == 3 * 2 * 2  # target-only, ngram and ours, at two concurrencies, twice
+    assert all(calls[i][3] == prompts and calls[i - 1] == (calls[i][0], "forget") for i in timed)
+    assert result["config"]["workload"] == "repeated" and result["workload"]["copies_enough"]
+    assert result["workload"]["copied_4gram_share"]["median"] == 1.0
+    assert str(MODEL_FREE.relative_to(BENCH.parent.parent)) in {c[0] for c in calls}
+
+
 def test_forgetting_outputs_empties_the_suffix_drafters_tenant_trees_between_repeats():
     """The worker's `forget_outputs` on an in-process tier: a tenant's earlier output drafts a repeat of its prompt
     until forgotten, then the drafter has only the request's own context, as in the first repeat."""
