@@ -92,10 +92,25 @@ def build_bench_target(target_dir: Path, out_dir: Path, factor: int = 4) -> Path
 
 
 def ensure_bench_target(models_dir: Path, log=print) -> Path:
-    """`models_dir`/bench-target, built from the shipped target the first time a benchmark needs it (it is not
-    committed: a fresh checkout has none)."""
+    """`models_dir`/bench-target, built from the shipped target the first time it is needed (it is not committed: a
+    fresh checkout has none). Built aside and renamed into place, so a process that finds it finds it whole, and
+    processes that build it at once (a Serve replica and a benchmark) each keep the first one renamed."""
+    import os
+    import shutil
+    import tempfile
+
     out = models_dir / "bench-target"
     if not (out / "config.json").exists():
         log("building the bench target (cosine models bench-target) ...")
-        build_bench_target(models_dir / "target", out)
+        if out.exists():  # what an interrupted build of an older version left
+            shutil.rmtree(out)
+        tmp = Path(tempfile.mkdtemp(prefix=".bench-target-", dir=models_dir))
+        try:
+            build_bench_target(models_dir / "target", tmp)
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():  # not another process's build: a real failure
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -49,6 +49,10 @@ def resolve_model(ref: str, tokenizer_only: bool = False) -> Path:
     local = Path(ref).expanduser()
     if local.is_dir():
         return local
+    if ref == "bench-target":  # the widened target (model_family/bench_target.py): built here the first time
+        from model_family.bench_target import ensure_bench_target
+
+        return ensure_bench_target(models_dir())
     found = shipped(ref)
     if found is not None:
         return found

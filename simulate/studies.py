@@ -46,6 +46,7 @@ def system_config(args: dict, system: str, max_batch: int | None = None) -> tupl
     elif system == "vanilla":
         generic = next((d["name"] for d in a["drafters"] if d.get("generalist")), a["drafters"][0]["name"])
         a["speculation"].update(mode="chain", adaptive=False, k=4, fixed_drafters=[generic])
+        a["speculation"].pop("drafting_tier", None)  # `auto` needs the controller; the simulation colocates it
         options["colocated"] = True
     elif system == "cosine+autoscaler":
         options["autoscaling"] = Autoscaling()

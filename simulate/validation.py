@@ -162,6 +162,8 @@ def record(config: str, requests_from: Path, out: Path = RECORDED, concurrencies
     speculation = dict(args.get("speculation", {}), record_trace=None)
     if adaptive is not None:
         speculation["adaptive"] = adaptive
+        if not adaptive and speculation.get("drafting_tier") == "auto":  # auto chooses by the controller's models
+            speculation["drafting_tier"] = "deployments"
     args = dict(args, verifier=dict(args["verifier"], engine="torch", threads=1), speculation=speculation)
 
     async def run(loop, ids: list[list[int]], concurrency: int, p: SamplingParams) -> None:

@@ -64,9 +64,26 @@ def test_drafters_are_much_cheaper_than_target(models):
 
 @pytest.fixture(scope="module")
 def bench_target(tmp_path_factory, models):
-    from model_family.bench_target import build_bench_target
+    """Built on demand, as a fresh checkout's first `cosine serve` of examples/local.yaml builds it: resolving the
+    name builds it whole into place, over what an interrupted build left, once."""
+    import os
 
-    out = build_bench_target(models / "target", tmp_path_factory.mktemp("bench") / "bench-target", factor=4)
+    from model_family.sources import resolve_model
+
+    root = tmp_path_factory.mktemp("models")
+    (root / "target").symlink_to(models / "target")
+    (root / "bench-target").mkdir()
+    (root / "bench-target" / "model.safetensors").write_bytes(b"half written")
+    before = os.environ.get("COSINE_MODELS_DIR")
+    os.environ["COSINE_MODELS_DIR"] = str(root)
+    try:
+        out = resolve_model("bench-target")
+        built = (out / "model.safetensors").stat().st_mtime_ns
+        assert out == root / "bench-target" and resolve_model("bench-target") == out
+        assert (out / "model.safetensors").stat().st_mtime_ns == built  # not built again
+        assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []  # nothing left aside
+    finally:
+        os.environ.pop("COSINE_MODELS_DIR") if before is None else os.environ.update(COSINE_MODELS_DIR=before)
     return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 

@@ -25,7 +25,8 @@ LOCAL = REPO_ROOT / "examples" / "local.yaml"
 
 def _args(**speculation) -> dict:
     args = yaml.safe_load(LOCAL.read_text())["applications"][0]["args"]
-    args["verifier"] = dict(args["verifier"], engine="torch")
+    args["verifier"] = dict(args["verifier"], engine="torch", model="target")
+    args["speculation"].pop("drafting_tier")  # examples/local.yaml's auto: these use the default
     args["speculation"] = dict(args["speculation"], draft_timeout_ms=60000, **speculation)
     return args
 

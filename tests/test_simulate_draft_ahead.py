@@ -18,7 +18,8 @@ from speculation.trace import Trace
 
 def _cfg(draft_ahead: bool) -> AppConfig:
     args = yaml.safe_load((REPO_ROOT / "examples" / "local.yaml").read_text())["applications"][0]["args"]
-    args["verifier"] = dict(args["verifier"], engine="vllm")
+    args["verifier"] = dict(args["verifier"], engine="vllm", model="target")
+    args["speculation"].pop("drafting_tier")  # examples/local.yaml's auto: these use the default
     args["speculation"] = dict(args["speculation"], mode="chain", adaptive=False, k=4, fixed_drafters=["generic"],
                                draft_timeout_ms=60000, draft_ahead=draft_ahead)
     return AppConfig.model_validate(args)

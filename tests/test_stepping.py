@@ -96,7 +96,8 @@ def test_a_draft_made_ahead_is_kept_only_where_it_still_extends_the_context():
 
 def _sim(engine: str, colocated: bool):
     args = yaml.safe_load((REPO_ROOT / "examples" / "local.yaml").read_text())["applications"][0]["args"]
-    args["verifier"] = dict(args["verifier"], engine=engine, max_batch=8)
+    args["verifier"] = dict(args["verifier"], engine=engine, model="target", max_batch=8)
+    args["speculation"].pop("drafting_tier")  # examples/local.yaml's auto: these use the default
     cfg = AppConfig.model_validate(args)
     requests = annotate(Trace.load(DEFAULT_TRACE).requests[:8], cfg)
     sim = Simulation(cfg, PROFILES["paper-llama"], requests, colocated=colocated)

@@ -29,6 +29,8 @@ LOCAL = REPO_ROOT / "examples" / "local.yaml"
 
 def _args(**speculation) -> dict:
     args = yaml.safe_load(LOCAL.read_text())["applications"][0]["args"]
+    args["verifier"] = dict(args["verifier"], model="target")
+    args["speculation"].pop("drafting_tier")  # the schema's default unless a test names one
     args["speculation"] = dict(args["speculation"], **speculation)
     return args
 
