@@ -293,7 +293,10 @@ class DrafterPool:
         n_new = host[..., N + 3].to(self.device)
         last = h[torch.arange(P, device=h.device)[:, None], torch.arange(B, device=h.device), (n_new - 1).clamp(min=0)]
         top = self.top if alternatives else 0
-        packed = _choose(_mm(last, w.head), self.vocab_limit, top)  # [P, B, 2 + 2 top]
+        # each drafter's own LM head (prepacked on a CPU): a batched matmul over the stacked vocabularies made the
+        # pooled round slower than the drafters' own steps on a 2-core CPU
+        logits = torch.stack([self.engines[n].runner.w.lm_head(last[p]) for p, n in enumerate(names)])
+        packed = _choose(logits, self.vocab_limit, top)  # [P, B, 2 + 2 top]
         lls = {}
         for i in (i for i, f in enumerate(full) if f):  # routing's cold start: a drafter at a time, [B, N, vocab]
             head = (w.head[0][i:i + 1], None if w.head[1] is None else w.head[1][i:i + 1])
