@@ -2,10 +2,11 @@
 
 A request's state is the context in the drafter's cache plus `pending` tokens it has been told about but not yet
 processed. `step` processes every listed request's pending tokens in one batched forward pass and returns what
-the drafter would say next: its token, that token's probability, and the top alternatives. The caller decides
-what is appended next (`feed`): the drafter's own proposal when drafting a chain, or another token chosen by
-fusion. `sync` brings a request to a given full context, keeping whatever prefix of its cache still agrees; a
-drafter that never saw a request, or lost it, rebuilds it from the full context, never wrong, only slower.
+the drafter would say next: its token, that token's probability, and (where asked) the top alternatives. The
+caller decides what is appended next (`feed`): the drafter's own proposal when drafting a chain, or another token
+chosen by fusion. `sync` brings a request to a given full context, keeping whatever prefix of its cache still
+agrees; a drafter that never saw a request, or lost it, rebuilds it from the full context, never wrong, only
+slower.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ attention window shorter than the context is refused); any other causal LM runs 
 engines/transformers_runner.py.
 
 The runner works on whatever device the model is on (CPU, or CUDA after `model.to("cuda")`): the cache lives
-there, the step's index tensors are built on the host and copied over, and logits come back to the host, where the
-verification rules and samplers run (one copy per step, which the `.tolist()`s downstream would sync on anyway).
+there, the step's index tensors are built on the host and copied over (a chain's one-token step writes its inputs
+into one persistent buffer), and logits come back to the host, where the verification rules and samplers run (one
+copy per step, which the `.tolist()`s downstream would sync on anyway).
 """
 
 from __future__ import annotations
