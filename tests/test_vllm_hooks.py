@@ -86,6 +86,37 @@ def test_the_cpu_rejection_sampling_bugs_are_still_there(kernels):
     assert "both bugs still there" in run.stdout
 
 
+def test_a_step_without_drafts_takes_the_plain_sampler():
+    """vllm_hooks.plain_sampler_without_drafts: vLLM's _sample still has its two branches (no metadata: the plain
+    sampler; else the rejection sampler), the runner still builds metadata for draftless steps (the cost it
+    removes), and the hook sends a step whose metadata holds no draft down the plain branch, any other to the
+    rejection sampler."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    src = inspect.getsource(GPUModelRunner._sample)
+    assert "if spec_decode_metadata is None:" in src and "return self.sampler(" in src
+    assert "self.rejection_sampler(" in src
+    assert "use_spec_decode = self.speculative_config is not None" in inspect.getsource(GPUModelRunner._prepare_inputs)
+    vllm_hooks.plain_sampler_without_drafts()
+    vllm_hooks.plain_sampler_without_drafts()  # idempotent: wrapped once
+    assert not hasattr(GPUModelRunner._sample.__wrapped__, "no_draft_plain")
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(sampling_metadata="metadata", update_async_output_token_ids=lambda: None),
+        use_async_scheduling=False, _draft_token_req_ids=None, _get_spec_decode_draft_probs=lambda m: None,
+        sampler=lambda logits, sampling_metadata: "plain", rejection_sampler=lambda *a: "rejection")
+
+    def metadata(drafts: list[list[int]]) -> SpecDecodeMetadata:
+        return SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+
+    logits = torch.zeros(2, 8)
+    assert GPUModelRunner._sample(runner, logits, None) == "plain"
+    assert GPUModelRunner._sample(runner, logits, metadata([[], []])) == "plain"
+    assert GPUModelRunner._sample(runner, logits, metadata([[], [3, 4]])) == "rejection"
+
+
 def test_the_cpu_seeded_partial_prefill_bug_is_still_there():
     """What vllm_hooks.fix_cpu_seeded_partial_prefill works around: sample_tokens rewinds the generators of the
     discarded (partly prefilled) requests by offset, which CPU generators refuse; the fix hides them from
