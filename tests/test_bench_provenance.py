@@ -96,6 +96,7 @@ def test_a_benchmarks_json_carries_this_runs_provenance(tmp_path, monkeypatch):
     command as typed (the program by its name, not this machine's path to it), this checkout's commit, and the
     result itself unchanged beside it."""
     monkeypatch.setattr(sys, "argv", ["/some/where/bin/cosine", "bench", "rounds", "--json", "out file.json"])
+    monkeypatch.setattr(sys, "orig_argv", ["/some/where/bin/python", *sys.argv])  # not `python -m pytest`'s own
     save_json({"rows": [1, 2]}, str(tmp_path / "r.json"))
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["rows"] == [1, 2]
