@@ -26,6 +26,12 @@ class RoutingSpec(Strict):
     generalist_margin: float = Field(0.5, ge=0, description="nats per prompt token by which a generalist drafter "
                                      "must out-explain every domain drafter to lead a new request's ranking")
     seed: int = Field(0, description="seed of the router's random picks")
+    model_free_alone: float | None = Field(
+        2.0, ge=0, description="with model-free drafters in the roster: a round asks them first, and where one's "
+        "chain is expected to have at least this many tokens accepted (the sum over its depths of the product of its "
+        "match confidences) the request's round is drafted by the model-free drafters alone, without the drafter "
+        "models' forwards (Snowflake's hybrid of suffix and model drafts, chosen per step by the match's score); "
+        "null: the model-free drafters join every round beside the models")
     chain_choice: Literal["score", "latency"] = Field(
         "score", description="a request drafting with one drafter (one chain): score: the top routing score; "
         "latency: SpecRouter's choice, the drafter with the least predicted time per accepted token from the "

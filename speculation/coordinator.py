@@ -121,6 +121,16 @@ class _Drafting:
                            self.lockstep)
 
 
+def expected_accepted(chain) -> float:
+    """A chain's expected accepted tokens, its proposals' probabilities taken as the chance each is accepted once
+    the ones before it were: the sum over depths of their running product."""
+    total, run = 0.0, 1.0
+    for p in chain:
+        run *= p.prob
+        total += run
+    return total
+
+
 class SpeculationCoordinator:
     def __init__(self, drafters: list[str], routing: RoutingSpec | None = None,
                  embeddings: torch.Tensor | None = None, fixed_drafters: list[str] | None = None,
@@ -221,6 +231,35 @@ class SpeculationCoordinator:
                 s.observe_call(name, time.perf_counter() - t0, max(c.steps for c in calls))
         return got
 
+    async def _model_free_first(self, rounds: dict[str, _Drafting], step_fn: StepFn, deadline: float) -> None:
+        """`routing.model_free_alone`: the model-free drafters' chains first (a lookup each), and the drafter
+        models left out of the round of each request where one of those chains is expected to have that many tokens
+        accepted. The chains are the round's depth-0 answers either way: the models, where they draft, are called
+        as before, the model-free drafters not again."""
+        free, alone = self.router.model_free, self.router.config.model_free_alone
+        mixed = [r for r in rounds.values() if not r.scoring and r.alive & free and r.alive - free] \
+            if free and alone is not None else []
+        left = deadline - time.perf_counter()
+        if not mixed or left <= 0:
+            return
+        per_drafter: dict[str, list[DrafterCall]] = {}
+        for r in mixed:
+            for name, call in r.calls(0).items():
+                if name in free:
+                    per_drafter.setdefault(name, []).append(call)
+                    self.where.setdefault(call.request_id, set()).add(name)
+        names = list(per_drafter)
+        answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n], min(self.step_timeout_s, left))
+                                         for n in names))
+        for name, got in zip(names, answers):
+            for call in per_drafter[name]:
+                if call.request_id in got:
+                    rounds[call.request_id].receive(0, name, got[call.request_id])
+        for r in mixed:
+            if max((expected_accepted(r.ahead[n].values()) for n in r.alive & free), default=0.0) >= alone:
+                r.alive &= free
+                r.chosen = [n for n in r.chosen if n in free]
+
     async def draft(self, batch: list[DraftRequest], step_fn: StepFn) -> dict[str, Draft]:
         t0 = time.perf_counter()
         waits = [d.wait_s for d in batch if d.wait_s is not None]
@@ -230,6 +269,7 @@ class SpeculationCoordinator:
         rounds = {req.request_id: self._start(req) for req in batch if req.k > 0}
         if not rounds:
             return {}
+        await self._model_free_first(rounds, step_fn, deadline)
         for depth in range(max(r.req.k for r in rounds.values())):
             left = deadline - time.perf_counter()
             if left <= 0 or not any(r.alive for r in rounds.values() if depth < r.req.k):

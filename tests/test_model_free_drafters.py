@@ -287,3 +287,32 @@ def test_the_ingress_names_its_requests_tenant_by_the_api_key_it_checks(monkeypa
     assert openai_server().responder.tenant is None
     monkeypatch.setenv("COSINE_API_KEY", "other")
     assert openai_server(api_key="s3cret").responder.tenant == tenant_of("other")
+
+
+@pytest.mark.parametrize("alone", [2.0, None])
+def test_a_strong_match_drafts_without_the_models_and_a_weak_one_with_them(models, tokenizer, heldout, alone):
+    """routing.model_free_alone: after the cold start, a request whose n-gram chain is expected to have `alone`
+    tokens accepted (a passage seen three times before) is drafted by the n-gram drafter alone; a request without
+    such a match gets the drafter model's chain as before, in the same round. Off (None): the model drafts both."""
+    from speculation.coordinator import SpeculationCoordinator, expected_accepted
+    from speculation.messages import DraftRequest
+
+    servers = {"code": DrafterServer("code", str(models / "drafter-code"), max_len=512),
+               "ngram": DrafterServer.from_spec(DrafterSpec(name="ngram", kind="ngram", max_len=512))}
+    coord = SpeculationCoordinator(["code", "ngram"], RoutingSpec(model_free_alone=alone), model_free={"ngram"})
+    called: list[tuple[str, str]] = []
+
+    async def step_fn(name, calls):
+        called.extend((name, c.request_id) for c in calls)
+        return servers[name].step(calls).chains
+
+    text = tokenizer(heldout["code"][0], add_special_tokens=False).input_ids[:40]
+    contexts = {"loop": text * 3 + text[:20], "free": tokenizer(heldout["legal"][0], add_special_tokens=False).input_ids[:80]}
+    for _ in range(2):  # the first round scores the prompts with every drafter
+        called.clear()
+        drafts = asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8) for r, c in contexts.items()], step_fn))
+    strong = expected_accepted(servers["ngram"].step([DrafterCall("probe", contexts["loop"], steps=4)]).chains["probe"])
+    assert strong >= 2.0
+    assert ("code", "free") in called and ("ngram", "loop") in called
+    assert (("code", "loop") in called) == (alone is None)
+    assert drafts["loop"].tokens[:4] == text[20:24]  # the passage's continuation
