@@ -24,9 +24,11 @@ the drafters' per-token floor (engines/drafter.py). Without prompt scores every 
 
 Model-free drafters (n-gram, suffix: engines/model_free.py) take no place: the routed places go to the drafter
 models, and every model-free drafter joins each routed round beside them. They cost a lookup, not a forward pass,
-and propose nothing where the context's end never occurred before, so the choice between them and the models is
-made per step, token by token, by fusion (Eq. 4): a match's confidence (its continuation's frequency) against the
-models' probabilities, Snowflake's hybrid of suffix and model drafts made by the match's score. Their routing
+and propose nothing where the context's end never occurred before. They are asked first (the coordinator's
+`_model_free_first`): where one's chain is expected to have `routing.model_free_alone` tokens accepted, the round is
+theirs alone, without the models' forwards (Snowflake's hybrid of suffix and model drafts, chosen per step by the
+match's score); elsewhere fusion (Eq. 4) weighs a match's confidence (its continuation's frequency) against the
+models' probabilities, token by token. Their routing
 scores are kept by the same Eq. 1-2 as the models' (their tokens are scored against what the target committed), so
 a request's ranking at release says which drafter its output followed; they have no prompt likelihood, so the
 cold start leaves them at 0.
