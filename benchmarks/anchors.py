@@ -353,8 +353,7 @@ def describe_workload(name: str, stats: dict | None) -> str:
     copied = (stats or {}).get("copied_4gram_share")
     if copied is None:
         return WORKLOADS[name]
-    verdict = ("enough" if copied["median"] >= COPY_BAR
-               else f"NOT enough (below {COPY_BAR}): the workload does not count")
+    verdict = "enough" if stats["copies_enough"] else f"NOT enough (below {COPY_BAR}): the workload does not count"
     return (f"{WORKLOADS[name]}, the share of the target's output 4-grams its prompt holds: median "
             f"{copied['median']:.2f} ({copied['min']:.2f}-{copied['max']:.2f}), {verdict}")
 

@@ -102,8 +102,8 @@ def ensure_bench_target(models_dir: Path, log=print) -> Path:
     out = models_dir / "bench-target"
     if not (out / "config.json").exists():
         log("building the bench target (cosine models bench-target) ...")
-        if out.exists():  # what an interrupted build of an older version left
-            shutil.rmtree(out)
+        if out.exists() and not (out / "config.json").exists():  # an interrupted build of an older version
+            shutil.rmtree(out, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=".bench-target-", dir=models_dir))
         try:
             build_bench_target(models_dir / "target", tmp)

@@ -231,6 +231,24 @@ class SpeculationCoordinator:
                 s.observe_call(name, time.perf_counter() - t0, max(c.steps for c in calls))
         return got
 
+    async def _ask(self, rounds: dict[str, _Drafting], asking, depth: int, step_fn: StepFn, timeout: float,
+                   only: frozenset[str] | None = None) -> None:
+        """The calls `asking`'s rounds need at `depth` (of the drafters in `only`, if given), one batched call per
+        drafter at once; each answer received by its round."""
+        per_drafter: dict[str, list[DrafterCall]] = {}
+        for r in asking:
+            for name, call in r.calls(depth).items():
+                if only is None or name in only:
+                    per_drafter.setdefault(name, []).append(call)
+                    # a drafter may build a cache even for a call that fails or times out
+                    self.where.setdefault(call.request_id, set()).add(name)
+        names = list(per_drafter)
+        answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n], timeout) for n in names))
+        for name, got in zip(names, answers):
+            for call in per_drafter[name]:
+                if call.request_id in got:
+                    rounds[call.request_id].receive(depth, name, got[call.request_id])
+
     async def _model_free_first(self, rounds: dict[str, _Drafting], step_fn: StepFn, deadline: float) -> None:
         """`routing.model_free_alone`: the model-free drafters' chains first (a lookup each), and the drafter
         models left out of the round of each request where one of those chains is expected to have that many tokens
@@ -242,19 +260,7 @@ class SpeculationCoordinator:
         left = deadline - time.perf_counter()
         if not mixed or left <= 0:
             return
-        per_drafter: dict[str, list[DrafterCall]] = {}
-        for r in mixed:
-            for name, call in r.calls(0).items():
-                if name in free:
-                    per_drafter.setdefault(name, []).append(call)
-                    self.where.setdefault(call.request_id, set()).add(name)
-        names = list(per_drafter)
-        answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n], min(self.step_timeout_s, left))
-                                         for n in names))
-        for name, got in zip(names, answers):
-            for call in per_drafter[name]:
-                if call.request_id in got:
-                    rounds[call.request_id].receive(0, name, got[call.request_id])
+        await self._ask(rounds, mixed, 0, step_fn, min(self.step_timeout_s, left), only=free)
         for r in mixed:
             if max((expected_accepted(r.ahead[n].values()) for n in r.alive & free), default=0.0) >= alone:
                 r.alive &= free
@@ -274,20 +280,7 @@ class SpeculationCoordinator:
             left = deadline - time.perf_counter()
             if left <= 0 or not any(r.alive for r in rounds.values() if depth < r.req.k):
                 break  # out of time: the drafts so far
-            per_drafter: dict[str, list[DrafterCall]] = {}
-            for r in rounds.values():
-                for name, call in r.calls(depth).items():
-                    per_drafter.setdefault(name, []).append(call)
-            names = list(per_drafter)
-            for name in names:  # a drafter may build a cache even for a call that fails or times out here
-                for call in per_drafter[name]:
-                    self.where.setdefault(call.request_id, set()).add(name)
-            timeout = min(self.step_timeout_s, left)
-            answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n], timeout) for n in names))
-            for name, got in zip(names, answers):
-                for call in per_drafter[name]:
-                    if call.request_id in got:
-                        rounds[call.request_id].receive(depth, name, got[call.request_id])
+            await self._ask(rounds, rounds.values(), depth, step_fn, min(self.step_timeout_s, left))
             for r in rounds.values():
                 r.advance(depth, self.router)
         drafts = {}
