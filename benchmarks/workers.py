@@ -327,7 +327,7 @@ def _breakdown_loop(spec: dict):
         args["speculation"]["mode"] = "off"
     loop = build_loop(AppConfig.model_validate(args))
     if spec["system"] == "guard_off":  # the guard's verdict, as a run of sampled text leaves it: off, for long
-        loop.planner.guard.off_left = 10**9
+        loop.planner.guard.hold_off(10**9)
     aio = asyncio.new_event_loop()
 
     async def go(prompts, max_tokens, sampling):

@@ -114,8 +114,9 @@ class GuardSpec(Strict):
     """The guard that keeps speculation from running slower than plain decoding (speculation/guard.py): it compares
     the tokens per second speculation really gave over a window of steps (drafting waits included) with plain
     steps measured at the same batch sizes, and switches speculation off (k = 0) where it lost, trying it again
-    after a while. Model-free: it catches what the draft-length controller's models get wrong. With adaptive
-    speculation only (`adaptive: false` drafts k every round)."""
+    after a while. Each load (batch sizes 1, 2, 3-4, 5-8, 9-16, ...) has its own verdict, windows and waits.
+    Model-free: it catches what the draft-length controller's models get wrong. With adaptive speculation only
+    (`adaptive: false` drafts k every round)."""
 
     enabled: bool = Field(True, description="false: speculation is never switched off by measurement")
     window: int = Field(16, ge=2, description="speculating verify steps per verdict")

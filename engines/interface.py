@@ -149,6 +149,7 @@ class VerifierEngine(Protocol):
     drafts_itself: bool  # the engine drafts inside its step (CoS's partner): the loop sends it no drafts
     device: str  # where the target runs ("cpu", "cuda"): the verifier deployment's placement check reads it
     running: Mapping[str, object]  # the requests admitted and not finished, by id
+    max_batch: int  # the most requests one step decodes
     last_step_tokens: int  # tokens the last verify forward fed, and its seconds: the goodput model's inputs
     last_verify_seconds: float
     # the thread `step` must run on, where the engine has one (vLLM's CPU worker steps on the thread that built it):

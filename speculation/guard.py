@@ -2,16 +2,23 @@
 
 The goodput controller chooses draft lengths from models (fitted verify and drafting times, acceptance); a model
 can be wrong where the hardware does what it was not fitted on (a GPU round that waits for locks or graph captures,
-drafters far slower than their fit). The guard does not model anything: it compares what speculation really gave,
-tokens committed per second of wall time over a window of `window` speculating steps (drafting waits, verify and
-the loop's own work included), with what plain decoding gives at the same batch sizes, measured on steps without
-drafts. Where speculation was more than `margin` slower in `patience` windows in a row (one noisy window on a busy
-machine is not a verdict; a loss below `severe` of plain decoding's speed is one, after a quarter window once plain
-steps are measured), it is switched off (k = 0 for every request) for `off_steps` steps, then tried again: a trial
-that loses is a verdict after a quarter window and switches it off again, for twice as long (up to `off_steps_max`);
-a window that pays resets the wait. Each wait is also long enough that a trial losing what the last verdict's steps
-lost costs at most half the margin of the plain steps before it: a trial's price, not a fixed count, sets how often
-speculation that keeps losing is tried.
+drafters far slower than their fit, a CPU whose verify step grows with the drafted tokens faster than the fit says).
+The guard does not model anything: it compares what speculation really gave, tokens committed per second of wall
+time over a window of `window` speculating steps (drafting waits, verify and the loop's own work included), with
+what plain decoding gives at the same batch sizes, measured on steps without drafts. Where speculation was more than
+`margin` slower in `patience` windows in a row (one noisy window on a busy machine is not a verdict; a loss below
+`severe` of plain decoding's speed is one, after a quarter window once plain steps are measured), it is switched off
+(k = 0 for every request) for `off_steps` steps, then tried again: a trial that loses is a verdict after a quarter
+window and switches it off again, for twice as long (up to `off_steps_max`); a window that pays resets the wait. Each
+wait is also long enough that a trial losing what the last verdict's steps lost costs at most half the margin of the
+plain steps before it: a trial's price, not a fixed count, sets how often speculation that keeps losing is tried.
+
+Verdicts are kept per load: batch sizes 1, 2, 3-4, 5-8, 9-16, ... (`regime`) each have their own windows, verdicts
+and waits, and a step counts only towards its own. Whether speculation pays depends on the batch (on a CPU it pays
+for one request and loses for eight, where verifying k tokens per request costs nearly k plain steps); one verdict
+for every load switched speculation off at batch 1 for hundreds of steps after a burst of eight requests lost, and
+let every return to a loaded batch lose two windows again before the verdict. A load never judged, above one whose
+last verdict lost, starts on trial.
 
 Plain steps are measured where they happen anyway (speculation off, requests held at k = 0), and otherwise by a
 probe when a window is full: `probe_steps` steps without drafts, where no measured size stands for the window's
@@ -32,6 +39,30 @@ from collections import deque
 from dataclasses import dataclass, field
 
 
+def regime(requests: int) -> int:
+    """The load a step of `requests` requests is judged at: 0 for 1, 1 for 2, 2 for 3-4, 3 for 5-8, 4 for 9-16..."""
+    return max(0, requests - 1).bit_length()
+
+
+def regime_name(r: int) -> str:
+    low, high = (1 << (r - 1)) + 1 if r > 0 else 1, 1 << r
+    return str(high) if low == high else f"{low}-{high}"
+
+
+@dataclass
+class Regime:
+    """One load's verdict state (see the module's docstring)."""
+
+    wait: int  # the next loss's off_steps
+    spec: list[tuple[int, int, float]] = field(default_factory=list)  # the window: (requests, committed, seconds)
+    off_left: int = 0  # plain steps at this load left before speculation is tried again
+    probed: bool = False  # the full window has had its probe
+    last_ratio: float | None = None  # realised speculative goodput over plain's, in its last window
+    losses: int = 0  # losing windows in a row
+    trial: bool = False  # speculating again after being switched off: one losing window suffices
+    switched_off: int = 0
+
+
 @dataclass
 class SpeculationGuard:
     window: int = 16
@@ -44,18 +75,12 @@ class SpeculationGuard:
     refresh_steps: int = 256
     plain: dict[int, deque] = field(default_factory=dict)  # batch size -> recent plain step wall seconds
     plain_age: dict[int, int] = field(default_factory=dict)  # steps since each size's last plain measurement
-    spec: list[tuple[int, int, float]] = field(default_factory=list)  # the window: (requests, committed, seconds)
-    off_left: int = 0  # plain steps left before speculation is tried again
-    wait: int = 0  # the next loss's off_steps
+    regimes: dict[int, Regime] = field(default_factory=dict)  # by `regime`
+    current: int = 0  # the regime of the last step observed or asked about
     probing: int = 0  # plain probe steps still to take
-    probed: bool = False  # the full window has had its probe
-    last_ratio: float | None = None  # realised speculative goodput over plain's, in the last window
-    switched_off: int = 0  # times speculation was switched off
-    losses: int = 0  # losing windows in a row
-    trial: bool = False  # speculating again after being switched off: one losing window suffices
-
-    def __post_init__(self):
-        self.wait = self.off_steps
+    held: int = 0  # plain steps left of a hold at every load (`hold_off`)
+    last_ratio: float | None = None  # the last verdict's ratio, whatever its load
+    switched_off: int = 0  # times speculation was switched off, at any load
 
     @classmethod
     def from_spec(cls, spec) -> SpeculationGuard:
@@ -65,13 +90,36 @@ class SpeculationGuard:
                    off_steps=spec.off_steps,
                    off_steps_max=spec.off_steps_max, refresh_steps=spec.refresh_steps)
 
+    def at(self, requests: int) -> Regime:
+        """The verdict state of the load of `requests` requests."""
+        r = regime(requests)
+        if r not in self.regimes:
+            # a load never judged, above one where speculation lost, starts on trial: a larger batch leaves
+            # speculation less to gain (on a GPU as on a CPU), so a losing quarter window is its verdict
+            lost_below = any(g.last_ratio is not None and g.last_ratio < 1 - self.margin
+                             for q, g in self.regimes.items() if q < r)
+            self.regimes[r] = Regime(wait=self.off_steps, trial=lost_below)
+        return self.regimes[r]
+
+    @property
+    def now(self) -> Regime:
+        """The verdict state of the load last seen."""
+        return self.regimes.get(self.current) or Regime(wait=self.off_steps)
+
     @property
     def speculating(self) -> bool:
-        return self.off_left == 0
+        return self.held == 0 and self.now.off_left == 0
 
     def allow(self, requests: int) -> bool:
-        """May the next step draft? No while switched off or taking plain probe steps."""
-        return self.off_left == 0 and self.probing == 0
+        """May the next step, of `requests` requests, draft? No while its load is switched off, during a hold, or
+        while taking plain probe steps."""
+        if requests > 0:
+            self.current = regime(requests)
+        return self.held == 0 and self.probing == 0 and self.now.off_left == 0
+
+    def hold_off(self, steps: int) -> None:
+        """No drafts at any load for the next `steps` steps (a benchmark's speculation-off path; a test's)."""
+        self.held = steps
 
     def _measured_near(self, n: int) -> bool:
         return any(m / 2 <= n <= 2 * m and self.plain_age[m] < self.refresh_steps for m in self.plain)
@@ -89,10 +137,14 @@ class SpeculationGuard:
         step ended: drafting waits included); `speculated`: some request had a draft; `prefill`: it fed a prompt."""
         for m in self.plain_age:
             self.plain_age[m] += 1
+        if requests > 0:
+            self.current = regime(requests)
+        g = self.at(requests) if requests > 0 else self.now
         if not speculated:
-            if self.off_left > 0:
-                self.off_left -= 1
-                self.trial = self.off_left == 0
+            self.held = max(0, self.held - 1)
+            if g.off_left > 0:
+                g.off_left -= 1
+                g.trial = g.off_left == 0
             if not prefill and requests > 0:
                 self.plain.setdefault(requests, deque(maxlen=8)).append(seconds)
                 self.plain_age[requests] = 0
@@ -100,29 +152,29 @@ class SpeculationGuard:
             return
         if prefill or requests == 0:
             return
-        self.spec.append((requests, committed, seconds))
-        if len(self.spec) < self.window:
+        g.spec.append((requests, committed, seconds))
+        if len(g.spec) < self.window:
             # a loss far beyond noise (below `severe` of plain) is a verdict after a quarter window
             # (on trial, any loss beyond the margin: it lost a full verdict before)
-            early = len(self.spec) >= max(2, self.window // 4) and self._measured_near(requests)
-            if early and (ratio := self._ratio()) is not None and (
-                    ratio < self.severe or (self.trial and ratio < 1 - self.margin)):
-                self._verdict()
+            early = len(g.spec) >= max(2, self.window // 4) and self._measured_near(requests)
+            if early and (ratio := self._ratio(g.spec)) is not None and (
+                    ratio < self.severe or (g.trial and ratio < 1 - self.margin)):
+                self._verdict(g)
             return
-        typical = int(statistics.median(n for n, _, _ in self.spec))
-        if not self._measured_near(typical) and not self.probed:
-            self.probing, self.probed = self.probe_steps, True  # then the verdict, at the next speculating step
+        typical = int(statistics.median(n for n, _, _ in g.spec))
+        if not self._measured_near(typical) and not g.probed:
+            self.probing, g.probed = self.probe_steps, True  # then the verdict, at the next speculating step
             return
-        self.probed = False
-        self._verdict()
+        g.probed = False
+        self._verdict(g)
 
-    def _ratio(self) -> float | None:
-        """The window's realised tokens per second over plain decoding's at its batch sizes (None: no plain)."""
-        plain_time = sum(self.plain_seconds(n) or 0.0 for n, _, _ in self.spec)
-        spec_time = sum(s for _, _, s in self.spec)
+    def _ratio(self, window: list[tuple[int, int, float]]) -> float | None:
+        """A window's realised tokens per second over plain decoding's at its batch sizes (None: no plain)."""
+        plain_time = sum(self.plain_seconds(n) or 0.0 for n, _, _ in window)
+        spec_time = sum(s for _, _, s in window)
         if plain_time <= 0 or spec_time <= 0:
             return None
-        return (sum(c for _, c, _ in self.spec) / spec_time) / (sum(n for n, _, _ in self.spec) / plain_time)
+        return (sum(c for _, c, _ in window) / spec_time) / (sum(n for n, _, _ in window) / plain_time)
 
     def _lost_steps(self, window: list[tuple[int, int, float]]) -> float:
         """A window's loss in plain steps of its typical size: its wall time less what plain decoding would have
@@ -132,24 +184,29 @@ class SpeculationGuard:
         lost = sum(s for _, _, s in window) - plain_time
         return lost / typical if typical > 0 else 0.0
 
-    def _verdict(self) -> None:
-        ratio, window, self.spec = self._ratio(), self.spec, []
+    def _verdict(self, g: Regime) -> None:
+        ratio, window, g.spec = self._ratio(g.spec), g.spec, []
         if ratio is None:
             return
-        self.last_ratio = ratio
+        g.last_ratio = self.last_ratio = ratio
         if ratio >= 1 - self.margin:
-            self.wait, self.losses, self.trial = self.off_steps, 0, False
+            g.wait, g.losses, g.trial = self.off_steps, 0, False
             return
-        self.losses += 1
-        if ratio < self.severe or self.trial or self.losses >= self.patience:
+        g.losses += 1
+        if ratio < self.severe or g.trial or g.losses >= self.patience:
             priced = math.ceil(self._lost_steps(window) / (self.margin / 2)) if self.margin > 0 else self.off_steps_max
-            self.off_left = min(max(self.wait, priced), self.off_steps_max)
-            self.wait = min(2 * self.off_left, self.off_steps_max)
+            g.off_left = min(max(g.wait, priced), self.off_steps_max)
+            g.wait = min(2 * g.off_left, self.off_steps_max)
+            g.switched_off += 1
             self.switched_off += 1
-            self.losses, self.trial = 0, False
+            g.losses, g.trial = 0, False
 
     def state(self) -> dict:
-        return {"speculating": self.speculating, "off_steps_left": self.off_left,
+        return {"speculating": self.speculating, "off_steps_left": self.now.off_left,
                 "realised_over_plain": None if self.last_ratio is None else round(self.last_ratio, 3),
                 "switched_off": self.switched_off,
+                "by_batch": {regime_name(r): {"speculating": g.off_left == 0, "off_steps_left": g.off_left,
+                                              "realised_over_plain": None if g.last_ratio is None
+                                              else round(g.last_ratio, 3), "switched_off": g.switched_off}
+                             for r, g in sorted(self.regimes.items())},
                 "plain_step_ms": {n: round(1000 * statistics.median(q), 2) for n, q in sorted(self.plain.items())}}

@@ -34,7 +34,7 @@ class PlainSteps:
         if loop.drafting is None:
             return True
         guard = loop.planner.guard
-        if guard is not None and not guard.allow(0):
+        if guard is not None and not guard.allow(min(len(loop.engine.running), loop.engine.max_batch)):
             return True
         return not any(loop._speculating(r) for r in loop.engine.running)
 

@@ -41,36 +41,36 @@ def test_losing_speculation_is_switched_off_after_a_window_and_tried_again_later
     _plain(g, 8, 0.1, steps=6)  # off for the window's price, capped at off_steps_max (see below)
     assert g.allow(8)  # tried again
     _spec(g, 8, 16, 0.5, steps=2)  # loses again on trial: a verdict after a quarter window (here 2 steps)
-    assert not g.allow(8) and g.switched_off == 2 and g.off_left == 6 and g.wait == 6
+    assert not g.allow(8) and g.switched_off == 2 and g.now.off_left == 6 and g.now.wait == 6
     _plain(g, 8, 0.1, steps=6)
     _spec(g, 8, 80, 0.5, steps=4)  # now it pays (160/s against 80/s): on, and the wait back to off_steps
-    assert g.allow(8) and g.wait == 3 and g.last_ratio == pytest.approx(2.0)
+    assert g.allow(8) and g.now.wait == 3 and g.last_ratio == pytest.approx(2.0)
 
 
 def test_the_wait_is_at_least_what_keeps_the_next_trial_within_half_the_margin():
     g = SpeculationGuard(window=4, margin=0.04, patience=1, off_steps=3, off_steps_max=10_000)
     _plain(g, 8, 0.1)
     _spec(g, 8, 16, 0.5, steps=4)  # 2 s for 64 tokens that plain decoding commits in 0.8 s: 12 plain steps lost
-    assert g.off_left == 600  # 12 / (0.04 / 2): a trial losing as much costs 2% of the plain steps before it
+    assert g.now.off_left == 600  # 12 / (0.04 / 2): a trial losing as much costs 2% of the plain steps before it
     _plain(g, 8, 0.1, steps=600)
     _spec(g, 8, 16, 0.5)
     assert g.allow(8)  # a trial is judged after a quarter window
     _spec(g, 8, 16, 0.5)  # 6 plain steps lost in the trial: priced 300, doubled wait 1200
-    assert g.off_left == 1200 and g.wait == 2400
+    assert g.now.off_left == 1200 and g.now.wait == 2400
 
 
 def test_one_losing_window_is_not_a_verdict_but_two_in_a_row_are():
     g = SpeculationGuard(window=2, patience=2, margin=0.5, severe=0.2, off_steps=16)
     _plain(g, 4, 0.1)
     _spec(g, 4, 4, 0.21, steps=2)  # below half plain's speed: one loss (2.2 plain steps lost: priced 9 steps)
-    assert g.allow(4) and g.losses == 1
+    assert g.allow(4) and g.now.losses == 1
     _spec(g, 4, 12, 0.1, steps=2)  # a window that pays clears it
-    assert g.allow(4) and g.losses == 0
+    assert g.allow(4) and g.now.losses == 0
     _spec(g, 4, 4, 0.21, steps=4)  # two losses in a row
-    assert not g.allow(4) and g.switched_off == 1 and g.off_left == 16  # off_steps: more than the price
+    assert not g.allow(4) and g.switched_off == 1 and g.now.off_left == 16  # off_steps: more than the price
     _plain(g, 4, 0.1, steps=16)
     _spec(g, 4, 4, 0.21, steps=2)  # tried again: one loss suffices, and the wait doubles
-    assert not g.allow(4) and g.switched_off == 2 and g.off_left == 32
+    assert not g.allow(4) and g.switched_off == 2 and g.now.off_left == 32
 
 
 def test_a_loss_far_beyond_noise_is_a_verdict_after_a_quarter_window():
@@ -126,6 +126,37 @@ def test_a_stale_plain_measurement_is_taken_again():
     assert g.probing == 2
 
 
+def test_each_load_keeps_its_own_verdict():
+    """Speculation that loses at batch 8 is switched off there and stays on at batch 1, where it pays; back at
+    batch 8 the verdict still holds (no two windows lost again), and only steps at batch 8 count its wait down."""
+    g = SpeculationGuard(window=4, margin=0.05, patience=2, off_steps=20, off_steps_max=20)
+    _plain(g, 1, 0.04)
+    _plain(g, 8, 0.1)
+    _spec(g, 1, 3, 0.05, steps=4)  # batch 1: 60 tok/s against 25: pays
+    _spec(g, 8, 12, 0.2, steps=8)  # batch 8: 60 tok/s against 80: two losing windows, off
+    assert not g.allow(8) and g.switched_off == 1 and g.at(8).off_left == 20
+    assert g.allow(1) and g.at(1).off_left == 0 and g.at(1).last_ratio == pytest.approx(2.4)
+    _spec(g, 1, 3, 0.05, steps=4)  # batch 1 speculates on; its steps do not count batch 8's wait down
+    assert g.allow(1) and g.at(8).off_left == 20
+    assert not g.allow(6)  # 5-8 requests are one load: a batch of 6 is held off too
+    _plain(g, 7, 0.1, steps=19)
+    assert not g.allow(8) and g.at(8).off_left == 1
+    assert g.allow(4)  # 3-4 requests: never judged, free to speculate
+    state = g.state()["by_batch"]
+    assert state["5-8"]["speculating"] is False and state["1"]["speculating"] is True
+    _plain(g, 8, 0.1)
+    assert g.allow(8) and g.at(8).trial  # tried again, on trial (one losing quarter window suffices)
+    assert g.at(16).trial and not g.at(2).trial  # never judged: on trial above a load that lost, not below it
+
+
+def test_a_hold_keeps_every_load_plain_for_its_steps():
+    g = SpeculationGuard()
+    g.hold_off(3)
+    assert not g.allow(1) and not g.allow(8) and not g.speculating
+    _plain(g, 2, 0.1, steps=3)
+    assert g.allow(1) and g.allow(8) and g.speculating
+
+
 def test_the_draft_timeout_is_a_share_of_the_recent_verify_step():
     cfg = AppConfig(verifier={"model": "target"}, drafters=[{"name": "a", "model": "a"}],
                     speculation={"draft_timeout_ms": 100, "draft_timeout_share": 2.0})
@@ -178,7 +209,10 @@ def test_slow_drafting_is_switched_off_by_the_guard_and_the_output_stays_the_tar
     out, loop = run("chain", slow=True)
     guard = loop.planner.guard
     assert out == reference
-    assert guard.switched_off == 1 and not guard.speculating and guard.last_ratio < 0.5
-    # two windows of 8 speculating steps (patience 2; and the prompts' first) plus the plain probes, then none
-    assert loop.drafting.rounds <= 2 * 8 + 2 + 2
+    # the pipeline's halves and whole-pool steps are two loads (1 and 2 requests): each is switched off once
+    assert [g.switched_off for g in guard.regimes.values()] == [1] * len(guard.regimes)
+    assert not any(guard.allow(n) for n in (1, 2)) and guard.last_ratio < 0.5
+    # per load at most a window of 8 speculating steps before its plain probe, the verdict (a loss far beyond noise,
+    # below half plain's speed: one window suffices) and the prompts' first rounds; then none
+    assert loop.drafting.rounds <= len(guard.regimes) * (8 + 1) + 2
     assert loop.stats.totals["steps"] > 40

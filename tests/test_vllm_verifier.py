@@ -136,7 +136,7 @@ def test_plain_steps_and_speculative_steps_alternate_losslessly(engine, drafter_
     def flip(*args):  # every 10 steps, the guard switches speculation off for 5
         observe(*args)
         if loop.stats.totals["steps"] % 10 == 5:
-            guard.off_left = 5
+            guard.hold_off(5)
     guard.observe = flip
     before = dict(engine.vllm_counters.totals)
     overrides = [SpeculationOverrides(enabled=i != 0) for i in range(len(prompts))]
