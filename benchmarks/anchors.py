@@ -276,6 +276,12 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             if mid.get("draft_tokens") else None,
             "draft_ms_per_round": round(1000 * mid["draft_s"] / mid["draft_rounds"], 3)
             if mid.get("draft_rounds") else None,
+            # ours in process: the share of verify steps with drafts in each run, the guard's verdicts against
+            # speculation in each run, and each load's verdict after the last run
+            "drafted_step_share": [round(r["drafted_step_share"], 3) for r in runs]
+            if "drafted_step_share" in mid else None,
+            "guard_switched_off": [r["guard_switched_off"] for r in runs] if "guard_switched_off" in mid else None,
+            "guard_by_batch": runs[-1].get("guard_by_batch"),
             # greedy: token for token; sampled: None (the distribution test's p-value is added instead)
             "identical_to_vllm_target_only": all(_same(r, reference, tok) for r in runs)
             if greedy else None,
@@ -343,9 +349,20 @@ def format_table(result: dict) -> str:
     if sampling:
         lines.append(f"- sampling: {Sampling.of(sampling).describe()}")
     lines += [f"- {k}: {v:.2f}x" for k, v in result["goals"].items()]
+    lines += [guard_line(r) for r in result["rows"] if r.get("drafted_step_share") is not None]
     lines += [f"- {name}: not run: {why}" for name, why in result.get("unavailable", {}).items()]
     lines += [f"- WARNING: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)
+
+
+def guard_line(row: dict) -> str:
+    """What the guard let through in a row of ours in process: steps with drafts and its verdicts, per run."""
+    share = ", ".join(f"{x:.0%}" for x in row["drafted_step_share"])
+    offs = ", ".join(str(x) for x in row["guard_switched_off"] or [])
+    loads = ", ".join(f"{n}: {'on' if g['speculating'] else 'off'}" for n, g in (row["guard_by_batch"] or {}).items())
+    return (f"- {row['system']}, concurrency {row['concurrency']}: steps with drafts per run {share}; "
+            f"speculation switched off {offs or '-'} times per run by the guard; after the last run, by load: "
+            f"{loads or '-'}")
 
 
 def describe_workload(name: str, stats: dict | None) -> str:

@@ -195,8 +195,12 @@ def _ours_worker(spec: dict, max_batch: int):
 
     coordinator = loop.drafting.coordinator
 
+    guard = loop.planner.guard
+
     def run(prompts, concurrency, max_tokens, domains, sampling):
         rounds, draft_s = coordinator.stats["rounds"], coordinator.stats["step_seconds"]
+        steps, drafted = loop.stats.totals["steps"], loop.stats.totals["drafted_steps"]
+        switched = guard.switched_off if guard else 0
         res, wall = aio.run_until_complete(go(prompts, concurrency, max_tokens, sampling))
         return {"outputs": [r[0] for r in res], "seconds": [r[1] for r in res], "latency": [r[3] for r in res],
                 "wall": wall,
@@ -205,7 +209,13 @@ def _ours_worker(spec: dict, max_batch: int):
                 "steps": sum(r[2].get("verify_steps", 0) for r in res),
                 "draft_tokens": sum(r[2].get("num_draft_tokens", 0) for r in res),
                 "draft_s": coordinator.stats["step_seconds"] - draft_s,
-                "draft_rounds": coordinator.stats["rounds"] - rounds}
+                "draft_rounds": coordinator.stats["rounds"] - rounds,
+                # the guard: the share of this run's verify steps that verified drafts, its verdicts against
+                # speculation during the run, and each load's verdict at the end
+                "drafted_step_share": (loop.stats.totals["drafted_steps"] - drafted)
+                / max(1, loop.stats.totals["steps"] - steps),
+                "guard_switched_off": guard.switched_off - switched if guard else None,
+                "guard_by_batch": guard.state()["by_batch"] if guard else None}
 
     run.forget_outputs = lambda: forget_outputs(loop.drafting)
     return run

@@ -20,6 +20,7 @@ class LoopStats:
         self.step_intervals: deque = deque(maxlen=128)  # per step: from one verify's end to the next one's start
         self.recent_accepted: dict[str, deque] = {}  # drafter -> accepted length (bonus included) per draft
         self.totals = {"steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0,  # since start, for benchmarks
+                       "drafted_steps": 0,  # verify steps where some request had a draft
                        "drafted_ahead": 0, "ahead_used": 0,
                        "requests_aborted": 0,  # cancelled (a client hanging up) or failed before finishing
                        # device work in this process (engines/device_work.py): drafting rounds, their depths,
@@ -39,6 +40,7 @@ class LoopStats:
     def verify_step(self, seconds: float, drafts: dict[str, Draft], outs: list, in_flight: int) -> None:
         self.verify_seconds.append(seconds)
         self.totals["steps"] += 1
+        self.totals["drafted_steps"] += bool(drafts)
         self.totals["verify_s"] += seconds
         spec, per_pos = self.spec_decode, self.spec_decode["num_accepted_tokens_per_pos"]
         for o in outs:

@@ -188,6 +188,11 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
     table = anchors.format_table({"rows": rows, "goals": {}})
     assert "drafting ms per drafted token" in table and "p99 inter-token ms" in table
     assert f"{rows[0]['draft_ms_per_drafted_token']:.2f}" in table
+    # ours reports what the guard let through: steps with drafts (some: it drafted), its verdicts, each load's
+    ours = rows[1]
+    assert 0 < ours["drafted_step_share"][0] <= 1 and ours["guard_switched_off"] == [0]
+    assert rows[0]["drafted_step_share"] is None
+    assert f"{anchors.OURS}, concurrency 2: steps with drafts per run" in table
 
 
 def test_sampled_rows_report_a_p_value_text_statistics_and_a_warning():
