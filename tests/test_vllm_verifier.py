@@ -154,6 +154,35 @@ def test_plain_steps_and_speculative_steps_alternate_losslessly(engine, drafter_
     assert loop.plain.steps >= 5
     assert loop.stats.totals["steps"] > loop.plain.steps  # speculative steps too
     assert engine.vllm_counters.totals["num_accepted_tokens"] > before["num_accepted_tokens"]
+    assert loop.plain.ahead_steps > 0  # plain steps in a row ran ahead of their outputs' handling
+    _assert_nothing_left(engine)
+
+
+def test_plain_steps_run_ahead_of_their_outputs_and_requests_still_join_and_leave(engine, prompts, reference):
+    """Speculation off: each plain step is submitted before the last one's outputs go out. Requests arriving
+    while steps run ahead join, one cancelled mid-run is aborted, and every finished output is the target's."""
+    loop = VerifyLoop(engine, _cfg(mode="off"), None)
+
+    async def run():
+        async def consume(p, after: float = 0.0):
+            await asyncio.sleep(after)
+            return [t async for c in loop.generate(p, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+                    for t in c.token_ids]
+
+        first = [asyncio.create_task(consume(p)) for p in prompts[:3]]
+        victim = asyncio.create_task(consume(prompts[3]))
+        while loop.plain.ahead_steps < 3:  # steps are running ahead: more requests arrive, one leaves
+            await asyncio.sleep(0.01)
+        later = [asyncio.create_task(consume(p)) for p in prompts[4:]]
+        victim.cancel()
+        try:
+            return await asyncio.gather(*first, *later)
+        finally:
+            await loop.stop()
+
+    out = asyncio.run(run())
+    assert out == reference[:3] + reference[4:]
+    assert loop.plain.ahead_steps >= 3 and loop.plain.steps == loop.stats.totals["steps"]
     _assert_nothing_left(engine)
 
 
