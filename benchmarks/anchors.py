@@ -282,10 +282,26 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             if "drafted_step_share" in mid else None,
             "guard_switched_off": [r["guard_switched_off"] for r in runs] if "guard_switched_off" in mid else None,
             "guard_by_batch": runs[-1].get("guard_by_batch"),
+            # ours in process, over its runs: each drafter's tokens in the verified chains, and those accepted
+            "by_drafter": _by_drafter(runs),
             # greedy: token for token; sampled: None (the distribution test's p-value is added instead)
             "identical_to_vllm_target_only": all(_same(r, reference, tok) for r in runs)
             if greedy else None,
             "text": text_stats([o for r in runs for o in r["outputs"]])}
+
+
+def _by_drafter(runs: list[dict]) -> dict[str, dict] | None:
+    """Each drafter's share of the drafted tokens that reached verification over `runs`, and its acceptance rate."""
+    if not any(r.get("by_drafter") for r in runs):
+        return None
+    sums: dict[str, list[int]] = {}
+    for r in runs:
+        for name, (drafted, accepted) in r["by_drafter"].items():
+            s = sums.setdefault(name, [0, 0])
+            s[0], s[1] = s[0] + drafted, s[1] + accepted
+    total = sum(d for d, _ in sums.values()) or 1
+    return {n: {"drafted_share": round(d / total, 3), "accepted_rate": round(a / d, 3) if d else None}
+            for n, (d, a) in sorted(sums.items(), key=lambda kv: -kv[1][0]) if d}
 
 
 def _latency(run: dict) -> dict:
@@ -350,6 +366,7 @@ def format_table(result: dict) -> str:
         lines.append(f"- sampling: {Sampling.of(sampling).describe()}")
     lines += [f"- {k}: {v:.2f}x" for k, v in result["goals"].items()]
     lines += [guard_line(r) for r in result["rows"] if r.get("drafted_step_share") is not None]
+    lines += [drafters_line(r) for r in result["rows"] if r.get("by_drafter")]
     lines += [f"- {name}: not run: {why}" for name, why in result.get("unavailable", {}).items()]
     lines += [f"- WARNING: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)
@@ -363,6 +380,13 @@ def guard_line(row: dict) -> str:
     return (f"- {row['system']}, concurrency {row['concurrency']}: steps with drafts per run {share}; "
             f"speculation switched off {offs or '-'} times per run by the guard; after the last run, by load: "
             f"{loads or '-'}")
+
+
+def drafters_line(row: dict) -> str:
+    """Which drafters drafted a row's verified tokens: each one's share of them and how many were accepted."""
+    parts = ", ".join(f"{n} {d['drafted_share']:.0%} ({cell(d['accepted_rate'], '{:.2f}')} accepted)"
+                      for n, d in row["by_drafter"].items())
+    return f"- {row['system']}, concurrency {row['concurrency']}: drafted tokens by drafter: {parts}"
 
 
 def describe_workload(name: str, stats: dict | None) -> str:

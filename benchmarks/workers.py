@@ -201,6 +201,7 @@ def _ours_worker(spec: dict, max_batch: int):
         rounds, draft_s = coordinator.stats["rounds"], coordinator.stats["step_seconds"]
         steps, drafted = loop.stats.totals["steps"], loop.stats.totals["drafted_steps"]
         switched = guard.switched_off if guard else 0
+        by_drafter = {n: list(v) for n, v in loop.stats.by_drafter.items()}
         res, wall = aio.run_until_complete(go(prompts, concurrency, max_tokens, sampling))
         return {"outputs": [r[0] for r in res], "seconds": [r[1] for r in res], "latency": [r[3] for r in res],
                 "wall": wall,
@@ -215,7 +216,10 @@ def _ours_worker(spec: dict, max_batch: int):
                 "drafted_step_share": (loop.stats.totals["drafted_steps"] - drafted)
                 / max(1, loop.stats.totals["steps"] - steps),
                 "guard_switched_off": guard.switched_off - switched if guard else None,
-                "guard_by_batch": guard.state()["by_batch"] if guard else None}
+                "guard_by_batch": guard.state()["by_batch"] if guard else None,
+                # which drafters the router chose: each one's tokens in the verified chains and those accepted
+                "by_drafter": {n: [d - by_drafter.get(n, [0, 0])[0], a - by_drafter.get(n, [0, 0])[1]]
+                               for n, (d, a) in loop.stats.by_drafter.items()}}
 
     run.forget_outputs = lambda: forget_outputs(loop.drafting)
     return run

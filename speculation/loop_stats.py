@@ -19,6 +19,7 @@ class LoopStats:
         self.wait_seconds: deque = deque(maxlen=128)  # per step: how long the verifier waited for its drafts
         self.step_intervals: deque = deque(maxlen=128)  # per step: from one verify's end to the next one's start
         self.recent_accepted: dict[str, deque] = {}  # drafter -> accepted length (bonus included) per draft
+        self.by_drafter: dict[str, list[int]] = {}  # drafter -> [tokens of its in verified chains, those accepted]
         self.totals = {"steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0,  # since start, for benchmarks
                        "drafted_steps": 0,  # verify steps where some request had a draft
                        "drafted_ahead": 0, "ahead_used": 0,
@@ -93,6 +94,9 @@ class LoopStats:
 
     def drafter_round(self, name: str, drafted: int, accepted: int) -> None:
         self.recent_accepted.setdefault(name, deque(maxlen=200)).append(1 + accepted)
+        totals = self.by_drafter.setdefault(name, [0, 0])
+        totals[0] += drafted
+        totals[1] += accepted
 
     def summary(self) -> dict:
         def mean_ms(q: deque) -> float:

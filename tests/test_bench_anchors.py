@@ -193,6 +193,10 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
     assert 0 < ours["drafted_step_share"][0] <= 1 and ours["guard_switched_off"] == [0]
     assert rows[0]["drafted_step_share"] is None
     assert f"{anchors.OURS}, concurrency 2: steps with drafts per run" in table
+    shares = ours["by_drafter"]  # which drafters the router chose, with each one's acceptance
+    assert shares and sum(d["drafted_share"] for d in shares.values()) == pytest.approx(1, abs=0.01)
+    assert all(0 <= d["accepted_rate"] <= 1 for d in shares.values())
+    assert f"{anchors.OURS}, concurrency 2: drafted tokens by drafter: " in table
 
 
 def test_sampled_rows_report_a_p_value_text_statistics_and_a_warning():
