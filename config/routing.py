@@ -31,7 +31,9 @@ class RoutingSpec(Strict):
         "chain is expected to have at least this many tokens accepted (the sum over its depths of the product of its "
         "match confidences) the request's round is drafted by the model-free drafters alone, without the drafter "
         "models' forwards (Snowflake's hybrid of suffix and model drafts, chosen per step by the match's score); "
-        "null: the model-free drafters join every round beside the models")
+        "where every request's round could go without the models and the tokens they are expected to add (their "
+        "recent acceptance over the weak matches') are worth less than the wait for their forwards (measured), the "
+        "whole round goes without them; null: the model-free drafters join every round beside the models")
     chain_choice: Literal["score", "latency"] = Field(
         "score", description="a request drafting with one drafter (one chain): score: the top routing score; "
         "latency: SpecRouter's choice, the drafter with the least predicted time per accepted token from the "

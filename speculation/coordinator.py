@@ -157,6 +157,10 @@ class SpeculationCoordinator:
         self.stats = {"rounds": 0, "drafter_failures": 0, "step_seconds": 0.0}
         self.on_failure: Callable[[str], None] | None = None  # told the drafter's name when a call fails
         self.routing_history: deque = deque(maxlen=1024)  # (rid, drafters ranked first..last) at release
+        # seconds of a round's model phase (its depths, after the model-free lookups), by the number of requests
+        # the models drafted for (bit length): the price of a round's drafter forwards (`_models_pay`)
+        self.model_phase_s: dict[int, float] = {}
+        self.model_phases_skipped = 0  # rounds drafted by the model-free drafters alone because the models did not pay
 
     @classmethod
     def from_config(cls, cfg: AppConfig) -> SpeculationCoordinator:
@@ -173,7 +177,7 @@ class SpeculationCoordinator:
         """Counters and timings, how many requests drafters hold a cache for (what a soak watches), the
         drafters sitting out after failures or parked at zero replicas, and the strategies' own."""
         out = dict(self.stats, requests_held=len(self.where), drafters_sitting_out=self.health.sitting_out(),
-                   drafters_parked=sorted(self.parked))
+                   drafters_parked=sorted(self.parked), model_phases_skipped=self.model_phases_skipped)
         for s in self.strategies:
             out |= s.state()
         return out
@@ -261,10 +265,35 @@ class SpeculationCoordinator:
         if not mixed or left <= 0:
             return
         await self._ask(rounds, mixed, 0, step_fn, min(self.step_timeout_s, left), only=free)
-        for r in mixed:
-            if max((expected_accepted(r.ahead[n].values()) for n in r.alive & free), default=0.0) >= alone:
-                r.alive &= free
-                r.chosen = [n for n in r.chosen if n in free]
+        expect = {r.req.request_id: max((expected_accepted(r.ahead[n].values()) for n in r.alive & free),
+                                        default=0.0) for r in mixed}
+        weak = [r for r in mixed if expect[r.req.request_id] < alone]
+        # the models draft anyway for a request not asked first (a prompt being scored, no model-free drafter)
+        others = [r for rid, r in rounds.items() if rid not in expect and r.alive - free]
+        dropped = [r for r in mixed if expect[r.req.request_id] >= alone]
+        if weak and not others and not self._models_pay(rounds.values(), weak, expect):
+            dropped, self.model_phases_skipped = mixed, self.model_phases_skipped + 1
+        for r in dropped:
+            r.alive &= free
+            r.chosen = [n for n in r.chosen if n in free]
+
+    def _models_pay(self, rounds, weak: list[_Drafting], expect: dict[str, float]) -> bool:
+        """Are the drafter models worth their forwards this round, for the requests whose model-free match is weak?
+        Tokens per second of the verify step that follows, with the models (each weak request's drafted tokens
+        accepted as in its recent rounds with models, the others' as their matches expect; the step waits for the
+        model phase as recently measured at this many requests, less the verify step it overlaps when drafted
+        ahead) against without (every request's match alone, no wait). Anything not measured yet: they pay."""
+        rounds = list(rounds)
+        verify_s = next((r.req.verify_s for r in rounds if r.req.verify_s), None)
+        phase_s = self.model_phase_s.get(len(weak).bit_length())
+        worth = [self.router.requests[r.req.request_id].model_accepted if r.req.request_id in self.router.requests
+                 else None for r in weak]
+        if verify_s is None or phase_s is None or any(m is None for m in worth):
+            return True
+        alone = sum(1 + expect.get(r.req.request_id, 0.0) for r in rounds)
+        gain = sum(max(0.0, m - expect[r.req.request_id]) for r, m in zip(weak, worth))
+        wait = max(0.0, phase_s - verify_s) if any(r.req.ahead for r in rounds) else phase_s
+        return (alone + gain) / (verify_s + wait) > alone / verify_s
 
     async def draft(self, batch: list[DraftRequest], step_fn: StepFn) -> dict[str, Draft]:
         t0 = time.perf_counter()
@@ -276,6 +305,8 @@ class SpeculationCoordinator:
         if not rounds:
             return {}
         await self._model_free_first(rounds, step_fn, deadline)
+        free, t_models = self.router.model_free, time.perf_counter()
+        with_models = sum(1 for r in rounds.values() if r.alive - free) if free else 0
         for depth in range(max(r.req.k for r in rounds.values())):
             left = deadline - time.perf_counter()
             if left <= 0 or not any(r.alive for r in rounds.values() if depth < r.req.k):
@@ -283,6 +314,10 @@ class SpeculationCoordinator:
             await self._ask(rounds, rounds.values(), depth, step_fn, min(self.step_timeout_s, left))
             for r in rounds.values():
                 r.advance(depth, self.router)
+        if with_models and not any(r.scoring for r in rounds.values()):  # a prompt's scoring is not a round's cost
+            key, seconds = with_models.bit_length(), time.perf_counter() - t_models
+            last = self.model_phase_s.get(key)
+            self.model_phase_s[key] = seconds if last is None else 0.8 * last + 0.2 * seconds
         drafts = {}
         for rid, r in rounds.items():
             if rid not in self.router.requests:  # released while this round ran: its drafters were told already

@@ -19,6 +19,7 @@ import asyncio
 import contextvars
 import itertools
 import logging
+import statistics
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -217,9 +218,11 @@ class VerifyLoop:
         self._catching_up |= scored > 0
         t, work = time.perf_counter(), WORK.snapshot()
         try:
-            timeout = draft_timeout_s(self.cfg.speculation, list(self.stats.verify_seconds)[-32:], scored > 0)
-            for d in batch:  # the coordinator ends its round in time for it
-                d.wait_s = timeout
+            recent = list(self.stats.verify_seconds)[-32:]
+            timeout = draft_timeout_s(self.cfg.speculation, recent, scored > 0)
+            verify_s = statistics.median(recent) if recent else None
+            for d in batch:  # the coordinator ends its round in time for it, and prices its wait by the step's
+                d.wait_s, d.verify_s = timeout, verify_s
             drafts = await asyncio.wait_for(self.drafting.draft(batch), timeout)
         except Exception as e:  # noqa: BLE001 - late or failed drafts: decode without them
             self.stats.draft_round(None)

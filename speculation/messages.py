@@ -74,6 +74,7 @@ class DraftRequest:
     # context is not all committed, so routing feedback waits for a round that starts from committed tokens
     ahead: bool = False
     wait_s: float | None = None  # how long the verifier waits for this round's drafts (None: draft_timeout_ms)
+    verify_s: float | None = None  # the verifier's recent verify step (median, seconds): what a round's wait costs
     tenant: str | None = None  # SpeculationOverrides.tenant
 
 

@@ -83,6 +83,9 @@ class _RequestState:
     scores: dict[str, float]
     recent_accepted_length: float | None = None
     rounds: int = 0
+    # drafted tokens accepted in rounds where drafter models drafted (EMA): what the models are worth to the request
+    # while rounds go without them (the coordinator's pricing of a round's model forwards)
+    model_accepted: float | None = None
 
 
 @dataclass
@@ -143,4 +146,7 @@ class Router:
             w * accepted_length + (1 - w) * st.recent_accepted_length)
         for name, m in round_scores.items():
             st.scores[name] = w * m + (1 - w) * st.scores[name]
+        if any(n not in self.model_free for n in round_scores):
+            drafted = accepted_length - 1
+            st.model_accepted = drafted if st.model_accepted is None else w * drafted + (1 - w) * st.model_accepted
         st.rounds += 1

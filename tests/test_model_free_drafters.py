@@ -316,3 +316,42 @@ def test_a_strong_match_drafts_without_the_models_and_a_weak_one_with_them(model
     assert ("code", "free") in called and ("ngram", "loop") in called
     assert (("code", "loop") in called) == (alone is None)
     assert drafts["loop"].tokens[:4] == text[20:24]  # the passage's continuation
+
+
+@pytest.mark.parametrize("phase_s, worth, models_called", [(0.5, 0.5, False), (0.001, 3.0, True), (None, 0.5, True)])
+def test_a_round_goes_without_the_models_where_their_tokens_are_worth_less_than_their_wait(
+        models, tokenizer, heldout, phase_s, worth, models_called):
+    """The weak matches' rounds are drafted by the models only where what they added recently (drafted tokens
+    accepted in rounds with models) pays for the measured wait for their forwards against the verify step: a 0.5 s
+    model phase for half a token does not, against a 50 ms step; a 1 ms one for three tokens does; an unmeasured
+    one is tried. The strong match goes without them either way."""
+    from speculation.coordinator import SpeculationCoordinator
+    from speculation.messages import DraftRequest
+
+    servers = {"code": DrafterServer("code", str(models / "drafter-code"), max_len=512),
+               "ngram": DrafterServer.from_spec(DrafterSpec(name="ngram", kind="ngram", max_len=512))}
+    coord = SpeculationCoordinator(["code", "ngram"], RoutingSpec(model_free_alone=2.0), model_free={"ngram"})
+    called: list[tuple[str, str]] = []
+
+    async def step_fn(name, calls):
+        called.extend((name, c.request_id) for c in calls)
+        return servers[name].step(calls).chains
+
+    text = tokenizer(heldout["code"][0], add_special_tokens=False).input_ids[:40]
+    contexts = {"loop": text * 3 + text[:20], "free": tokenizer(heldout["legal"][0], add_special_tokens=False).input_ids[:80]}
+
+    def round_():
+        called.clear()
+        return asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8, verify_s=0.05) for r, c in contexts.items()],
+                                       step_fn))
+
+    round_()  # the first round scores the prompts with every drafter
+    coord.model_phase_s.clear()
+    if phase_s is not None:
+        coord.model_phase_s[1] = phase_s  # one request drafted by the models
+    coord.router.requests["free"].model_accepted = worth
+    drafts = round_()
+    assert (("code", "free") in called) == models_called and ("code", "loop") not in called
+    assert coord.model_phases_skipped == (0 if models_called else 1)
+    assert drafts["loop"].tokens[:4] == text[20:24]
+    assert (coord.model_phase_s.get(1) != phase_s) == models_called  # a round with the models measures their phase

@@ -97,3 +97,16 @@ def test_cold_start_ranks_a_generalist_first_only_when_no_domain_drafter_explain
     plain = Router(["code", "legal", "generic"], cfg)  # not marked as a generalist: raw likelihood decides
     plain.add_request("x", {"code": -4.2, "legal": -5.1, "generic": -3.9})
     assert plain.ranking("x")[0] == "generic"
+
+
+def test_what_the_models_added_is_kept_from_rounds_where_they_drafted():
+    """A request's `model_accepted` (drafted tokens accepted in rounds with drafter models) ignores rounds the
+    model-free drafters drafted alone: it is what the coordinator weighs against the models' wait."""
+    r = Router(["code", "ngram"], model_free=frozenset({"ngram"}))
+    r.add_request("a")
+    r.update("a", 3.0, {"ngram": 1.0})  # the n-gram drafter alone: 2 drafted tokens accepted, not the models'
+    assert r.requests["a"].model_accepted is None
+    r.update("a", 4.0, {"code": 0.5, "ngram": 0.2})
+    assert r.requests["a"].model_accepted == 3.0
+    r.update("a", 1.0, {"code": 0.0})
+    assert 0.0 < r.requests["a"].model_accepted < 3.0  # an average over the rounds with models
