@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from serve_app.cli import main
@@ -59,6 +60,7 @@ def _refused(run: subprocess.CompletedProcess, needle: str) -> None:
     assert needle in lines[0], lines[0]
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_target_the_torch_verifier_cannot_run_is_refused_in_one_line(tmp_path):
     """`cosine generate --drafter` with a Gemma2 target (random weights, the shipped tokenizer): the torch verifier
     refuses it (ValueError), and the command says so in one line instead of a traceback."""
@@ -77,6 +79,7 @@ def test_a_target_the_torch_verifier_cannot_run_is_refused_in_one_line(tmp_path)
              "'gemma2'")
 
 
+@pytest.mark.slow  # five subprocesses, over ~10 s
 def test_bad_configs_and_command_lines_are_refused_in_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"applications": [{"name": "cosine", "args": {"speculation": {"k": -1}}}]}))

@@ -71,8 +71,11 @@ def test_greedy_speculation_gives_token_by_token_output(target, partner, prompts
             assert sum(s["verify_steps"] for s in engine.stats) < 20 * len(prompts)
 
 
-@pytest.mark.parametrize("comb,k,alternate", [(ENSEMBLE, 1, True), (CONTRASTIVE, 2, True), (ENSEMBLE, 2, False)],
-                         ids=["ensemble-apf-k1", "contrastive-apf-k2", "ensemble-naive-k2"])
+# each case over ~10 s on the 2-core CPU: make test-fast keeps the first, the others are slow
+@pytest.mark.parametrize("comb,k,alternate", [
+    pytest.param(ENSEMBLE, 1, True, id="ensemble-apf-k1"),
+    pytest.param(CONTRASTIVE, 2, True, id="contrastive-apf-k2", marks=pytest.mark.slow),
+    pytest.param(ENSEMBLE, 2, False, id="ensemble-naive-k2", marks=pytest.mark.slow)])
 def test_sampling_follows_the_combined_distribution(target, partner, prompts, comb, k, alternate):
     """The first two tokens' joint distribution is the combination's (a chi-square test over every pair in its
     support); with k = 1 and APF the second token is often the target's bonus, checked by the partner."""

@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("ours: chain, domain", "ours: chain, generic", "ours: chain, goodput", "full CoSine (routing")
 
 
+@pytest.mark.slow  # a subprocess, over ~10 s
 def test_the_gpu_script_runs_dry_on_the_cpu(tmp_path):
     commit = "0123456789abcdef" * 2 + "01234567"
     env = {**os.environ, "OUT": str(tmp_path), "DRY_RUN": "1", "PYTHON": sys.executable, "COSINE_COMMIT": commit,

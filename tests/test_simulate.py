@@ -142,6 +142,7 @@ def test_autoscaler_adds_replicas_to_slow_drafters_under_load(cosine_trace):
     assert result.finished and all(f.output == outputs[f.rid.split("#")[0]] for f in result.finished)
 
 
+@pytest.mark.slow  # over ~10 s
 def test_simulate_cli_reproduce_and_size(cosine_trace, domain_prompt_ids, tmp_path):
     from serve_app.cli import main
 
