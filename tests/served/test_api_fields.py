@@ -624,8 +624,9 @@ def test_lm_eval_harness_scores_the_served_answers_against_the_targets_own(serve
         "output_type": "generate_until", "doc_to_text": "{{prompt}}", "doc_to_target": "{{answer}}",
         "generation_kwargs": {"until": [tokenizer.eos_token], "max_gen_toks": 12, "do_sample": False},
         "metric_list": [{"metric": "exact_match"}]}))
+    # the task above alone: indexing lm-eval's ~15k built-in task files would cost ~12 s a test
     out = simple_evaluate(model="local-completions", tasks=["cosine_continuation"],
-                          task_manager=TaskManager(include_path=str(tmp_path)),
+                          task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
                           model_args={"base_url": f"{server}/v1/completions", "model": MODEL,
                                       "tokenizer_backend": "huggingface", "tokenizer": str(tokenizer.name_or_path),
                                       "tokenized_requests": False, "max_retries": 1, "timeout": 300})
@@ -674,8 +675,9 @@ def test_lm_eval_multiple_choice_loglikelihoods_are_the_targets_own(server, toke
         "dataset_kwargs": {"data_files": {"test": str(tmp_path / "docs.json")}}, "test_split": "test",
         "output_type": "multiple_choice", "doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}",
         "doc_to_target": "{{label}}", "metric_list": [{"metric": "acc"}]}))
+    # the task above alone (lm-eval's built-in tasks not indexed)
     out = simple_evaluate(model="local-completions", tasks=["cosine_choice"],
-                          task_manager=TaskManager(include_path=str(tmp_path)),
+                          task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
                           model_args={"base_url": f"{server}/v1/completions", "model": MODEL,
                                       "tokenizer_backend": "huggingface", "tokenizer": str(tokenizer.name_or_path),
                                       "max_retries": 1, "timeout": 300})
