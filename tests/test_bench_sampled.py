@@ -68,7 +68,6 @@ def _sample(model, prompts: list[list[int]], n: int, temperature: float, top_p: 
     return ids[:, len(prompts[0]):].tolist()
 
 
-@pytest.mark.slow  # over ~10 s
 def test_distribution_check_passes_the_right_distribution_and_flags_wrong_ones():
     """Outputs sampled from the model at the benchmark's settings pass; the same model sampled at another
     temperature, without the top-p cut, or greedily fails the check."""
