@@ -111,6 +111,7 @@ PRINTED = [("docs/benchmarks.md", "history/anchors-k4-2026-11-27.json", "benchma
            ("docs/benchmarks.md", "anchors-k4-t07.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-t07-plain-steps.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-t07-model-free.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "anchors-k4-t07-per-load.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-model-free.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-model-free-first.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", "history/anchors-k4-t07-vllm-unfixed.json", "benchmarks.anchors:format_table"),
