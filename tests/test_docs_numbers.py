@@ -114,6 +114,7 @@ PRINTED = [("docs/benchmarks.md", "history/anchors-k4-2026-11-27.json", "benchma
            ("docs/benchmarks.md", "anchors-k4-t07-per-load.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-model-free.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-model-free-first.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "anchors-k8-priced.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", "history/anchors-k4-t07-vllm-unfixed.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", "history/anchors-k8-2026-11-26.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", HISTORY_C1, "benchmarks.anchors:format_table"),
@@ -321,7 +322,8 @@ def _values(obj, key: str = "", out: dict | None = None) -> dict[str, list[float
     return out
 
 
-RATES = ("tokens_per_s", "throughput_tok_s", "goodput_tok_s", "ms")  # ms: a GPU step's, against another's
+# ms: a GPU step's, against another's; drafting cost per drafted token: ours against vLLM's (issue 58's goal)
+RATES = ("tokens_per_s", "throughput_tok_s", "goodput_tok_s", "ms", "draft_ms_per_drafted_token")
 # rows a speed-up compares: at the same batch, load and profile (a step: of the same model, graphed or not)
 SAME = ("batch", "concurrency", "profile", "rate", "model", "graphs", "device")
 
