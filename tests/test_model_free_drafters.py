@@ -289,13 +289,11 @@ def test_the_ingress_names_its_requests_tenant_by_the_api_key_it_checks(monkeypa
     assert openai_server(api_key="s3cret").responder.tenant == tenant_of("other")
 
 
-@pytest.mark.parametrize("alone", [2.0, None])
-def test_a_strong_match_drafts_without_the_models_and_a_weak_one_with_them(models, tokenizer, heldout, alone):
-    """routing.model_free_alone: after the cold start, a request whose n-gram chain is expected to have `alone`
-    tokens accepted (a passage seen three times before) is drafted by the n-gram drafter alone; a request without
-    such a match gets the drafter model's chain as before, in the same round. Off (None): the model drafts both."""
-    from speculation.coordinator import SpeculationCoordinator, expected_accepted
-    from speculation.messages import DraftRequest
+def _hybrid(models, tokenizer, heldout, alone):
+    """A code drafter model and an n-gram drafter behind a coordinator with `routing.model_free_alone: alone`; the
+    step function records every (drafter, request) call; two contexts: "loop" (a code passage seen three times
+    before, a strong n-gram match) and "free" (legal text, none)."""
+    from speculation.coordinator import SpeculationCoordinator
 
     servers = {"code": DrafterServer("code", str(models / "drafter-code"), max_len=512),
                "ngram": DrafterServer.from_spec(DrafterSpec(name="ngram", kind="ngram", max_len=512))}
@@ -308,6 +306,18 @@ def test_a_strong_match_drafts_without_the_models_and_a_weak_one_with_them(model
 
     text = tokenizer(heldout["code"][0], add_special_tokens=False).input_ids[:40]
     contexts = {"loop": text * 3 + text[:20], "free": tokenizer(heldout["legal"][0], add_special_tokens=False).input_ids[:80]}
+    return servers, coord, called, step_fn, text, contexts
+
+
+@pytest.mark.parametrize("alone", [2.0, None])
+def test_a_strong_match_drafts_without_the_models_and_a_weak_one_with_them(models, tokenizer, heldout, alone):
+    """routing.model_free_alone: after the cold start, a request whose n-gram chain is expected to have `alone`
+    tokens accepted (a passage seen three times before) is drafted by the n-gram drafter alone; a request without
+    such a match gets the drafter model's chain as before, in the same round. Off (None): the model drafts both."""
+    from speculation.coordinator import expected_accepted
+    from speculation.messages import DraftRequest
+
+    servers, coord, called, step_fn, text, contexts = _hybrid(models, tokenizer, heldout, alone)
     for _ in range(2):  # the first round scores the prompts with every drafter
         called.clear()
         drafts = asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8) for r, c in contexts.items()], step_fn))
@@ -325,20 +335,9 @@ def test_a_round_goes_without_the_models_where_their_tokens_are_worth_less_than_
     accepted in rounds with models) pays for the measured wait for their forwards against the verify step: a 0.5 s
     model phase for half a token does not, against a 50 ms step; a 1 ms one for three tokens does; an unmeasured
     one is tried. The strong match goes without them either way."""
-    from speculation.coordinator import SpeculationCoordinator
     from speculation.messages import DraftRequest
 
-    servers = {"code": DrafterServer("code", str(models / "drafter-code"), max_len=512),
-               "ngram": DrafterServer.from_spec(DrafterSpec(name="ngram", kind="ngram", max_len=512))}
-    coord = SpeculationCoordinator(["code", "ngram"], RoutingSpec(model_free_alone=2.0), model_free={"ngram"})
-    called: list[tuple[str, str]] = []
-
-    async def step_fn(name, calls):
-        called.extend((name, c.request_id) for c in calls)
-        return servers[name].step(calls).chains
-
-    text = tokenizer(heldout["code"][0], add_special_tokens=False).input_ids[:40]
-    contexts = {"loop": text * 3 + text[:20], "free": tokenizer(heldout["legal"][0], add_special_tokens=False).input_ids[:80]}
+    _, coord, called, step_fn, text, contexts = _hybrid(models, tokenizer, heldout, 2.0)
 
     def round_():
         called.clear()
