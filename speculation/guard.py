@@ -80,7 +80,6 @@ class SpeculationGuard:
     probing: int = 0  # plain probe steps still to take
     held: int = 0  # plain steps left of a hold at every load (`hold_off`)
     last_ratio: float | None = None  # the last verdict's ratio, whatever its load
-    switched_off: int = 0  # times speculation was switched off, at any load
 
     @classmethod
     def from_spec(cls, spec) -> SpeculationGuard:
@@ -105,6 +104,11 @@ class SpeculationGuard:
     def now(self) -> Regime:
         """The verdict state of the load last seen."""
         return self.regimes.get(self.current) or Regime(wait=self.off_steps)
+
+    @property
+    def switched_off(self) -> int:
+        """Times speculation was switched off, at any load."""
+        return sum(g.switched_off for g in self.regimes.values())
 
     @property
     def speculating(self) -> bool:
@@ -198,7 +202,6 @@ class SpeculationGuard:
             g.off_left = min(max(g.wait, priced), self.off_steps_max)
             g.wait = min(2 * g.off_left, self.off_steps_max)
             g.switched_off += 1
-            self.switched_off += 1
             g.losses, g.trial = 0, False
 
     def state(self) -> dict:
