@@ -284,6 +284,7 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             "guard_by_batch": runs[-1].get("guard_by_batch"),
             # ours in process, over its runs: each drafter's tokens in the verified chains, and those accepted
             "by_drafter": _by_drafter(runs),
+            "model_free_calibration": runs[-1].get("model_free_calibration"),
             # greedy: token for token; sampled: None (the distribution test's p-value is added instead)
             "identical_to_vllm_target_only": all(_same(r, reference, tok) for r in runs)
             if greedy else None,
@@ -386,7 +387,9 @@ def drafters_line(row: dict) -> str:
     """Which drafters drafted a row's verified tokens: each one's share of them and how many were accepted."""
     parts = ", ".join(f"{n} {d['drafted_share']:.0%} ({cell(d['accepted_rate'], '{:.2f}')} accepted)"
                       for n, d in row["by_drafter"].items())
-    return f"- {row['system']}, concurrency {row['concurrency']}: drafted tokens by drafter: {parts}"
+    calib = ", ".join(f"{n} {f:.2f}" for n, f in (row.get("model_free_calibration") or {}).items())
+    return (f"- {row['system']}, concurrency {row['concurrency']}: drafted tokens by drafter: {parts}"
+            + (f"; model-free confidences scaled by {calib} (accepted over claimed)" if calib else ""))
 
 
 def describe_workload(name: str, stats: dict | None) -> str:

@@ -219,7 +219,9 @@ def _ours_worker(spec: dict, max_batch: int):
                 "guard_by_batch": guard.state()["by_batch"] if guard else None,
                 # which drafters the router chose: each one's tokens in the verified chains and those accepted
                 "by_drafter": {n: [d - by_drafter.get(n, [0, 0])[0], a - by_drafter.get(n, [0, 0])[1]]
-                               for n, (d, a) in loop.stats.by_drafter.items()}}
+                               for n, (d, a) in loop.stats.by_drafter.items()},
+                # the model-free drafters' calibration over every request so far (accepted over claimed)
+                "model_free_calibration": coordinator.state()["model_free_calibration"] or None}
 
     run.forget_outputs = lambda: forget_outputs(loop.drafting)
     return run

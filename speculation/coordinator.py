@@ -66,6 +66,7 @@ class _Drafting:
     ahead: dict[str, dict[int, Proposal]] = field(default_factory=dict)  # drafter -> depth -> proposal received
     path: dict[str, list[int]] = field(default_factory=dict)  # drafter -> tokens fed after the context
     alive: set[str] = field(default_factory=set)  # drafters still in the round
+    factors: dict[str, float] = field(default_factory=dict)  # model-free drafter -> its confidences' calibration
 
     def __post_init__(self):
         for n in self.chosen:
@@ -118,7 +119,7 @@ class _Drafting:
     def record(self) -> RoundRecord:
         return RoundRecord(len(self.req.context), self.strategy.name,
                            {n: [(p.token, p.prob) for p in ch] for n, ch in self.chains.items() if ch},
-                           self.lockstep)
+                           self.lockstep, dict(self.factors))
 
 
 def expected_accepted(chain) -> float:
@@ -175,9 +176,11 @@ class SpeculationCoordinator:
 
     def state(self) -> dict:
         """Counters and timings, how many requests drafters hold a cache for (what a soak watches), the
-        drafters sitting out after failures or parked at zero replicas, and the strategies' own."""
+        drafters sitting out after failures or parked at zero replicas, each model-free drafter's calibration over
+        every request (accepted over claimed), and the strategies' own."""
         out = dict(self.stats, requests_held=len(self.where), drafters_sitting_out=self.health.sitting_out(),
-                   drafters_parked=sorted(self.parked), model_phases_skipped=self.model_phases_skipped)
+                   drafters_parked=sorted(self.parked), model_phases_skipped=self.model_phases_skipped,
+                   model_free_calibration={n: round(h / c, 3) for n, (h, c) in self.router.matched_all.items()})
         for s in self.strategies:
             out |= s.state()
         return out
@@ -201,6 +204,7 @@ class SpeculationCoordinator:
         if committed:
             for s in self.strategies:
                 s.observe(rid, committed, rnd)
+            self.router.observe_matches(rid, committed, rnd.proposals, rnd.factors, rnd.fused)
 
     def _start(self, req: DraftRequest) -> _Drafting:
         """Feedback from the request's last round, then this round's strategy and drafters."""
@@ -248,10 +252,14 @@ class SpeculationCoordinator:
                     self.where.setdefault(call.request_id, set()).add(name)
         names = list(per_drafter)
         answers = await asyncio.gather(*(self._call(step_fn, n, per_drafter[n], timeout) for n in names))
+        free = self.router.model_free
         for name, got in zip(names, answers):
             for call in per_drafter[name]:
                 if call.request_id in got:
-                    rounds[call.request_id].receive(depth, name, got[call.request_id])
+                    chain, r = got[call.request_id], rounds[call.request_id]
+                    if name in free:  # a match's frequency, scaled by what the target accepted of this drafter's
+                        chain, r.factors[name] = self.router.calibrated(call.request_id, name, chain)
+                    r.receive(depth, name, chain)
 
     async def _model_free_first(self, rounds: dict[str, _Drafting], step_fn: StepFn, deadline: float) -> None:
         """`routing.model_free_alone`: the model-free drafters' chains first (a lookup each), and the drafter

@@ -28,7 +28,12 @@ and propose nothing where the context's end never occurred before. They are aske
 `_model_free_first`): where one's chain is expected to have `routing.model_free_alone` tokens accepted, the round is
 theirs alone, without the models' forwards (Snowflake's hybrid of suffix and model drafts, chosen per step by the
 match's score); elsewhere fusion (Eq. 4) weighs a match's confidence (its continuation's frequency) against the
-models' probabilities, token by token. Their routing
+models' probabilities, token by token. A match's frequency is what the text repeated, not what the target will
+accept: sampled text at T = 0.7 accepted 15% of the suffix drafter's tokens where their confidences claimed far more.
+So each model-free drafter's confidences are calibrated per request by what the target accepted (`calibrated`):
+scaled by the request's accepted tokens over the acceptance its confidences claimed, on the positions the target
+judged (decayed sums, a new request starting from every request's), before fusion and the alone-or-with-models
+choice see them. Their routing
 scores are kept by the same Eq. 1-2 as the models' (their tokens are scored against what the target committed), so
 a request's ranking at release says which drafter its output followed; they have no prompt likelihood, so the
 cold start leaves them at 0.
@@ -43,6 +48,13 @@ from dataclasses import dataclass, field
 import torch
 
 from config import RoutingSpec
+from engines.interface import Proposal
+
+# model-free drafters' calibration (`Router.calibrated`): a request's sums decay by this per round (the text's
+# regime, copying or free, changes within a request), every request's by this per update; a new request's starts as
+# this many claimed tokens at every request's ratio; the factor and the confidences it scales stay in these bounds
+CALIBRATION_DECAY, CALIBRATION_DECAY_ALL, CALIBRATION_PRIOR = 0.7, 0.99, 2.0
+FACTOR_BOUNDS, MAX_CONFIDENCE = (0.02, 4.0), 0.98
 
 
 def alignment(committed: list[int], drafted: list[int], confidences: list[float], embeddings: torch.Tensor,
@@ -86,6 +98,8 @@ class _RequestState:
     # drafted tokens accepted in rounds where drafter models drafted (EMA): what the models are worth to the request
     # while rounds go without them (the coordinator's pricing of a round's model forwards)
     model_accepted: float | None = None
+    # per model-free drafter: [its tokens the target accepted, the acceptance its raw confidences claimed] (decayed)
+    matched: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,6 +112,7 @@ class Router:
     def __post_init__(self):
         self.requests: dict[str, _RequestState] = {}
         self.rng = random.Random(self.config.seed)
+        self.matched_all = {n: [1.0, 1.0] for n in self.model_free}  # every request's, as `_RequestState.matched`
 
     def add_request(self, rid: str, prompt_loglik: dict[str, float] | None = None) -> None:
         """Cold start from each drafter's mean log-likelihood per prompt token, when known (see module doc)."""
@@ -150,3 +165,45 @@ class Router:
             drafted = accepted_length - 1
             st.model_accepted = drafted if st.model_accepted is None else w * drafted + (1 - w) * st.model_accepted
         st.rounds += 1
+
+    # ------------------------------------------------------------------ model-free drafters' calibration
+    def factor(self, rid: str, name: str) -> float:
+        """What the target accepted of `name`'s drafts for the request over what their confidences claimed."""
+        h_all, c_all = self.matched_all[name]
+        st = self.requests.get(rid)
+        h, c = st.matched.get(name, (0.0, 0.0)) if st is not None else (0.0, 0.0)
+        f = (h + CALIBRATION_PRIOR * h_all / c_all) / (c + CALIBRATION_PRIOR)
+        return min(max(f, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
+
+    def calibrated(self, rid: str, name: str, chain: list[Proposal]) -> tuple[list[Proposal], float]:
+        """A model-free drafter's chain with its confidences scaled by the request's factor, and the factor."""
+        f = self.factor(rid, name)
+        return [Proposal(p.token, min(p.prob * f, MAX_CONFIDENCE), p.top_tokens,
+                         [min(q * f, MAX_CONFIDENCE) for q in p.top_probs], p.context_loglik) for p in chain], f
+
+    def observe_matches(self, rid: str, committed: list[int], drafted: dict[str, list[tuple[int, float]]],
+                        factors: dict[str, float], fused: bool) -> None:
+        """The target committed `committed` after a round in which model-free drafters proposed `drafted` (token,
+        confidence as calibrated by `factors`): each position the target judged (fed the committed prefix: with
+        fusion every position up to the target's own token, without it up to the drafter's first miss) adds
+        whether it was accepted and what its raw confidence claimed."""
+        st = self.requests.get(rid)
+        if st is None:
+            return
+        for name, props in drafted.items():
+            if name not in self.model_free or not props:
+                continue
+            f = factors.get(name, 1.0)
+            hits = claimed = 0.0
+            for i in range(min(len(props), len(committed))):
+                hit = props[i][0] == committed[i]
+                hits, claimed = hits + hit, claimed + props[i][1] / f
+                if not fused and not hit:
+                    break
+            if claimed == 0:
+                continue
+            mine = st.matched.setdefault(name, [0.0, 0.0])
+            mine[0], mine[1] = CALIBRATION_DECAY * mine[0] + hits, CALIBRATION_DECAY * mine[1] + claimed
+            every = self.matched_all[name]
+            every[0] = CALIBRATION_DECAY_ALL * every[0] + hits
+            every[1] = CALIBRATION_DECAY_ALL * every[1] + claimed

@@ -250,3 +250,11 @@ def test_a_worker_forgets_the_outputs_it_drafts_from_between_repeats(tmp_path, t
     assert all(len(o) == 24 for o in runs[0]["outputs"])
     if system == anchors.SUFFIX:
         assert runs[1]["accepted"] == runs[0]["accepted"] < runs[2]["accepted"]
+
+
+def test_the_drafters_line_says_how_the_model_free_confidences_were_scaled():
+    row = {"system": anchors.OURS_MF, "concurrency": 8, "model_free_calibration": {"suffix": 0.31},
+           "by_drafter": {"suffix": {"drafted_share": 0.43, "accepted_rate": 0.15}}}
+    line = anchors.drafters_line(row)
+    assert "suffix 43% (0.15 accepted)" in line and "scaled by suffix 0.31" in line
+    assert "scaled" not in anchors.drafters_line(dict(row, model_free_calibration=None))

@@ -354,3 +354,65 @@ def test_a_round_goes_without_the_models_where_their_tokens_are_worth_less_than_
     assert coord.model_phases_skipped == (0 if models_called else 1)
     assert drafts["loop"].tokens[:4] == text[20:24]
     assert (coord.model_phase_s.get(1) != phase_s) == models_called  # a round with the models measures their phase
+
+
+def test_a_model_free_drafters_confidence_is_scaled_by_what_the_target_accepted_of_its_drafts():
+    """Router.calibrated: a request whose n-gram drafts the target keeps rejecting (sampled text) has its n-gram
+    confidences scaled down towards the measured acceptance; one whose drafts are all accepted, up (bounded); a new
+    request starts from every request's ratio. Without fusion the positions after a drafter's first miss were never
+    judged, so they do not count against it."""
+    from engines.interface import Proposal
+    from speculation.routing import MAX_CONFIDENCE
+
+    r = Router(["code", "ngram"], RoutingSpec(), model_free=frozenset({"ngram"}))
+    for rid in ("sampled", "copying"):
+        r.add_request(rid)
+    assert r.factor("sampled", "ngram") == 1.0  # nothing measured: the confidences as counted
+    drafted = [(7, 0.8), (8, 0.8), (9, 0.8), (10, 0.8)]
+    for _ in range(6):
+        r.observe_matches("sampled", [7, 3], {"ngram": drafted}, {}, fused=True)  # 1 of 2 judged, 1.6 claimed
+    low = r.factor("sampled", "ngram")
+    assert 0.6 < low < 0.7  # 1 / 1.6
+    for _ in range(6):
+        r.observe_matches("copying", [1, 2, 3, 4, 5], {"ngram": [(t, 0.5) for t in (1, 2, 3, 4)]}, {}, fused=True)
+    high = r.factor("copying", "ngram")
+    assert 1.5 < high <= 2.0  # 4 / 2, its start (every request's ratio, the sampled one's so far) weighing less
+    chain, f = r.calibrated("sampled", "ngram", [Proposal(7, 0.8, [7, 2], [0.8, 0.1])])
+    assert f == r.factor("sampled", "ngram") < 1  # its own record outweighs every request's, now higher
+    assert chain[0].prob == pytest.approx(0.8 * f) and chain[0].top_probs[1] == pytest.approx(0.1 * f)
+    assert r.calibrated("copying", "ngram", [Proposal(1, 0.9, [1], [0.9])])[0][0].prob == MAX_CONFIDENCE
+    r.add_request("new")
+    assert low < r.factor("new", "ngram") < high and r.factor("new", "ngram") != 1.0  # every request's, so far
+    # one-shot: the first miss ends what the target judged (the rest followed the drafter's own tokens)
+    r.add_request("oneshot")
+    r.observe_matches("oneshot", [5, 6, 7, 8], {"ngram": [(5, 0.5), (0, 0.5), (7, 0.5)], "code": [(5, 0.9)]},
+                      {"ngram": 0.5}, fused=False)
+    assert r.requests["oneshot"].matched == {"ngram": [1.0, 2.0]}  # raw claims: 0.5 / 0.5 each; models not kept
+
+
+def test_a_strong_match_the_target_keeps_rejecting_loses_its_round_to_the_models(models, tokenizer, heldout):
+    """The coordinator scales each model-free chain by the request's calibration before choosing a round's drafters:
+    a passage seen three times is drafted by the n-gram drafter alone while nothing is measured, and with the drafter
+    model beside it once the target is measured to reject most of its tokens (as at T = 0.7); the round's record
+    keeps the factor, and the feedback of the next round reaches the calibration."""
+    from speculation.messages import DraftRequest
+
+    _, coord, called, step_fn, text, contexts = _hybrid(models, tokenizer, heldout, 2.0)
+
+    def round_(ctx):
+        called.clear()
+        return asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8) for r, c in ctx.items()], step_fn))
+
+    round_(contexts)  # the first round scores the prompts with every drafter
+    drafts = round_(contexts)
+    assert ("code", "loop") not in called and drafts["loop"].tokens[:4] == text[20:24]
+    assert coord.rounds["loop"].factors == {"ngram": 1.0}
+    # the target took the first drafted token and then another: the n-gram's record is measured
+    ctx = dict(contexts, loop=contexts["loop"] + [text[20], text[20] + 1])
+    round_(ctx)
+    assert coord.router.requests["loop"].matched["ngram"][0] == 1.0  # one of the two judged positions
+    coord.router.requests["loop"].matched["ngram"] = [1.0, 20.0]  # as after rounds of sampled text
+    drafts = round_(contexts)
+    assert ("code", "loop") in called and coord.rounds["loop"].factors["ngram"] < 0.2
+    ngram = coord.rounds["loop"].proposals["ngram"]
+    assert ngram[0][0] == text[20] and ngram[0][1] < 0.2  # its token, at the calibrated confidence

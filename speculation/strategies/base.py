@@ -67,6 +67,7 @@ class RoundRecord:
     strategy: str  # the name of the strategy that drafted it
     proposals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # drafter -> [(token, conf)]
     fused: bool = True  # were the drafters fed the fused token (Eq. 4) or their own?
+    factors: dict[str, float] = field(default_factory=dict)  # model-free drafters' calibration (Router.calibrated)
 
 
 class DraftingStrategy(ABC):
