@@ -184,6 +184,7 @@ class _Bench:
         loop = build_loop(self.config(m, batch, pool_drafters, overlap), verifier, {**self.drafters, **engines})
         if m.slowed:
             loop.drafting = SlowedDrafting(loop.drafting, 0.2, self.slow_factor, loop.stats)
+        if loop.planner.guard is not None:
             # the guard keeps what it learnt across the method's runs (warm-up included), as a running server does
             loop.planner.guard = self.kept(("guard", name, batch), lambda: loop.planner.guard)
         if m.blind:

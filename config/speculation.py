@@ -115,13 +115,15 @@ class GuardSpec(Strict):
     the tokens per second speculation really gave over a window of steps (drafting waits included) with plain
     steps measured at the same batch sizes, and switches speculation off (k = 0) where it lost, trying it again
     after a while. Each load (batch sizes 1, 2, 3-4, 5-8, 9-16, ...) has its own verdict, windows and waits.
-    Model-free: it catches what the draft-length controller's models get wrong. With adaptive speculation only
-    (`adaptive: false` drafts k every round)."""
+    Model-free: it catches what the draft-length controller's models get wrong, and guards fixed-k methods
+    (`adaptive: false`) as it guards adaptive ones."""
 
     enabled: bool = Field(True, description="false: speculation is never switched off by measurement")
     window: int = Field(16, ge=2, description="speculating verify steps per verdict")
     margin: float = Field(0.03, ge=0, lt=1, description="speculation is switched off when its realised tokens per "
                           "second fall more than this share below plain decoding's")
+    clear: float = Field(0.85, gt=0, le=1, description="speculation realising less than this share of plain "
+                         "decoding's tokens per second is switched off after half a window, whatever the patience")
     patience: int = Field(2, ge=1, description="windows in a row that must lose before speculation is switched "
                           "off (one, when it is tried again after being off)")
     severe: float = Field(0.5, gt=0, le=1, description="speculation realising less than this share of plain "
@@ -137,6 +139,9 @@ class GuardSpec(Strict):
 
     @model_validator(mode="after")
     def _ordered(self) -> GuardSpec:
+        if self.clear < self.severe:
+            raise ValueError(f"speculation.guard.clear ({self.clear}) is below severe ({self.severe}): a clear loss "
+                             "is judged later than a severe one, so it must be the higher share")
         if self.off_steps_max < self.off_steps:
             raise ValueError(f"speculation.guard.off_steps_max ({self.off_steps_max}) is below off_steps "
                              f"({self.off_steps})")

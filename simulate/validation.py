@@ -141,7 +141,7 @@ def record(config: str, requests_from: Path, out: Path = RECORDED, concurrencies
     application args used (`args.json`) and a gzipped trace per run (`c{C}-r{R}.jsonl.gz`: concurrency C, repeat
     R). Each run gets a loop of its own, warmed up, so that it starts from the state a simulated run starts from (a
     fresh controller). The prompts (and their domains) are `requests_from`'s; `adaptive` overrides
-    speculation.adaptive (false: always k, so every decision is the replay's, not the timings')."""
+    speculation.adaptive (false: always k and no guard, so every decision is the replay's, not the timings')."""
     import asyncio
     import gzip
 
@@ -162,8 +162,10 @@ def record(config: str, requests_from: Path, out: Path = RECORDED, concurrencies
     speculation = dict(args.get("speculation", {}), record_trace=None)
     if adaptive is not None:
         speculation["adaptive"] = adaptive
-        if not adaptive and speculation.get("drafting_tier") == "auto":  # auto chooses by the controller's models
-            speculation["drafting_tier"] = "deployments"
+        if not adaptive:  # nor the guard's verdicts, nor auto's choice (by the controller's models)
+            speculation["guard"] = {"enabled": False}
+            if speculation.get("drafting_tier") == "auto":
+                speculation["drafting_tier"] = "deployments"
     args = dict(args, verifier=dict(args["verifier"], engine="torch", threads=1), speculation=speculation)
 
     async def run(loop, ids: list[list[int]], concurrency: int, p: SamplingParams) -> None:

@@ -7,7 +7,8 @@ The guard does not model anything: it compares what speculation really gave, tok
 time over a window of `window` speculating steps (drafting waits, verify and the loop's own work included), with
 what plain decoding gives at the same batch sizes, measured on steps without drafts. Where speculation was more than
 `margin` slower in `patience` windows in a row (one noisy window on a busy machine is not a verdict; a loss below
-`severe` of plain decoding's speed is one, after a quarter window once plain steps are measured), it is switched off
+`clear` of plain decoding's speed is one after half a window, below `severe` after a quarter, once plain steps are
+measured: a batch-16 run of a few dozen steps gets its verdict within the run), it is switched off
 (k = 0 for every request) for `off_steps` steps, then tried again: a trial that loses is a verdict after a quarter
 window and switches it off again, for twice as long (up to `off_steps_max`); a window that pays resets the wait. Each
 wait is also long enough that a trial losing what the last verdict's steps lost costs at most half the margin of the
@@ -69,6 +70,7 @@ class SpeculationGuard:
     margin: float = 0.03
     patience: int = 2
     severe: float = 0.5
+    clear: float = 0.85
     probe_steps: int = 2
     off_steps: int = 32
     off_steps_max: int = 512
@@ -85,7 +87,7 @@ class SpeculationGuard:
     def from_spec(cls, spec) -> SpeculationGuard:
         """From `speculation.guard` (config.GuardSpec)."""
         return cls(window=spec.window, margin=spec.margin, patience=spec.patience, severe=spec.severe,
-                   probe_steps=spec.probe_steps,
+                   clear=spec.clear, probe_steps=spec.probe_steps,
                    off_steps=spec.off_steps,
                    off_steps_max=spec.off_steps_max, refresh_steps=spec.refresh_steps)
 
@@ -158,11 +160,13 @@ class SpeculationGuard:
             return
         g.spec.append((requests, committed, seconds))
         if len(g.spec) < self.window:
-            # a loss far beyond noise (below `severe` of plain) is a verdict after a quarter window
-            # (on trial, any loss beyond the margin: it lost a full verdict before)
-            early = len(g.spec) >= max(2, self.window // 4) and self._measured_near(requests)
+            # a loss far beyond noise (below `severe` of plain) is a verdict after a quarter window, a clear one
+            # (below `clear`) after half (on trial, any loss beyond the margin after a quarter: it lost before)
+            n = len(g.spec)
+            early = n >= max(2, self.window // 4) and self._measured_near(requests)
             if early and (ratio := self._ratio(g.spec)) is not None and (
-                    ratio < self.severe or (g.trial and ratio < 1 - self.margin)):
+                    ratio < self.severe or (g.trial and ratio < 1 - self.margin)
+                    or (n >= max(2, self.window // 2) and ratio < self.clear)):
                 self._verdict(g)
             return
         typical = int(statistics.median(n for n, _, _ in g.spec))
@@ -197,7 +201,7 @@ class SpeculationGuard:
             g.wait, g.losses, g.trial = self.off_steps, 0, False
             return
         g.losses += 1
-        if ratio < self.severe or g.trial or g.losses >= self.patience:
+        if ratio < self.clear or g.trial or g.losses >= self.patience:
             priced = math.ceil(self._lost_steps(window) / (self.margin / 2)) if self.margin > 0 else self.off_steps_max
             g.off_left = min(max(g.wait, priced), self.off_steps_max)
             g.wait = min(2 * g.off_left, self.off_steps_max)

@@ -28,8 +28,8 @@ class DraftPlanner:
         self.cfg = cfg
         self.controller = make_controller(cfg)
         spec = cfg.speculation
-        # adaptive speculation only: `adaptive: false` means always k (the benchmarks' fixed-k methods)
-        guarded = spec.guard.enabled and spec.adaptive and spec.mode != "off"
+        # every method that speculates, fixed-k ones (`adaptive: false`) too: a fixed k can lose as any controller
+        guarded = spec.guard.enabled and spec.mode != "off"
         self.guard = SpeculationGuard.from_spec(spec.guard) if guarded else None
         self.retirement = DomainDrafterRetirement.from_config(cfg)
         self.recent_k: deque = deque(maxlen=128)  # the chosen depths of requests that may speculate

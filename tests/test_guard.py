@@ -15,6 +15,7 @@ from config import AppConfig
 from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
 from speculation.guard import SpeculationGuard
+from speculation.messages import SpeculationOverrides
 from assembly.loop import build_loop, generate_all
 from speculation.planner import DraftPlanner, draft_timeout_s
 
@@ -60,7 +61,7 @@ def test_the_wait_is_at_least_what_keeps_the_next_trial_within_half_the_margin()
 
 
 def test_one_losing_window_is_not_a_verdict_but_two_in_a_row_are():
-    g = SpeculationGuard(window=2, patience=2, margin=0.5, severe=0.2, off_steps=16)
+    g = SpeculationGuard(window=2, patience=2, margin=0.5, severe=0.2, clear=0.2, off_steps=16)
     _plain(g, 4, 0.1)
     _spec(g, 4, 4, 0.21, steps=2)  # below half plain's speed: one loss (2.2 plain steps lost: priced 9 steps)
     assert g.allow(4) and g.now.losses == 1
@@ -80,6 +81,26 @@ def test_a_loss_far_beyond_noise_is_a_verdict_after_a_quarter_window():
     assert g.allow(8)
     _spec(g, 8, 8, 0.3)  # the fourth step: a quarter window
     assert not g.allow(8) and g.switched_off == 1 and g.last_ratio == pytest.approx(1 / 3)
+
+
+def test_a_clear_loss_is_a_verdict_after_half_a_window_a_slight_one_after_two_windows():
+    """Below `clear` (0.85x plain) speculation is switched off after half a window, within a batch-16 run of a few
+    dozen steps; a loss within it (0.9x) waits for `patience` full windows, as noise may make one."""
+    g = SpeculationGuard(window=16, patience=2, severe=0.5, clear=0.85)
+    _plain(g, 16, 0.1)
+    _spec(g, 16, 12, 0.1, steps=7)  # 0.75x plain
+    assert g.allow(16)
+    _spec(g, 16, 12, 0.1)  # the eighth step: half a window
+    assert not g.allow(16) and g.switched_off == 1 and g.last_ratio == pytest.approx(0.75)
+    g = SpeculationGuard(window=16, patience=2, severe=0.5, clear=0.85)
+    _plain(g, 16, 0.1)
+    _spec(g, 16, 18, 0.125, steps=16)  # 0.9x plain: one losing window
+    assert g.allow(16) and g.now.losses == 1
+    _spec(g, 16, 18, 0.125, steps=16)
+    assert not g.allow(16) and g.switched_off == 1
+    with pytest.raises(ValueError, match="clear .* is below severe"):
+        AppConfig(verifier={"model": "target"}, drafters=[{"name": "a", "model": "a"}],
+                  speculation={"guard": {"clear": 0.4, "severe": 0.5}})
 
 
 def test_paying_speculation_stays_on_and_short_runs_never_see_the_guard():
@@ -133,7 +154,7 @@ def test_each_load_keeps_its_own_verdict():
     _plain(g, 1, 0.04)
     _plain(g, 8, 0.1)
     _spec(g, 1, 3, 0.05, steps=4)  # batch 1: 60 tok/s against 25: pays
-    _spec(g, 8, 12, 0.2, steps=8)  # batch 8: 60 tok/s against 80: two losing windows, off
+    _spec(g, 8, 18, 0.25, steps=8)  # batch 8: 72 tok/s against 80 (0.9x, no clear loss): two losing windows, off
     assert not g.allow(8) and g.switched_off == 1 and g.at(8).off_left == 20
     assert g.allow(1) and g.at(1).off_left == 0 and g.at(1).last_ratio == pytest.approx(2.4)
     _spec(g, 1, 3, 0.05, steps=4)  # batch 1 speculates on; its steps do not count batch 8's wait down
@@ -169,13 +190,19 @@ def test_the_draft_timeout_is_a_share_of_the_recent_verify_step():
     assert draft_timeout_s(off, [0.01], scoring=False) == pytest.approx(0.1)
 
 
-def test_the_guard_is_part_of_adaptive_speculation_only():
+def test_the_guard_is_on_for_every_method_that_speculates():
     def planner(**speculation) -> DraftPlanner:
         return DraftPlanner(AppConfig(verifier={"model": "target"}, drafters=[{"name": "a", "model": "a"}],
                                       speculation=speculation))
 
     assert planner().guard is not None
-    assert planner(adaptive=False).guard is None  # always k
+    fixed = planner(adaptive=False)  # a fixed k can lose as any controller can
+    assert fixed.controller is None and fixed.guard is not None
+    fixed.guard.hold_off(1)
+    assert fixed.plan({"r": [1, 2, 3]}, {"r": SpeculationOverrides()}) == []  # held off: no drafts
+    assert [d.k for d in fixed.plan({"r": [1, 2, 3]}, {"r": SpeculationOverrides()})] == []  # a step not taken
+    fixed.guard.observe(1, 1, 0.1, speculated=False, prefill=False)
+    assert [d.k for d in fixed.plan({"r": [1, 2, 3]}, {"r": SpeculationOverrides()})] == [4]  # k again
     assert planner(guard={"enabled": False}).guard is None
     assert planner(mode="off").guard is None
 

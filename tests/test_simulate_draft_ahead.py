@@ -21,7 +21,8 @@ def _cfg(draft_ahead: bool) -> AppConfig:
     args["verifier"] = dict(args["verifier"], engine="vllm", model="target")
     args["speculation"].pop("drafting_tier")  # examples/local.yaml's auto: these use the default
     args["speculation"] = dict(args["speculation"], mode="chain", adaptive=False, k=4, fixed_drafters=["generic"],
-                               draft_timeout_ms=60000, draft_ahead=draft_ahead)
+                               draft_timeout_ms=60000, draft_ahead=draft_ahead,
+                               guard={"enabled": False})  # what drafting ahead gives, not the guard's verdict
     return AppConfig.model_validate(args)
 
 
