@@ -81,14 +81,21 @@ def test_a_target_the_torch_verifier_cannot_run_is_refused_in_one_line(tmp_path)
 
 @pytest.mark.slow  # five subprocesses, over ~10 s
 def test_bad_configs_and_command_lines_are_refused_in_one_line(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"applications": [{"name": "cosine", "args": {"speculation": {"k": -1}}}]}))
-    _refused(_cosine("profile", str(bad)), "speculation.k: Input should be greater than or equal to 0")
-    _refused(_cosine("config", "validate", str(tmp_path / "missing.yaml")), "missing.yaml")
     (tmp_path / "list.yaml").write_text("- just a list\n")
-    _refused(_cosine("serve", str(tmp_path / "list.yaml")), "no applications")
-    _refused(_cosine("models", "acceptance-matrix", "--target", "target"), "go together")
-    _refused(_cosine("bench", "engine", "--k", "four"), "invalid int value")
+    cases = [(("profile", str(bad)), "speculation.k: Input should be greater than or equal to 0"),
+             (("config", "validate", str(tmp_path / "missing.yaml")), "missing.yaml"),
+             (("serve", str(tmp_path / "list.yaml")), "no applications"),
+             (("models", "acceptance-matrix", "--target", "target"), "go together"),
+             (("bench", "engine", "--k", "four"), "invalid int value")]
+    # independent processes, mostly spent importing: run side by side (the suite's own process leaves cores idle)
+    with ThreadPoolExecutor(len(cases)) as pool:
+        runs = list(pool.map(lambda case: _cosine(*case[0]), cases))
+    for run, (_, needle) in zip(runs, cases):
+        _refused(run, needle)
 
 
 def test_refusals_through_main(capsys, tmp_path):

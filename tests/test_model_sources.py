@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -121,14 +122,16 @@ def test_cli_generates_with_ids_from_the_cache_and_errors_in_one_line(models, tm
     publish(cache, "acme/drafter", models / "drafter-code")
     env = offline_env(cache)
     common = ["--prompt", "def parse(path):", "--max-tokens", "24"]
-    plain = _cli("generate", "--model", "acme/target", *common, env=env)
-    spec = _cli("generate", "--model", "acme/target", "--drafter", "acme/drafter", *common, env=env)
+    # three independent processes, side by side (the suite's own process leaves cores idle)
+    with ThreadPoolExecutor(3) as pool:
+        plain, spec, missing = pool.map(
+            lambda args: _cli("generate", "--model", "acme/target", *args, *common, env=env),
+            [(), ("--drafter", "acme/drafter"), ("--drafter", "acme/nope")])
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert spec.returncode == 0, spec.stderr[-2000:]
     out = [line for line in plain.stdout.splitlines() if line.startswith("+++")]
     assert out and out == [line for line in spec.stdout.splitlines() if line.startswith("+++")]
     assert "mean accepted length" in spec.stdout
-    missing = _cli("generate", "--model", "acme/target", "--drafter", "acme/nope", *common, env=env)
     assert missing.returncode == 2
     assert missing.stderr.count("\n") == 1 and "acme/nope" in missing.stderr and "Traceback" not in missing.stderr
 
