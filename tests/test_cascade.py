@@ -58,7 +58,7 @@ def test_greedy_through_the_loop_with_a_cascade_drafter_equals_the_target(target
     cfg = AppConfig(verifier={"model": "target", "max_batch": 4, "max_len": 256},
                     drafters=[{"name": "mid", "model": "target", "assistant": "drafter-code", "max_len": 256},
                               {"name": "code", "model": "drafter-code", "max_len": 256}],
-                    speculation={"k": 6, "adaptive": False, "draft_timeout_ms": 600_000})
+                    speculation={"k": 6, "adaptive": False, "draft_timeout_ms": 600_000, "guard": {"enabled": False}})
     loop = build_loop(cfg, TorchVerifierEngine(target, max_batch=4, max_len=256))
     out = asyncio.run(generate_all(loop, prompts, [SamplingParams(max_tokens=24, ignore_eos=True)] * len(prompts)))
     want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts]

@@ -144,7 +144,7 @@ def test_loop_with_pooled_drafters_is_lossless(target, drafter_models, tokenizer
     for routed in (False, True):
         cfg = AppConfig(verifier={"model": "target", "max_batch": 4, "max_len": 256},
                         drafters=[{"name": n, "model": n, "max_len": 256} for n in names],
-                        speculation={"mode": "cosine", "k": 4, "adaptive": False, "tree_budget": 8,
+                        speculation={"mode": "cosine", "k": 4, "adaptive": False, "guard": {"enabled": False}, "tree_budget": 8,
                                      "lockstep": routed, "draft_timeout_ms": 600_000, "pool_drafters": pool},
                         routing={"drafters_per_request": 2 if routed else 3})
         loop = build_loop(cfg, TorchVerifierEngine(target, max_batch=4, max_len=256), drafter_models)

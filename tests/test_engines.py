@@ -57,7 +57,7 @@ def _run(target, drafters, prompts, k, batch, tree_budget=None, params=None, max
     names = [f"d{i}" for i in range(len(drafters))]
     cfg = AppConfig(verifier={"model": "target", "max_batch": batch, "max_len": max_len},
                     drafters=[{"name": n, "model": n, "max_len": max_len} for n in names],
-                    speculation={"mode": mode, "k": k, "adaptive": False,
+                    speculation={"mode": mode, "k": k, "adaptive": False, "guard": {"enabled": False},
                                  "tree_budget": tree_budget or k * len(drafters), "draft_timeout_ms": 600_000},
                     routing={"drafters_per_request": len(drafters)})
     verifier = TorchVerifierEngine(target, max_batch=batch, max_len=max_len, trees=trees)

@@ -165,7 +165,8 @@ def _cfg(drafters: list[dict], k: int = 8) -> AppConfig:
     return AppConfig.model_validate({
         "tokenizer": "tokenizer", "drafters": drafters,
         "verifier": {"engine": "torch", "model": "target", "max_batch": 8, "max_len": 1024},
-        "speculation": {"mode": "cosine", "k": k, "tree_budget": 16, "adaptive": False, "draft_timeout_ms": 10000}})
+        "speculation": {"mode": "cosine", "k": k, "tree_budget": 16, "adaptive": False, "draft_timeout_ms": 10000,
+                        "guard": {"enabled": False}}})
 
 
 FREE = [{"name": "ngram", "kind": "ngram"}, {"name": "suffix", "kind": "suffix"}]

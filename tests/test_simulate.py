@@ -48,7 +48,7 @@ def prompts(domain_prompt_ids) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def cosine_trace(tmp_path_factory, prompts):
-    return _record(tmp_path_factory.mktemp("cosine"), prompts, adaptive=False)
+    return _record(tmp_path_factory.mktemp("cosine"), prompts, adaptive=False, guard={"enabled": False})
 
 
 def test_trace_holds_requests_steps_and_drafting_rounds(cosine_trace, prompts):
@@ -73,7 +73,8 @@ def test_trace_holds_requests_steps_and_drafting_rounds(cosine_trace, prompts):
 def test_replay_of_one_drafters_chains_is_exact(tmp_path, prompts):
     """Chain speculation with a fixed drafter: the simulator's replayed acceptance is the real run's, request by
     request, and what it commits is the target's output."""
-    cfg, trace = _record(tmp_path, prompts, mode="chain", adaptive=False, fixed_drafters=["generic"])
+    cfg, trace = _record(tmp_path, prompts, mode="chain", adaptive=False, fixed_drafters=["generic"],
+                         guard={"enabled": False})
     replay = annotate(trace.requests, cfg)
     result = Simulation(cfg, fit(trace), replay).run(Workload("offline", count=len(replay)))
     real = {r["id"]: (r["output"], r["accepted"]) for r in trace.requests}

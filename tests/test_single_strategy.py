@@ -65,7 +65,8 @@ def test_a_request_that_names_its_drafters_still_gets_them():
 
 def test_single_is_configured_with_a_known_drafter_and_drafts_one_chain():
     args = {"verifier": {"model": "target"}, "drafters": [{"name": n, "model": n} for n in NAMES]}
-    cfg = AppConfig(**args, speculation={"mode": "single", "drafter": "legal", "adaptive": False})
+    cfg = AppConfig(**args, speculation={"mode": "single", "drafter": "legal", "adaptive": False,
+                                                 "guard": {"enabled": False}})
     assert DraftPlanner(cfg).participation(SpeculationOverrides()).drafters_per_request == 1
     with pytest.raises(ValueError, match="speculation.drafter names unknown drafter 'nope'"):
         AppConfig(**args, speculation={"mode": "single", "drafter": "nope"})
