@@ -257,6 +257,14 @@ class VerifyLoop:
         self.stats.ahead_round(len(bases), len(out))
         return out
 
+    def _drop(self, ahead: tuple[dict[str, list[int]], asyncio.Task]) -> None:
+        """A round drafted ahead for requests that all finished meanwhile: nothing in it is used, so the loop goes
+        on (a request arriving now is prefilled without waiting for it: at concurrency 1 every request did); the
+        caches the drafters made for it are released when it ends."""
+        bases, task = ahead
+        self.stats.ahead_round(len(bases), 0)
+        task.add_done_callback(lambda _: self._release(list(bases)))
+
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
         """The loop's task. Should it fail, its requests fail with it rather than wait for chunks that will never
@@ -283,8 +291,8 @@ class VerifyLoop:
                 self.stats.step_intervals.append(0.0)  # it started as the step before it ended
                 last_end = await self.plain.step(last_end or time.perf_counter())
                 continue
-            if ahead is not None and not self.engine.has_unfinished():  # settle it before idling
-                await self._carried(ahead)
+            if ahead is not None and not self.engine.has_unfinished():  # its requests all finished
+                self._drop(ahead)
                 ahead = None
             idle = not self.engine.has_unfinished()
             await self._drain_inbox(block=idle)

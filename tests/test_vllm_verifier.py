@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,50 @@ def test_drafting_ahead_is_lossless_and_carries_drafts_over(engine, drafter_mode
     totals = loop.stats.totals
     assert 0 < totals["ahead_used"] < totals["drafted_ahead"]  # some carried over, some did not come true
     _assert_nothing_left(engine)
+
+
+def test_a_request_arriving_does_not_wait_for_a_round_drafted_ahead_for_finished_ones(engine, drafter_models, prompts,
+                                                                                     reference):
+    """Rounds drafted ahead, each made 1.5 s slow: the first request finishes with one still running; the next
+    request's first token comes before that round ends (the loop no longer settles it before prefilling), and the
+    drafters free the first request's caches once it has ended."""
+    loop = build_loop(_cfg(adaptive=False, guard={"enabled": False}), engine, drafter_models)  # k = 4 every step
+    loop.drafting_overlaps_verification = True
+    draft, ended = loop.drafting.draft, []
+
+    async def slowed(batch):
+        out = await draft(batch)
+        if any(d.ahead for d in batch):
+            await asyncio.sleep(1.5)
+            ended.append(time.perf_counter())
+        return out
+    loop.drafting.draft = slowed
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def run():
+        try:
+            first = [t async for c in loop.generate(prompts[0], params) for t in c.token_ids]
+            done, n = time.perf_counter(), len(ended)
+            async for c in loop.generate(prompts[1], params):
+                if c.token_ids:
+                    break
+            first_token = time.perf_counter()
+            for _ in range(600):  # the dropped round ends, and its caches' releases are sent
+                if len(ended) > n:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)
+            return first, done, n, first_token
+        finally:
+            await loop.stop()
+
+    first, done, rounds_then, first_token = asyncio.run(run())
+    assert first == reference[0][:6]
+    dropped_end = ended[rounds_then]  # the round drafted ahead during the first request's last step
+    assert done < first_token < dropped_end
+    for s in loop.drafting.servers.values():  # releases run on each drafter's thread: wait for them
+        s.executor.submit(lambda: None).result()
+    assert not any(s.engine.states for s in loop.drafting.servers.values())
 
 
 def test_plain_steps_and_speculative_steps_alternate_losslessly(engine, drafter_models, prompts, reference):
