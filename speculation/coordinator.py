@@ -67,6 +67,7 @@ class _Drafting:
     path: dict[str, list[int]] = field(default_factory=dict)  # drafter -> tokens fed after the context
     alive: set[str] = field(default_factory=set)  # drafters still in the round
     factors: dict[str, float] = field(default_factory=dict)  # model-free drafter -> its confidences' calibration
+    raw: dict[str, dict[int, float]] = field(default_factory=dict)  # model-free drafter -> depth -> raw confidence
 
     def __post_init__(self):
         for n in self.chosen:
@@ -119,7 +120,9 @@ class _Drafting:
     def record(self) -> RoundRecord:
         return RoundRecord(len(self.req.context), self.strategy.name,
                            {n: [(p.token, p.prob) for p in ch] for n, ch in self.chains.items() if ch},
-                           self.lockstep, dict(self.factors))
+                           self.lockstep, dict(self.factors),
+                           {n: [(p.token, self.raw[n][i]) for i, p in enumerate(self.chains[n])]
+                            for n in self.raw if self.chains.get(n)})
 
 
 def expected_accepted(chain) -> float:
@@ -204,7 +207,7 @@ class SpeculationCoordinator:
         if committed:
             for s in self.strategies:
                 s.observe(rid, committed, rnd)
-            self.router.observe_matches(rid, committed, rnd.proposals, rnd.factors, rnd.fused)
+            self.router.observe_matches(rid, committed, rnd.claims, rnd.fused)
 
     def _start(self, req: DraftRequest) -> _Drafting:
         """Feedback from the request's last round, then this round's strategy and drafters."""
@@ -258,6 +261,7 @@ class SpeculationCoordinator:
                 if call.request_id in got:
                     chain, r = got[call.request_id], rounds[call.request_id]
                     if name in free:  # a match's frequency, scaled by what the target accepted of this drafter's
+                        r.raw.setdefault(name, {}).update((depth + i, p.prob) for i, p in enumerate(chain))
                         chain, r.factors[name] = self.router.calibrated(call.request_id, name, chain)
                     r.receive(depth, name, chain)
 

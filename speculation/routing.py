@@ -182,22 +182,21 @@ class Router:
                          [min(q * f, MAX_CONFIDENCE) for q in p.top_probs], p.context_loglik) for p in chain], f
 
     def observe_matches(self, rid: str, committed: list[int], drafted: dict[str, list[tuple[int, float]]],
-                        factors: dict[str, float], fused: bool) -> None:
+                        fused: bool) -> None:
         """The target committed `committed` after a round in which model-free drafters proposed `drafted` (token,
-        confidence as calibrated by `factors`): each position the target judged (fed the committed prefix: with
-        fusion every position up to the target's own token, without it up to the drafter's first miss) adds
-        whether it was accepted and what its raw confidence claimed."""
+        raw confidence): each position the target judged (fed the committed prefix: with fusion every position up
+        to the target's own token, without it up to the drafter's first miss) adds whether it was accepted and what
+        its raw confidence claimed."""
         st = self.requests.get(rid)
         if st is None:
             return
         for name, props in drafted.items():
             if name not in self.model_free or not props:
                 continue
-            f = factors.get(name, 1.0)
             hits = claimed = 0.0
             for i in range(min(len(props), len(committed))):
                 hit = props[i][0] == committed[i]
-                hits, claimed = hits + hit, claimed + props[i][1] / f
+                hits, claimed = hits + hit, claimed + props[i][1]
                 if not fused and not hit:
                     break
             if claimed == 0:

@@ -371,11 +371,11 @@ def test_a_model_free_drafters_confidence_is_scaled_by_what_the_target_accepted_
     assert r.factor("sampled", "ngram") == 1.0  # nothing measured: the confidences as counted
     drafted = [(7, 0.8), (8, 0.8), (9, 0.8), (10, 0.8)]
     for _ in range(6):
-        r.observe_matches("sampled", [7, 3], {"ngram": drafted}, {}, fused=True)  # 1 of 2 judged, 1.6 claimed
+        r.observe_matches("sampled", [7, 3], {"ngram": drafted}, fused=True)  # 1 of 2 judged, 1.6 claimed
     low = r.factor("sampled", "ngram")
     assert 0.6 < low < 0.7  # 1 / 1.6
     for _ in range(6):
-        r.observe_matches("copying", [1, 2, 3, 4, 5], {"ngram": [(t, 0.5) for t in (1, 2, 3, 4)]}, {}, fused=True)
+        r.observe_matches("copying", [1, 2, 3, 4, 5], {"ngram": [(t, 0.5) for t in (1, 2, 3, 4)]}, fused=True)
     high = r.factor("copying", "ngram")
     assert 1.5 < high <= 2.0  # 4 / 2, its start (every request's ratio, the sampled one's so far) weighing less
     chain, f = r.calibrated("sampled", "ngram", [Proposal(7, 0.8, [7, 2], [0.8, 0.1])])
@@ -386,9 +386,9 @@ def test_a_model_free_drafters_confidence_is_scaled_by_what_the_target_accepted_
     assert low < r.factor("new", "ngram") < high and r.factor("new", "ngram") != 1.0  # every request's, so far
     # one-shot: the first miss ends what the target judged (the rest followed the drafter's own tokens)
     r.add_request("oneshot")
-    r.observe_matches("oneshot", [5, 6, 7, 8], {"ngram": [(5, 0.5), (0, 0.5), (7, 0.5)], "code": [(5, 0.9)]},
-                      {"ngram": 0.5}, fused=False)
-    assert r.requests["oneshot"].matched == {"ngram": [1.0, 2.0]}  # raw claims: 0.5 / 0.5 each; models not kept
+    r.observe_matches("oneshot", [5, 6, 7, 8], {"ngram": [(5, 1.0), (0, 1.0), (7, 1.0)], "code": [(5, 0.9)]},
+                      fused=False)
+    assert r.requests["oneshot"].matched == {"ngram": [1.0, 2.0]}  # two judged, 1.0 claimed each; models not kept
 
 
 def test_a_strong_match_the_target_keeps_rejecting_loses_its_round_to_the_models(models, tokenizer, heldout):
@@ -417,3 +417,5 @@ def test_a_strong_match_the_target_keeps_rejecting_loses_its_round_to_the_models
     assert ("code", "loop") in called and coord.rounds["loop"].factors["ngram"] < 0.2
     ngram = coord.rounds["loop"].proposals["ngram"]
     assert ngram[0][0] == text[20] and ngram[0][1] < 0.2  # its token, at the calibrated confidence
+    raw = ngram[0][1] / coord.rounds["loop"].factors["ngram"]
+    assert coord.rounds["loop"].claims["ngram"][0] == (text[20], pytest.approx(raw))  # the raw claim it learns from

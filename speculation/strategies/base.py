@@ -68,6 +68,8 @@ class RoundRecord:
     proposals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # drafter -> [(token, conf)]
     fused: bool = True  # were the drafters fed the fused token (Eq. 4) or their own?
     factors: dict[str, float] = field(default_factory=dict)  # model-free drafters' calibration (Router.calibrated)
+    # model-free drafters' proposals with their raw confidences, before that calibration (what it learns from)
+    claims: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 class DraftingStrategy(ABC):
