@@ -285,21 +285,27 @@ def test_a_redeploy_under_load_loses_no_request_and_changes_no_output(cluster, t
         assert _wait_for(lambda: not _replica_ids() & old and cluster._running(), 480, 1), \
             f"old replicas still run: {sorted(_replica_ids() & old)}, {cluster.describe()}"
         t_replaced = time.time()
-        # the new config serves: the added drafter drafts (asked while the load keeps the drafters up)
-        def biomedical_drafts() -> bool:
-            r = httpx.post(f"{base}/v1/completions", timeout=120, json={
-                "model": MODEL, "prompt": prompts[4], "max_tokens": 32, "temperature": 0,
-                "speculation": {"drafters": ["biomedical"]}})
-            assert r.status_code == 200, r.text
-            return r.json()["usage"]["num_accepted_tokens"] > 0
-
-        assert _wait_for(biomedical_drafts, 120, 1)
         answered = len(results)
         assert _wait_for(lambda: len(results) >= answered + 2, 180)  # requests answered by the new version
     finally:
         stop.set()
         load.join(300)
     assert not load.is_alive()
+
+    # the new config serves: the added drafter drafts. Asked after the load, one request at a time: under the load
+    # the goodput controller may rightly give no drafts on a busy 2-core machine (the drafters then go to their
+    # minimum, zero here; a request speculated for brings one replica back, tests below)
+    usages: list[dict] = []
+
+    def biomedical_drafts() -> bool:
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": prompts[4], "max_tokens": 32, "temperature": 0,
+            "speculation": {"drafters": ["biomedical"]}})
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+        return usages[-1]["num_accepted_tokens"] > 0
+
+    assert _wait_for(biomedical_drafts, 180, 1), (usages[-3:], cluster.stats(), cluster.describe())
 
     assert any(t0 < t_deploy for _, t0, *_ in results) and any(t1 > t_replaced for _, _, t1, *_ in results)
     assert sum(t0 < t_replaced and t1 > t_deploy for _, t0, t1, *_ in results) >= 4  # in flight during the swap
