@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,7 +59,8 @@ class VllmServe:
         from model_family.paths import model_path
 
         self.url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+        self.tmp = tempfile.mkdtemp(prefix="cosine-vllm-serve-")  # vLLM leaves its rendezvous file (vllm_dist_*) there
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TMPDIR=self.tmp)
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                           str(model_path("bench-target")), "--host", "127.0.0.1", "--port", str(port),
@@ -74,6 +76,8 @@ class VllmServe:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def stream_intervals(url: str, model: str, prompts, max_tokens: int, sampling: dict, extra: dict) -> dict:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -410,11 +412,18 @@ class Worker:
 
     def __init__(self, spec: dict, log_path: Path):
         self.log_path = log_path
+        # its own temp dir, removed when it stops: vLLM's engine core leaves its rendezvous file (vllm_dist_*) there
+        self.tmp = tempfile.mkdtemp(prefix="cosine-worker-")
         with open(log_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.workers", "--worker", json.dumps(spec)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         cwd=Path(__file__).resolve().parent.parent)
-        self._wait("READY")
+                                         cwd=Path(__file__).resolve().parent.parent,
+                                         env=dict(os.environ, TMPDIR=self.tmp))
+        try:
+            self._wait("READY")
+        except RuntimeError:  # it exited
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
 
     def _wait(self, prefix: str) -> str:
         for line in self.proc.stdout:
@@ -442,6 +451,8 @@ class Worker:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

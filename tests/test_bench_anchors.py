@@ -166,14 +166,16 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
     # with the sampling fix a sampled run applies (greedy never meets the bugs it fixes): applied in the worker
     systems = {"vLLM draft_model, generic drafter": {"kind": "vllm", "draft": "generic", "fix_sampling": True},
                anchors.OURS: {"kind": "ours", "config": str(BENCH)}}
-    runs = {}
+    runs, temps = {}, []
     for i, (name, spec) in enumerate(systems.items()):
         worker = Worker(dict(spec, max_batch=2, k=3), tmp_path / f"{i}.log")
+        temps.append(Path(worker.tmp))
         try:
             worker.run(prompts[:1], 1, 4, ["code"], greedy.for_requests(1, 0))  # warm-up
             runs[name] = worker.run(prompts, 2, 16, ["code", "legal"], greedy.for_requests(2, 1))
         finally:
             worker.stop()
+    assert not any(t.exists() for t in temps)  # a worker's temp files (vLLM's rendezvous file) go with it
     reference = runs[anchors.OURS]["outputs"]
     assert runs["vLLM draft_model, generic drafter"]["outputs"] == reference
     rows = []
