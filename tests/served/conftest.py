@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 
 from model_family import DOMAINS
+from tests.served.api_cases import STRUCTURED_CONFIG, build_cases, vllm_reference
 
 MODEL = "cosine-target"
 METRICS: dict[str, int] = {}  # the port of Ray's metrics agent (Prometheus text format)
 # the graph's tests read state the server learns (routing, vote weights) from their own requests: first; the fault
 # tests kill and stop replicas: last
 ORDER = ["test_serve_graph.py", "test_api_fields.py", "test_serve_faults.py"]
-# vLLM's structured-output engine option, the server's and tests/served/test_api_fields.py's reference run's: JSON
-# without free whitespace (a tiny model given the choice writes whitespace until max_tokens)
-STRUCTURED_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 def app_config() -> dict:
@@ -55,7 +53,20 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="package")
-def server():
+def cases(tokenizer, heldout, target) -> dict:
+    """tests/served/test_api_fields.py's requests: name -> (prompt ids, max_tokens, vLLM SamplingParams)."""
+    return build_cases(tokenizer, heldout, target)
+
+
+@pytest.fixture(scope="package")
+def reference(models, cases) -> dict:
+    """vLLM target-only's answers to `cases`, run before the graph starts (`server` asks for it first): beside the
+    graph's idle replicas the run took about three times as long on a 2-core machine."""
+    return vllm_reference(models, cases)
+
+
+@pytest.fixture(scope="package")
+def server(reference):
     from tests.conftest import free_port, local_serve
 
     METRICS["port"] = free_port()
