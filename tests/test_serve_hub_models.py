@@ -48,7 +48,19 @@ def hub(tmp_path_factory, models):
 
 
 @pytest.fixture(scope="module")
-def server(hub):
+def cases(hub, tokenizer, heldout) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """The hub target's snapshot, the prompts, and vLLM target-only's greedy continuations of them: run before the
+    graph starts (`server` asks for them first), since beside its idle replicas a vLLM run takes about three times as
+    long on a 2-core machine."""
+    from tests.helpers.hub_cache import snapshot
+
+    target_dir = snapshot(hub, "acme/qwen3-target")
+    prompts = [tokenizer(heldout[d][3], add_special_tokens=False).input_ids[:40] for d in ("code", "legal")]
+    return target_dir, prompts, _vllm_target_only(target_dir, prompts)
+
+
+@pytest.fixture(scope="module")
+def server(hub, cases):
     from huggingface_hub import constants
 
     from tests.conftest import local_serve
@@ -71,16 +83,13 @@ def _vllm_target_only(model_dir: Path, prompts: list[list[int]]) -> list[list[in
     return json.loads(line.removeprefix("VLLM_RESULT "))["outputs"]
 
 
-def test_greedy_through_the_graph_on_hub_models_equals_vllm_target_only(server, hub, tokenizer, heldout):
+def test_greedy_through_the_graph_on_hub_models_equals_vllm_target_only(server, cases, tokenizer):
     from openai import OpenAI
 
     from model_family.compat import eos_token_ids
-    from tests.helpers.hub_cache import snapshot
 
-    target_dir = snapshot(hub, "acme/qwen3-target")
+    target_dir, prompts, wants = cases
     eos = set(eos_token_ids(target_dir, tokenizer))
-    prompts = [tokenizer(heldout[d][3], add_special_tokens=False).input_ids[:40] for d in ("code", "legal")]
-    wants = _vllm_target_only(target_dir, prompts)
     client = OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=300)
     accepted = []
     for ids, want in zip(prompts, wants):
