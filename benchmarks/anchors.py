@@ -56,7 +56,8 @@ from benchmarks.metrics import save_json
 from benchmarks.repeated import COPY_BAR, repeated_prompts, workload_stats
 from benchmarks.sampled import (P_FLOOR, Sampling, check_cell, check_header, distribution_pvalue, reference_model,
                                 text_columns)
-from benchmarks.workers import Worker, suffix_unavailable
+from benchmarks.worker_handle import Worker
+from benchmarks.workers import suffix_unavailable
 from model_family.text_stats import text_stats
 
 TARGET_ONLY = "vLLM target-only"

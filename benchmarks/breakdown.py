@@ -39,7 +39,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import cell, wait_until_serving
-from benchmarks.workers import Worker, step_intervals
+from benchmarks.worker_handle import Worker
+from benchmarks.workers import step_intervals
 
 VLLM = "vLLM engine.step()"
 HOOKS = "vLLM + our hooks, no drafts"

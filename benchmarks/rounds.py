@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.workers import Worker
+from benchmarks.worker_handle import Worker
 from benchmarks.common import cell, heldout_prompts, tps_cell
 from benchmarks.metrics import save_json
 from benchmarks.sampled import Sampling

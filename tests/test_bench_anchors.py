@@ -10,7 +10,8 @@ from assembly.drafter_server import DrafterServer
 from benchmarks import anchors
 from benchmarks.repeated import repeated_prompts, workload_stats
 from benchmarks.sampled import Sampling
-from benchmarks.workers import BENCH_TENANT, Worker, forget_outputs, suffix_unavailable
+from benchmarks.worker_handle import Worker
+from benchmarks.workers import BENCH_TENANT, forget_outputs, suffix_unavailable
 from config import AppConfig, DrafterSpec
 from speculation.messages import DrafterCall
 
