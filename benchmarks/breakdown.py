@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import cell, wait_until_serving
+from benchmarks.common import cell, reap, wait_until_serving
 from benchmarks.worker_handle import Worker
 from benchmarks.workers import step_intervals
 
@@ -73,12 +72,7 @@ class VllmServe:
 
     def stop(self) -> None:
         self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        reap(self.proc, 60, self.tmp)
 
 
 def stream_intervals(url: str, model: str, prompts, max_tokens: int, sampling: dict, extra: dict) -> dict:

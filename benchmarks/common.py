@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -169,6 +170,17 @@ def refuse_if_busy() -> None:
                           "run anyway):\n" + "\n".join(busy))
 
 
+def reap(proc: subprocess.Popen, timeout_s: float, tmp: str | None = None) -> None:
+    """Wait for a process told to stop (killed after `timeout_s`), then remove its temp dir `tmp`."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def wait_until_serving(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 600) -> None:
     """Until the OpenAI server at `url` lists its models; RuntimeError if `proc` exits first or it takes too long."""
     deadline = time.time() + timeout_s
@@ -226,7 +238,4 @@ class ServedApp:
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        reap(self.proc, 120)

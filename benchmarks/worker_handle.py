@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.common import reap
+
 
 class Worker:
     """One system in a process of its own (its log in `log_path`)."""
@@ -52,9 +54,4 @@ class Worker:
 
     def stop(self) -> None:
         self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        reap(self.proc, 60, self.tmp)
