@@ -9,13 +9,11 @@ must equal vLLM's target-only greedy output, with drafts accepted.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import vllm_greedy
 from tests.helpers.hub_cache import offline_env, publish
 from tests.helpers.tiny_models import save_tiny
 
@@ -76,11 +74,7 @@ def server(hub, cases):
 
 def _vllm_target_only(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     req = {"model": str(model_dir), "prompts": prompts, "max_tokens": NEW_TOKENS}
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "helpers" / "vllm_greedy.py")],
-                          input=json.dumps(req), capture_output=True, text=True, timeout=600, check=False)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    return json.loads(line.removeprefix("VLLM_RESULT "))["outputs"]
+    return vllm_greedy.run(req)["outputs"]
 
 
 def test_greedy_through_the_graph_on_hub_models_equals_vllm_target_only(server, cases, tokenizer):

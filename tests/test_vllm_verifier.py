@@ -4,11 +4,7 @@ same verify loop as the service. Lossless against the target alone, with faults,
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +22,7 @@ from model_family.distill import greedy_continue
 from assembly.drafting_tier import InProcessDraftingTier
 from assembly.loop import build_loop, generate_all
 from speculation.loop import VerifyLoop
+from tests.helpers import vllm_greedy
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 32
@@ -86,11 +83,7 @@ def _assert_nothing_left(engine):
 def test_vllm_target_only_agrees_with_the_reference(models, prompts, reference):
     """The anchor: vLLM alone (no hooks) produces the reference greedy continuation."""
     req = {"model": str(models / "target"), "prompts": prompts, "max_tokens": NEW_TOKENS}
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "helpers" / "vllm_greedy.py")],
-                          input=json.dumps(req), capture_output=True, text=True, timeout=600, check=False)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    assert json.loads(line.removeprefix("VLLM_RESULT "))["outputs"] == reference
+    assert vllm_greedy.run(req)["outputs"] == reference
 
 
 @pytest.mark.parametrize("batch", [1, 8])

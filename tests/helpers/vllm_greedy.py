@@ -1,6 +1,7 @@
 """Greedy generation with vLLM (CPU build), run in its own process: vLLM pins the process's torch threads.
 
-Reads {"model": dir, "prompts": [[ids]], "max_tokens": n} as JSON on stdin, prints {"outputs": [[ids]]}. Optional
+Reads {"model": dir, "prompts": [[ids]], "max_tokens": n} as JSON on stdin, prints {"outputs": [[ids]]} (`run`
+calls it so from a test). Optional
 "params": more vLLM SamplingParams over the defaults (greedy, ignore_eos), one dict for every prompt or a list of one
 per prompt; where they ask for `logprobs`, the result has "logprobs" too: per prompt, per token, [[id, logprob], ...]
 in vLLM's order (the token's own first, then the top ones); where they ask for `prompt_logprobs`, "prompt_logprobs"
@@ -10,12 +11,24 @@ StructuredOutputsParams as keyword arguments; "structured_outputs_config" (optio
 
 import json
 import os
+import subprocess
 import sys
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+RESULT = "VLLM_RESULT "
+
+
+def run(req: dict) -> dict:
+    """This script on `req` in a process of its own; its result (AssertionError with the end of its log if none)."""
+    proc = subprocess.run([sys.executable, __file__], input=json.dumps(req), capture_output=True, text=True,
+                          timeout=600, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)), None)
+    assert line is not None, proc.stderr[-3000:]
+    return json.loads(line.removeprefix(RESULT))
+
 
 if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     req = json.load(sys.stdin)
     from vllm import LLM, SamplingParams
     from vllm.config import StructuredOutputsConfig
@@ -38,4 +51,4 @@ if __name__ == "__main__":
         result["prompt_logprobs"] = [None if o.prompt_logprobs is None else
                                      [None if d is None else [[t, lp.logprob] for t, lp in d.items()]
                                       for d in o.prompt_logprobs] for o in outs]
-    print("VLLM_RESULT " + json.dumps(result), flush=True)
+    print(RESULT + json.dumps(result), flush=True)

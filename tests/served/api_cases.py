@@ -4,14 +4,12 @@ beside the graph's idle replicas on a 2-core machine the same run took about thr
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from model_family.distill import greedy_continue
+from tests.helpers import vllm_greedy
 
 # vLLM's structured-output engine option, the server's and the reference run's: JSON without free whitespace (a tiny
 # model given the choice writes whitespace until max_tokens)
@@ -84,11 +82,7 @@ def vllm_reference(models: Path, cases: dict) -> dict:
     req = {"model": str(models / "target"), "prompts": [cases[n][0] for n in names], "max_tokens": 32,
            "params": [{"max_tokens": cases[n][1], **cases[n][2]} for n in names],
            "structured_outputs_config": STRUCTURED_CONFIG}
-    proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "helpers" / "vllm_greedy.py")],
-                          input=json.dumps(req), capture_output=True, text=True, timeout=600, check=False)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    result = json.loads(line.removeprefix("VLLM_RESULT "))
+    result = vllm_greedy.run(req)
     out = {}
     for i, n in enumerate(names):
         ids, params = result["outputs"][i], cases[n][2]
