@@ -26,7 +26,8 @@ Systems that remember earlier requests' outputs (vLLM `suffix`'s global tree, ou
 forget them before every timed run (benchmarks/workers.py), so no run drafts from the outputs the warm-up, an earlier
 repeat or the other concurrency's run wrote for the same prompts.
 Every system lives in its own process (one vLLM engine per process: benchmarks/workers.py), is warmed up, and the
-other systems are interleaved over the repeats; each row is the median run with min and max. Reported: tokens/s,
+other systems are interleaved over the repeats, in an order rotated each repeat; each row is the median run with min
+and max, each repeat's tokens/s kept, and its ratio to target-only also paired repeat by repeat. Reported: tokens/s,
 time per output token, mean accepted length (vLLM's definition: 1 + accepted / drafts), target passes per token
 where the engine counts them, speed-up over vLLM target-only, and the output check: greedy, whether the output
 equals vLLM target-only's; sampled, the chi-square p-value of the row's tokens (every repeat's) against the target's
@@ -51,7 +52,7 @@ import tempfile
 from pathlib import Path
 
 from model_family import DOMAINS
-from benchmarks.common import ServedApp, cell, heldout_prompts, machine_load, refuse_if_busy, tps_cell
+from benchmarks.common import ServedApp, cell, heldout_prompts, machine_load, paired, refuse_if_busy, tps_cell
 from benchmarks.metrics import save_json
 from benchmarks.repeated import COPY_BAR, repeated_prompts, workload_stats
 from benchmarks.sampled import (P_FLOOR, Sampling, check_cell, check_header, distribution_pvalue, reference_model,
@@ -146,7 +147,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
             log(f"[warm-up {i + 1}/{len(interleaved)}] concurrency {c}: {name}")
             measure(name, c, prompts[::per_domain][:max(2, c)], 16, 0)
         for rep in range(repeats):
-            for i, (name, c) in enumerate(interleaved):
+            for i, (name, c) in enumerate(_rotated(interleaved, rep)):
                 log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(interleaved)}] concurrency {c}: {name}")
                 if isinstance(runners[name], Worker):  # the served graphs have no tenant: they remember nothing
                     runners[name].forget_outputs()
@@ -161,6 +162,8 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     for row in rows:
         base = next(r for r in rows if r["system"] == TARGET_ONLY and r["concurrency"] == row["concurrency"])
         row["speedup_vs_vllm_target_only"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        if row is not base and row["system"] != ORACLE:  # the oracle's runs are not beside target-only's
+            row["paired_vs_vllm_target_only"] = paired(row, base)
     warnings = [] if sampling.greedy else _check_distributions(rows, runs, [p for _, p in prompts], bench_dir,
                                                                 sampling, log)
     return {"config": {"prompts": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens, "k": k,
@@ -171,6 +174,18 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
             # what the target writes on these prompts at these settings (vLLM target-only's outputs, every run's)
             "workload": _workload_stats(workload, prompts, runs[(TARGET_ONLY, min(concurrencies))]),
             "rows": rows, "goals": _goals(rows, concurrencies), "warnings": warnings, "unavailable": unavailable}
+
+
+def _rotated(interleaved: list[tuple[str, int]], rep: int) -> list[tuple[str, int]]:
+    """Repeat `rep`'s order: each concurrency's systems in turn, as in `interleaved`, each concurrency's list
+    rotated by `rep`, so that no system always runs first (after the other concurrency's runs) or right after the
+    same neighbour."""
+    out = []
+    for c in dict.fromkeys(c for _, c in interleaved):
+        group = [x for x in interleaved if x[1] == c]
+        shift = rep % len(group)
+        out += group[shift:] + group[:shift]
+    return out
 
 
 def _chosen(systems: dict[str, dict], only: tuple[str, ...] | None, log) -> tuple[dict, dict[str, str]]:
@@ -269,6 +284,7 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
     tpot = statistics.median(s / max(1, len(o)) for s, o in zip(mid["seconds"], mid["outputs"]))
     return {"system": name, "concurrency": concurrency, "tokens_per_s": round(statistics.median(tps), 1),
             "tokens_per_s_min": round(tps[0], 1), "tokens_per_s_max": round(tps[-1], 1), "runs": len(runs),
+            "tokens_per_s_by_repeat": [round(r["tokens"] / r["wall"], 1) for r in runs],  # in run order
             "tpot_ms": round(1000 * tpot, 1), **_latency(mid),
             "mean_accepted_length": round(1 + mid["accepted"] / mid["drafts"], 3) if mid["drafts"] else None,
             "target_passes_per_token": round(mid["steps"] / mid["tokens"], 3) if mid["steps"] else None,
@@ -367,11 +383,18 @@ def format_table(result: dict) -> str:
     if sampling:
         lines.append(f"- sampling: {Sampling.of(sampling).describe()}")
     lines += [f"- {k}: {v:.2f}x" for k, v in result["goals"].items()]
+    lines += [paired_line(r) for r in result["rows"] if r.get("paired_vs_vllm_target_only")]
     lines += [guard_line(r) for r in result["rows"] if r.get("drafted_step_share") is not None]
     lines += [drafters_line(r) for r in result["rows"] if r.get("by_drafter")]
     lines += [f"- {name}: not run: {why}" for name, why in result.get("unavailable", {}).items()]
     lines += [f"- WARNING: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)
+
+
+def paired_line(row: dict) -> str:
+    p = row["paired_vs_vllm_target_only"]
+    return (f"- {row['system']} / vLLM target-only, concurrency {row['concurrency']}, paired by repeat: "
+            f"{p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f}; {', '.join(f'{x:.2f}' for x in p['by_repeat'])})")
 
 
 def guard_line(row: dict) -> str:

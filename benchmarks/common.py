@@ -58,6 +58,17 @@ def tps_cell(row: dict) -> str:
     return f"{row['tokens_per_s']:.1f} ({row['tokens_per_s_min']:.1f}-{row['tokens_per_s_max']:.1f})"
 
 
+def paired(row: dict, base: dict) -> dict | None:
+    """`row` against `base` repeat by repeat: the ratio of their tokens/s in each repeat (run back to back, so a
+    machine that slows down between repeats slows both), the median and range of those ratios."""
+    ours, theirs = row.get("tokens_per_s_by_repeat"), base.get("tokens_per_s_by_repeat")
+    if not ours or not theirs or len(ours) != len(theirs):
+        return None
+    ratios = [round(o / b, 3) for o, b in zip(ours, theirs)]
+    return {"median": round(statistics.median(ratios), 3), "min": min(ratios), "max": max(ratios),
+            "by_repeat": ratios}
+
+
 @dataclass
 class Row:
     method: str

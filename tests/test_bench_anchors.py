@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from assembly.drafter_server import DrafterServer
-from benchmarks import anchors
+from benchmarks import anchors, common
 from benchmarks.repeated import repeated_prompts, workload_stats
 from benchmarks.sampled import Sampling
 from benchmarks.worker_handle import Worker
@@ -47,6 +47,27 @@ def test_goals_compare_with_the_fastest_built_in_method():
     assert goals[f"{anchors.OURS_MF} / best built-in vLLM method, concurrency 1"] == 1.1
     assert goals[f"{anchors.OURS_MF} / vLLM target-only, concurrency 8"] == round(170 / 160, 3)
 
+
+
+def test_repeats_rotate_the_order_and_ratios_pair_each_repeat():
+    """Every system runs first at each concurrency in some repeat, and each ratio is taken repeat by repeat: a
+    machine that slows between repeats (as target-only's 30 -> 20 below) does not move it."""
+    plan = [(anchors.TARGET_ONLY, 1), (anchors.OURS, 1), (anchors.SERVED, 1), (anchors.TARGET_ONLY, 8),
+            (anchors.OURS, 8)]
+    orders = [anchors._rotated(plan, rep) for rep in range(3)]
+    assert all(sorted(o) == sorted(plan) for o in orders)
+    assert all([c for _, c in o] == [1, 1, 1, 8, 8] for o in orders)  # a concurrency's runs stay together
+    assert {o[0][0] for o in orders} == {anchors.TARGET_ONLY, anchors.OURS, anchors.SERVED}
+    assert {o[3][0] for o in orders} == {anchors.TARGET_ONLY, anchors.OURS}
+    base = {"system": anchors.TARGET_ONLY, "concurrency": 1, "tokens_per_s_by_repeat": [30.0, 20.0, 25.0]}
+    ours = {"system": anchors.OURS, "concurrency": 1, "tokens_per_s_by_repeat": [29.0, 19.6, 24.0]}
+    p = common.paired(ours, base)
+    assert p["by_repeat"] == [0.967, 0.98, 0.96] and (p["median"], p["min"], p["max"]) == (0.967, 0.96, 0.98)
+    # the ratio of the medians would say 24 / 25 = 0.96; an older run without repeats has no pairing
+    assert common.paired(ours, {"system": anchors.TARGET_ONLY, "tokens_per_s": 25.0}) is None
+    line = anchors.paired_line(dict(ours, paired_vs_vllm_target_only=p))
+    assert line == (f"- {anchors.OURS} / vLLM target-only, concurrency 1, paired by repeat: 0.97x (0.96-0.98; "
+                    "0.97, 0.98, 0.96)")
 
 def test_the_model_free_configuration_is_the_bench_configuration_with_the_model_free_drafters():
     """examples/bench-model-free.yaml (ours' -model-free rows, and for users) differs from examples/bench.yaml by
