@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from assembly.drafting_tier import InProcessDraftingTier
 from config import AppConfig
-from engines.build import build_verifier_engine
+from engines.build import build_verifier_engine, in_passing_thread
 from engines.interface import VerifierEngine
 from engines.sampling import SamplingParams
 from speculation.loop import VerifyLoop
@@ -26,8 +26,9 @@ def build_loop(cfg: AppConfig, engine: VerifierEngine | None = None,
                drafter_models: dict | None = None) -> VerifyLoop:
     """The service's loop in this process: the configured verifier engine (or `engine`) and drafters (or the
     already loaded `drafter_models`, name -> model or `DrafterEngine`)."""
-    tier = InProcessDraftingTier.from_config(cfg, drafter_models) if cfg.speculation.mode != "off" else None
-    loop = VerifyLoop(engine if engine is not None else build_verifier_engine(cfg), cfg, tier)
+    tier = in_passing_thread(InProcessDraftingTier.from_config, cfg, drafter_models) \
+        if cfg.speculation.mode != "off" else None
+    loop = VerifyLoop(engine if engine is not None else in_passing_thread(build_verifier_engine, cfg), cfg, tier)
     loop.drafting_overlaps_verification = cfg.speculation.colocated_overlaps(loop.engine.device)
     freeze_startup_heap()
     return loop

@@ -16,7 +16,7 @@ from ray.serve import metrics
 
 from config import AppConfig
 from deployments.speculation import DrafterFailures
-from engines.build import build_verifier_engine, cpu_threads
+from engines.build import build_verifier_engine, cpu_threads, in_passing_thread
 from engines.device_work import WORK, DeviceWork, warmed_up
 from engines.sampling import SamplingParams
 from assembly.drafting_tier import InProcessDraftingTier
@@ -199,7 +199,7 @@ class VerifierDeployment:
         remote = HandleDraftingTier(speculation) if plan.remote else None
         local = None
         if plan.local:
-            local = InProcessDraftingTier.from_config(config)
+            local = in_passing_thread(InProcessDraftingTier.from_config, config)
             local.coordinator.on_failure = DrafterFailures()
         self.tiers = AutoDraftingTier(local, remote, config) if plan.auto else None
         drafting = self.tiers or local or remote
@@ -208,7 +208,7 @@ class VerifierDeployment:
             from engines.vllm_hooks import ray_metrics_logger
 
             loggers = [ray_metrics_logger()]
-        self.engine = build_verifier_engine(config, loggers)
+        self.engine = in_passing_thread(build_verifier_engine, config, loggers)
         self.loop = VerifyLoop(self.engine, config, drafting, PrometheusStats())
         # colocated drafters compute on this replica's hardware: drafting takes its cycles from verification
         self.loop.drafting_overlaps_verification = plan.fixed == "deployments" or \
