@@ -96,15 +96,20 @@ def banner(base: str, model: str, dashboard: str | None, metrics_port: int | Non
 
 
 def serve_env() -> dict[str, str]:
-    """Environment of the Serve actors (controller, proxy, replicas; set on the Ray head they start from): Ray Serve's
-    throughput-optimized mode (user code and the handle router on each replica's own event loop, gRPC between
-    replicas) took full CoSine at concurrency 1 on the bench graph from 0.79 to 0.88 of the in-process loop
-    (docs/benchmarks.md). RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment opts out. Its ingress drains for
-    30 s on shutdown so that external load balancers can deregister it; on one machine only Serve's own proxy
-    routes to it, which learns of a stopping replica at once, so a short drain keeps Ctrl-C quick."""
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S":
-                os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")}
+    """Environment of the Ray processes `cosine serve` starts (set before the head starts: the raylet reads it, and
+    every worker inherits it), each value overridable from the caller's environment:
+    - Ray Serve's throughput-optimized mode (user code and the handle router on each replica's own event loop, gRPC
+      between replicas) took full CoSine at concurrency 1 on the bench graph from 0.79 to 0.88 of the in-process
+      loop (docs/benchmarks.md). RAY_SERVE_THROUGHPUT_OPTIMIZED=0 opts out.
+    - Workers at Ray's system processes' priority: the raylet starts every worker at nice 15 (`worker_niceness`),
+      so that the verifier's step lost its cores to the dashboard, its agents, the GCS and the client process
+      whenever they woke; `vllm serve` runs at nice 0 (docs/operations.md).
+    - A short drain of the ingress on shutdown: it drains 30 s so that external load balancers can deregister it;
+      on one machine only Serve's own proxy routes to it, which learns of a stopping replica at once, so a short
+      drain keeps Ctrl-C quick."""
+    defaults = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_worker_niceness": "0",
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+    return {k: os.environ.get(k, v) for k, v in defaults.items()}
 
 
 def serve_forever(config_path: Path, http_port: int | None = None, dashboard_port: int = 8265,

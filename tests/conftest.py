@@ -74,14 +74,31 @@ def local_serve(app_args: dict, **ray_init):
     from serve_app.ray_start import start_with_retry
 
     port = free_port()
-    start_with_retry(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=RAY_TMP,
-                                      runtime_env={"env_vars": serve_env()}, **ray_init))
+    with head_env(serve_env()):
+        start_with_retry(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                                          _temp_dir=RAY_TMP, **ray_init))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_args), name="cosine", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_ray()
+
+
+@contextmanager
+def head_env(env: dict[str, str]):
+    """`env` in this process's environment while a Ray head starts (its raylet reads it, its workers inherit it), as
+    `cosine serve` sets it; restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def stop_ray() -> None:

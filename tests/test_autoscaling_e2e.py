@@ -115,14 +115,14 @@ class Cluster:
 
         from serve_app.launch import serve_env
         from serve_app.ray_start import start_with_retry
-        from tests.conftest import RAY_TMP, free_port
+        from tests.conftest import RAY_TMP, free_port, head_env
 
         self.port, self.metrics_port = free_port(), free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        ctx = start_with_retry(lambda: ray.init(
-            num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
-            log_to_driver=False, _temp_dir=RAY_TMP, runtime_env={"env_vars": serve_env()},
-            _metrics_export_port=self.metrics_port))
+        with head_env(serve_env()):
+            ctx = start_with_retry(lambda: ray.init(
+                num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
+                log_to_driver=False, _temp_dir=RAY_TMP, _metrics_export_port=self.metrics_port))
         self.client = ServeSubmissionClient(f"http://{ctx.dashboard_url}")
         self.layout: Layout | None = None
 

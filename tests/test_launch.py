@@ -72,6 +72,10 @@ def test_cosine_serve_comes_up_answers_and_stops_clean(tmp_path):
         assert "Ray dashboard:      http://127.0.0.1:" in out
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert descendants, "Ray's processes should be running under cosine serve"
+        # the replicas at the priority of Ray's own processes (Ray's default, nice 15, lost the verifier's cores to
+        # them whenever they woke)
+        replicas = {p.pid: p.nice() for p in descendants if "ServeReplica" in " ".join(p.cmdline())}
+        assert replicas and set(replicas.values()) == {os.nice(0)}, replicas
 
         reply = OpenAI(base_url=f"{base}/v1", api_key="none").chat.completions.create(
             model="cosine-target", max_tokens=8, temperature=0, messages=[{"role": "user", "content": "Hello"}])
