@@ -31,7 +31,7 @@ import torch
 from engines.graphs import VERIFIER
 from engines.interface import StepOutput
 from engines.rules import verify_token
-from engines.runner import LlamaRunner
+from engines.runner import LlamaRunner, prefill
 from engines.sampling import SamplingParams, target_probs
 from engines.verifier import TorchVerifierEngine, load_causal_lm
 
@@ -118,14 +118,15 @@ class CollaborativeEngine(TorchVerifierEngine):
 
     def _admit(self) -> None:
         super()._admit()
+        joining = {}
         for rid, req in self.running.items():
             if rid not in self.cycles:
                 self.partner.add(rid)
                 if len(req.prompt) > 1:
-                    self.partner.forward([rid], [req.prompt[:-1]], hidden_only_last=True)
-                    self.partner.commit_all(rid, req.prompt[:-1])
-                    self.partner_passes += 1
+                    joining[rid] = req.prompt[:-1]
                 self.cycles[rid] = _Cycle(pending=[req.prompt[-1]])
+        if joining:
+            self.partner_passes += prefill(self.partner, joining)
 
     def abort(self, rid: str) -> None:
         super().abort(rid)

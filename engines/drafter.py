@@ -19,6 +19,7 @@ import torch
 from engines.device_work import count
 from engines.drafter_runners import make_drafter_runner, refuse_unless_causal_lm
 from engines.interface import CacheFull, Proposal
+from engines.runner import prefill_groups
 from engines.verifier import load_causal_lm
 
 log = logging.getLogger(__name__)
@@ -30,22 +31,6 @@ LONG_PENDING = 16  # pending runs longer than this (prompts) are prefilled apart
 # a number) says little about the domain, and unfloored a few of them decided the mean (own domain ranked first
 # for 206 of 240 held-out 64-token prompts with the floor, 186 without).
 LOGLIK_FLOOR = -8.0
-
-
-PREFILL_TOKENS = 4096  # prompts prefilled in one forward while (prompts x the longest) stays within this
-
-
-def _prefill_groups(rids: list[str], length) -> list[list[str]]:
-    """Prompts to prefill, in as few forwards as keep (prompts x longest, padded) within `PREFILL_TOKENS`: a new
-    request's first round prefills its prompt in every drafter that scores it, one forward per drafter, not per
-    drafter and prompt."""
-    groups: list[list[str]] = []
-    for r in sorted(rids, key=length):
-        if groups and (len(groups[-1]) + 1) * length(r) <= PREFILL_TOKENS:
-            groups[-1].append(r)
-        else:
-            groups.append([r])
-    return groups
 
 
 def context_loglik(logits: torch.Tensor, tokens: list[int]) -> float:
@@ -127,7 +112,7 @@ class DrafterEngine:
         out: dict[str, Proposal] = {}
         long = [r for r in rids if len(self.states[r].pending) > LONG_PENDING]
         short = [r for r in rids if len(self.states[r].pending) <= LONG_PENDING]
-        prompts = _prefill_groups(long, lambda r: len(self.states[r].pending)) if self.runner.pads_prompts else \
+        prompts = prefill_groups(long, lambda r: len(self.states[r].pending)) if self.runner.pads_prompts else \
             [[r] for r in long]
         for group in prompts + ([short] if short else []):
             inputs = [self.states[r].pending for r in group]

@@ -58,6 +58,35 @@ def chain_parents(n: int) -> list[int]:
     return list(range(-1, n - 1))
 
 
+PREFILL_TOKENS = 4096  # prompts prefilled in one forward while (prompts x the longest) stays within this
+
+
+def prefill_groups(rids: list[str], length) -> list[list[str]]:
+    """Prompts to prefill, in as few forwards as keep (prompts x longest, padded) within `PREFILL_TOKENS`, for a
+    runner that `pads_prompts`: requests admitted together (a batch's arrivals, a drafter's first round over new
+    prompts) cost one forward per group, not one per prompt. Sorted by length, so a group pads little."""
+    groups: list[list[str]] = []
+    for r in sorted(rids, key=length):
+        if groups and (len(groups[-1]) + 1) * length(r) <= PREFILL_TOKENS:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
+def prefill(runner, prompts: dict[str, list[int]]) -> int:
+    """Feed and commit each request's `prompts` tokens (admitted requests' prompts but the last token), grouped by
+    `prefill_groups` where the runner pads prompts; the number of forwards taken."""
+    rids = list(prompts)
+    groups = prefill_groups(rids, lambda r: len(prompts[r])) if getattr(runner, "pads_prompts", False) else \
+        [[r] for r in rids]
+    for group in groups:
+        runner.forward(group, [prompts[r] for r in group], hidden_only_last=True)
+        for r in group:
+            runner.commit_all(r, prompts[r])
+    return len(groups)
+
+
 def resolve_max_len(config, max_len: int | None) -> int:
     """The context a runner holds: `max_len`, at most the model's position limit (None: that limit)."""
     limit = getattr(config, "max_position_embeddings", None)

@@ -22,7 +22,7 @@ from engines.draft_tree import Draft
 from engines.graphs import VERIFIER
 from engines.interface import EngineRequest, StepOutput, check_prompt
 from engines.rules import verify_greedy, verify_sampling
-from engines.runner import LlamaRunner, tree_depths
+from engines.runner import LlamaRunner, prefill, tree_depths
 from engines.sampling import SamplingParams, target_probs
 from engines.stopping import StopChecker
 
@@ -92,6 +92,7 @@ class TorchVerifierEngine:
         self.waiting: OrderedDict[str, _Request] = OrderedDict()
         self.running: OrderedDict[str, _Request] = OrderedDict()
         self.forward_passes = 0
+        self.prefill_passes = 0  # of which prompts' prefills
         self.last_step_tokens = 0  # tokens fed in the last step's verify forward (for latency models)
         self.last_verify_seconds = 0.0
         self._finished_stats: dict[str, dict] = {}
@@ -143,10 +144,10 @@ class TorchVerifierEngine:
             self.running[rid] = req
             if len(req.prompt) > 1:
                 joining.append(req)
-        for req in joining:  # one forward per prompt: prompts differ too much in length to pad together
-            self.runner.forward([req.rid], [req.prompt[:-1]], hidden_only_last=True)
-            self.runner.commit_all(req.rid, req.prompt[:-1])
-            self.forward_passes += 1
+        if joining:
+            passes = prefill(self.runner, {req.rid: req.prompt[:-1] for req in joining})
+            self.forward_passes += passes
+            self.prefill_passes += passes
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
