@@ -25,6 +25,8 @@ def test_a_models_full_depth_is_the_line_through_its_slices():
         assert "layers_run" not in r
 
 
+# over 10 s on the 2-core CPU (a subprocess timing steps): slow
+@pytest.mark.slow
 def test_the_command_measures_tiny_stand_ins_on_this_cpu(tmp_path):
     """The whole command on a CPU: each model in a process of its own, the JSON written with every model's shape, the
     step grid of its role, and the summary table the docs print."""

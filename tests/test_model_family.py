@@ -105,6 +105,8 @@ def test_bench_target_preserves_next_token_distribution(bench_target, target, do
     _assert_same_distribution(target, bench_target, domain_prompt_ids)
 
 
+# over 10 s on the 2-core CPU (the bench target's greedy decoding): slow
+@pytest.mark.slow
 def test_bench_target_greedy_equals_target(bench_target, target, domain_prompt_ids):
     for domain, prompts in domain_prompt_ids.items():
         ids = torch.tensor(prompts)

@@ -321,7 +321,7 @@ def test_schemathesis_finds_no_server_error_and_every_response_matches_the_schem
     run = subprocess.run(
         [st, "run", f"{server}/openapi.json", "--checks", "not_a_server_error,status_code_conformance,"
          "content_type_conformance,response_schema_conformance,negative_data_rejection", "--max-examples", "8",
-         "--max-time", "40", "--workers", "1", "--request-timeout", "60", "--seed", "0",
+         "--max-time", "25", "--workers", "1", "--request-timeout", "60", "--seed", "0",
          "--report", "junit", "--report-dir", str(tmp_path), "--generation-database", "none"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-4000:]
