@@ -205,10 +205,13 @@ async def _load(base: str, prompts: list[list[int]], concurrency: int, until, re
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
 
+_REFERENCE: dict[tuple[int, ...], str] = {}  # prompt -> the target's greedy text, shared by the tests
+
+
 def _check_outputs(results: list, target, tokenizer) -> None:
     """Every request answered 200 with the target's own greedy continuation."""
     assert results and all(r[3] == 200 for r in results), [r[3:] for r in results if r[3] != 200][:3]
-    reference = {}
+    reference = _REFERENCE
     for prompt, *_, text in results:
         key = tuple(prompt)
         if key not in reference:
