@@ -125,8 +125,7 @@ class CollaborativeEngine(TorchVerifierEngine):
                 if len(req.prompt) > 1:
                     joining[rid] = req.prompt[:-1]
                 self.cycles[rid] = _Cycle(pending=[req.prompt[-1]])
-        if joining:
-            self.partner_passes += prefill(self.partner, joining)
+        self.partner_passes += prefill(self.partner, joining)
 
     def abort(self, rid: str) -> None:
         super().abort(rid)

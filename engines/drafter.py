@@ -112,8 +112,7 @@ class DrafterEngine:
         out: dict[str, Proposal] = {}
         long = [r for r in rids if len(self.states[r].pending) > LONG_PENDING]
         short = [r for r in rids if len(self.states[r].pending) <= LONG_PENDING]
-        prompts = prefill_groups(long, lambda r: len(self.states[r].pending)) if self.runner.pads_prompts else \
-            [[r] for r in long]
+        prompts = prefill_groups(long, lambda r: len(self.states[r].pending), self.runner.pads_prompts)
         for group in prompts + ([short] if short else []):
             inputs = [self.states[r].pending for r in group]
             full = want_loglik and any(len(x) > 1 for x in inputs)

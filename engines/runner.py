@@ -61,10 +61,12 @@ def chain_parents(n: int) -> list[int]:
 PREFILL_TOKENS = 4096  # prompts prefilled in one forward while (prompts x the longest) stays within this
 
 
-def prefill_groups(rids: list[str], length) -> list[list[str]]:
-    """Prompts to prefill, in as few forwards as keep (prompts x longest, padded) within `PREFILL_TOKENS`, for a
-    runner that `pads_prompts`: requests admitted together (a batch's arrivals, a drafter's first round over new
-    prompts) cost one forward per group, not one per prompt. Sorted by length, so a group pads little."""
+def prefill_groups(rids: list[str], length, pads: bool = True) -> list[list[str]]:
+    """Prompts to prefill, in as few forwards as keep (prompts x longest, padded) within `PREFILL_TOKENS` where the
+    runner `pads` prompts (else one forward each): requests admitted together (a batch's arrivals, a drafter's first
+    round over new prompts) cost one forward per group, not one per prompt. Sorted by length, so a group pads little."""
+    if not pads:
+        return [[r] for r in rids]
     groups: list[list[str]] = []
     for r in sorted(rids, key=length):
         if groups and (len(groups[-1]) + 1) * length(r) <= PREFILL_TOKENS:
@@ -77,9 +79,7 @@ def prefill_groups(rids: list[str], length) -> list[list[str]]:
 def prefill(runner, prompts: dict[str, list[int]]) -> int:
     """Feed and commit each request's `prompts` tokens (admitted requests' prompts but the last token), grouped by
     `prefill_groups` where the runner pads prompts; the number of forwards taken."""
-    rids = list(prompts)
-    groups = prefill_groups(rids, lambda r: len(prompts[r])) if getattr(runner, "pads_prompts", False) else \
-        [[r] for r in rids]
+    groups = prefill_groups(list(prompts), lambda r: len(prompts[r]), runner.pads_prompts)
     for group in groups:
         runner.forward(group, [prompts[r] for r in group], hidden_only_last=True)
         for r in group:

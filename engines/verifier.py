@@ -137,17 +137,16 @@ class TorchVerifierEngine:
 
     def _admit(self) -> None:
         """Move waiting requests into free slots and prefill their prompts (all but the last token)."""
-        joining = []
+        joining = {}
         while self.waiting and len(self.running) < self.max_batch:
             rid, req = self.waiting.popitem(last=False)
             self.runner.add(rid)
             self.running[rid] = req
             if len(req.prompt) > 1:
-                joining.append(req)
-        if joining:
-            passes = prefill(self.runner, {req.rid: req.prompt[:-1] for req in joining})
-            self.forward_passes += passes
-            self.prefill_passes += passes
+                joining[rid] = req.prompt[:-1]
+        passes = prefill(self.runner, joining)
+        self.forward_passes += passes
+        self.prefill_passes += passes
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
