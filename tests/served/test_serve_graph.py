@@ -344,7 +344,9 @@ def test_a_real_prometheus_scrapes_the_graph_evaluates_the_alerts_and_answers_th
     port = free_port()
     host = server.removeprefix("http://")
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        # a scrape's timeout is its interval at most: Ray's agent can take over a second to answer on a busy 2-core
+        # machine, and a failed scrape marks every series of it stale, so an instant query of a gauge finds nothing
+        "global": {"scrape_interval": "4s", "scrape_timeout": "4s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
         "scrape_configs": [
             {"job_name": "ray", "static_configs": [{"targets": [f"127.0.0.1:{METRICS['port']}"]}]},
@@ -386,7 +388,9 @@ def test_a_real_prometheus_scrapes_the_graph_evaluates_the_alerts_and_answers_th
             assert all(r["status"] == "success" for r in results.values()), results
             empty = [q for q, r in results.items() if not r["data"]["result"]]
             time.sleep(2 if empty else 0)
-        assert not empty, empty
+        targets = httpx.get(f"{api}/targets", timeout=30).json()["data"]["activeTargets"]
+        assert not empty, (empty, [(t["labels"]["job"], t["health"], t["lastError"], t["lastScrapeDuration"])
+                                   for t in targets])
         for q in dashboard_queries():
             assert query(q)["status"] == "success", q
     finally:
