@@ -26,7 +26,8 @@ Systems that remember earlier requests' outputs (vLLM `suffix`'s global tree, ou
 forget them before every timed run (benchmarks/workers.py), so no run drafts from the outputs the warm-up, an earlier
 repeat or the other concurrency's run wrote for the same prompts.
 Every system lives in its own process (one vLLM engine per process: benchmarks/workers.py), is warmed up, and the
-other systems are interleaved over the repeats, in an order rotated each repeat; each row is the median run with min
+other systems are interleaved over the repeats, in an order rotated each repeat, every system but the one measured
+paused (benchmarks/turns.py: an idle served graph took 17% of a core); each row is the median run with min
 and max, each repeat's tokens/s kept, and its ratio to target-only also paired repeat by repeat. Reported: tokens/s,
 time per output token, mean accepted length (vLLM's definition: 1 + accepted / drafts), target passes per token
 where the engine counts them, speed-up over vLLM target-only, and the output check: greedy, whether the output
@@ -55,6 +56,7 @@ from model_family import DOMAINS
 from benchmarks.common import ServedApp, cell, heldout_prompts, machine_load, paired, refuse_if_busy, tps_cell
 from benchmarks.metrics import save_json
 from benchmarks.repeated import COPY_BAR, repeated_prompts, workload_stats
+from benchmarks.turns import Turns
 from benchmarks.sampled import (P_FLOOR, Sampling, check_cell, check_header, distribution_pvalue, reference_model,
                                 text_columns)
 from benchmarks.worker_handle import Worker
@@ -126,6 +128,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     runs: dict[tuple[str, int], list[dict]] = _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch,
                                                             k, logs, log, sampling) if ORACLE in systems else {}
     runners: dict[str, object] = {}
+    turns = Turns(runners)
     try:
         for i, (name, spec) in enumerate(systems.items()):
             if name == ORACLE:
@@ -139,6 +142,9 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
                                        logs / f"{i}.log")
 
         def measure(name: str, concurrency: int, subset, max_tokens: int, run: int) -> dict:
+            turns.only(name)  # every other system paused (benchmarks/turns.py)
+            if run and isinstance(runners[name], Worker):  # the served graphs have no tenant: they remember nothing
+                runners[name].forget_outputs()
             return runners[name].run([p for _, p in subset], concurrency, max_tokens, [d for d, _ in subset],
                                      sampling.for_requests(len(subset), run))
 
@@ -149,12 +155,11 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
         for rep in range(repeats):
             for i, (name, c) in enumerate(_rotated(interleaved, rep)):
                 log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(interleaved)}] concurrency {c}: {name}")
-                if isinstance(runners[name], Worker):  # the served graphs have no tenant: they remember nothing
-                    runners[name].forget_outputs()
                 res = measure(name, c, prompts, new_tokens, rep + 1)
                 res["tokens"] = sum(len(o) for o in res["outputs"])
                 runs.setdefault((name, c), []).append(res)
     finally:
+        turns.resume_all()
         for r in runners.values():
             r.stop()
     rows = [_row(name, c, runs[(name, c)], runs[(TARGET_ONLY, c)][0]["outputs"], tok, sampling.greedy)

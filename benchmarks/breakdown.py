@@ -17,7 +17,8 @@ A step's time is the median interval between a request's consecutive tokens as t
 steps after the last prefill: one token per request per step with speculation off, so this is the step's wall time
 including everything around the engine's own. Batches of 1 and 8 requests, prompts of 64 and 2,000 tokens (our
 per-step work that copies contexts grows with them). In two phases (in process, then served: six systems at once
-do not fit the machine's memory), every system is warmed up and the cells are interleaved over the repeats; each
+do not fit the machine's memory), every system is warmed up and the cells are interleaved over the repeats, every
+system but the one measured paused (benchmarks/turns.py: an idle served graph took 17% of a core); each
 figure is the median repeat with min and max, and each repeat's figure is kept in the JSON. The
 host time ours adds is ours minus vLLM's own, per step.
 """
@@ -38,6 +39,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import cell, reap, wait_until_serving
+from benchmarks.turns import Turns
 from benchmarks.worker_handle import Worker
 from benchmarks.workers import step_intervals
 
@@ -127,6 +129,7 @@ def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 20
     cpu: dict[tuple[str, int, int], list[float]] = {}
 
     def measure(name: str, r, prompts, max_tokens: int) -> dict:
+        turns.only(name)  # every other system of the phase paused (benchmarks/turns.py)
         if name == SERVED:
             return stream_intervals(r.url, r.model, prompts, max_tokens, sampling, {"speculation": {"enabled": False}})
         if name == VLLM_SERVE:
@@ -142,6 +145,7 @@ def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 20
                        (SERVED, lambda: ServedApp(_served_config(config, max_batch, max_len, logs), port, port + 1))])
     for phase in phases:
         runners: dict[str, object] = {}
+        turns = Turns(runners)
         try:
             for name, start in phase:
                 log(f"[start] {name}")
@@ -162,6 +166,7 @@ def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 20
                                 round(1000 * statistics.median(res["cpu_per_step"]), 3))
                         log(f"[{rep + 1}/{repeats}] batch {b}, prompt {n}: {name} {ms:.2f} ms per step")
         finally:
+            turns.resume_all()
             for r in runners.values():
                 r.stop()
     return {"config": {"ours": config, "batches": list(batches), "prompt_lens": list(prompt_lens),

@@ -1,13 +1,15 @@
 """`cosine bench anchors`: the pieces that decide what is compared (the runs themselves are benchmarks)."""
 
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import yaml
 
 from assembly.drafter_server import DrafterServer
-from benchmarks import anchors, common
+from benchmarks import anchors, common, turns
 from benchmarks.repeated import repeated_prompts, workload_stats
 from benchmarks.sampled import Sampling
 from benchmarks.worker_handle import Worker
@@ -122,13 +124,18 @@ def test_the_repeated_workload_reaches_every_system_and_each_timed_run_starts_fo
     """`run` with `workload="repeated"`, its workers replaced by ones that copy their prompt: every system gets the
     repeated-context prompts, each timed run is preceded by forgetting (not the warm-up: it is forgotten after),
     and the JSON's workload block finds the copying."""
-    calls = []
+    calls, workers = [], []
 
     class Copying:
         def __init__(self, spec, log_path):
             self.name = spec.get("config") or str(spec)
+            self.proc = subprocess.Popen(["sleep", "600"])
+            workers.append(self)
 
         def run(self, prompts, concurrency, max_tokens, domains, sampling):
+            # benchmarks/turns.py: the other systems are paused while this one runs
+            assert all((psutil.Process(w.proc.pid).status() == psutil.STATUS_STOPPED) == (w is not self)
+                       for w in workers)
             calls.append((self.name, "run", max_tokens, prompts))
             return {"outputs": [p[:max_tokens] for p in prompts], "seconds": [1.0] * len(prompts), "wall": 1.0,
                     "drafts": 0, "accepted": 0, "steps": None}
@@ -138,9 +145,12 @@ def test_the_repeated_workload_reaches_every_system_and_each_timed_run_starts_fo
             return 0
 
         def stop(self):
-            pass
+            assert psutil.Process(self.proc.pid).status() != psutil.STATUS_STOPPED  # resumed before stopping
+            self.proc.kill()
+            self.proc.wait()
 
     monkeypatch.setattr(anchors, "Worker", Copying)
+    monkeypatch.setattr(turns, "SETTLE_S", 0)
     result = anchors.run(per_domain=1, new_tokens=24, concurrencies=(1, 2), repeats=2, served=False,
                          only=("ngram", "ours-model-free"), workload="repeated", log=lambda *a: None)
     prompts = [ids for _, ids in repeated_prompts(tokenizer, 1, quote_len=64)]
