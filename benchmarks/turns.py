@@ -37,19 +37,21 @@ def _signal(procs: list[psutil.Process], sig: int, timeout_s: float = 10) -> Non
             p.send_signal(sig)
         except psutil.NoSuchProcess:  # ended meanwhile (a Ray worker that finished its task)
             pass
-    stopped = sig == signal.SIGSTOP
+    stopping = sig == signal.SIGSTOP
     deadline = time.monotonic() + timeout_s
     while procs and time.monotonic() < deadline:
-        procs = [p for p in procs if _status(p) in ((psutil.STATUS_RUNNING, psutil.STATUS_SLEEPING,
-                                                     psutil.STATUS_DISK_SLEEP) if stopped else (psutil.STATUS_STOPPED,))]
-        time.sleep(0.01 if procs else 0)
+        procs = [p for p in procs if _pending(p, stopping)]
+        if procs:
+            time.sleep(0.01)
 
 
-def _status(p: psutil.Process) -> str:
+def _pending(p: psutil.Process, stopping: bool) -> bool:
+    """Has `p` yet to act on a SIGSTOP (`stopping`) or a SIGCONT? Not if it has ended."""
     try:
-        return p.status()
+        status = p.status()
     except psutil.NoSuchProcess:
-        return psutil.STATUS_DEAD
+        return False
+    return status not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) and (status == psutil.STATUS_STOPPED) != stopping
 
 
 class Turns:
