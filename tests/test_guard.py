@@ -48,16 +48,27 @@ def test_losing_speculation_is_switched_off_after_a_window_and_tried_again_later
     assert g.allow(8) and g.now.wait == 3 and g.last_ratio == pytest.approx(2.0)
 
 
-def test_the_wait_is_at_least_what_keeps_the_next_trial_within_half_the_margin():
+def test_a_first_verdict_waits_off_steps_and_a_losing_trial_waits_its_price():
+    """A trial's wait keeps the next trial within half the margin of the plain steps before it; a load's first verdict
+    is not priced (its window holds the load's first rounds), so a wrong one costs `off_steps` plain steps."""
     g = SpeculationGuard(window=4, margin=0.04, patience=1, off_steps=3, off_steps_max=10_000)
     _plain(g, 8, 0.1)
-    _spec(g, 8, 16, 0.5, steps=4)  # 2 s for 64 tokens that plain decoding commits in 0.8 s: 12 plain steps lost
-    assert g.now.off_left == 600  # 12 / (0.04 / 2): a trial losing as much costs 2% of the plain steps before it
-    _plain(g, 8, 0.1, steps=600)
+    _spec(g, 8, 16, 0.5, steps=2)  # 0.4x plain: far beyond noise, judged after a quarter window (here 2 steps)
+    assert not g.allow(8) and g.now.off_left == 3  # off_steps, though 6 plain steps were lost
+    _plain(g, 8, 0.1, steps=3)
+    assert g.allow(8) and g.now.trial
     _spec(g, 8, 16, 0.5)
     assert g.allow(8)  # a trial is judged after a quarter window
-    _spec(g, 8, 16, 0.5)  # 6 plain steps lost in the trial: priced 300, doubled wait 1200
-    assert g.now.off_left == 1200 and g.now.wait == 2400
+    _spec(g, 8, 16, 0.5)  # 1 s for 32 tokens that plain decoding commits in 0.4 s: 6 plain steps lost
+    assert g.now.off_left == 300 and g.now.wait == 600  # 6 / (0.04 / 2): a trial losing as much costs 2%
+    _plain(g, 8, 0.1, steps=300)
+    _spec(g, 8, 16, 0.5, steps=2)  # loses again: the doubled wait, longer than the price
+    assert g.now.off_left == 600 and g.now.wait == 1200
+    _plain(g, 8, 0.1, steps=600)
+    _spec(g, 8, 80, 0.5, steps=4)  # pays: on, and the wait back to off_steps
+    assert g.allow(8) and g.now.wait == 3
+    _spec(g, 8, 16, 0.5, steps=2)  # loses after paying: unpriced again
+    assert not g.allow(8) and g.now.off_left == 3
 
 
 def test_one_losing_window_is_not_a_verdict_but_two_in_a_row_are():
