@@ -131,8 +131,8 @@ class GuardSpec(Strict):
     probe_steps: int = Field(2, ge=1, description="plain steps taken to measure plain decoding where no plain "
                              "step was measured at a batch size near the window's")
     off_steps: int = Field(32, ge=1, description="plain steps after a lost window before speculation is tried "
-                           "again; doubled after each further loss in a row, and after a losing trial at least "
-                           "enough that a trial losing as much costs half the margin of them")
+                           "again; doubled after each further loss in a row, and (but for a load's first verdict) "
+                           "at least enough that a trial losing as much costs half the margin of them")
     off_steps_max: int = Field(512, ge=1, description="the longest such wait")
     refresh_steps: int = Field(256, ge=1, description="a plain measurement older than this many steps is taken "
                                "again")

@@ -11,12 +11,13 @@ what plain decoding gives at the same batch sizes, measured on steps without dra
 measured: a batch-16 run of a few dozen steps gets its verdict within the run), it is switched off
 (k = 0 for every request) for `off_steps` steps, then tried again: a trial that loses is a verdict after a quarter
 window and switches it off again, for twice as long (up to `off_steps_max`); a window that pays resets the wait. A
-trial's verdict also waits long enough that a trial losing what this one's steps lost costs at most half the margin
-of the plain steps before it: a trial's price, not a fixed count, sets how often speculation that keeps losing is
-tried. A verdict on speculation that was on (a load's first, or after a window that paid) waits `off_steps`, unpriced:
-a load's first window holds its first rounds (the goodput controller not yet fitted to it, drafters new to its
-requests), and one such half window at 0.78x of plain, priced, kept speculation off for longer than a greedy
-batch-8 benchmark ran (bench_results/anchors-k8-turns.json).
+verdict also waits long enough that a trial losing what its steps lost costs at most half the margin of the plain
+steps before it: a trial's price, not a fixed count, sets how often speculation that keeps losing is tried. A load's
+first verdict waits `off_steps`, unpriced: its window holds the load's first rounds (the goodput controller not yet
+fitted to it, drafters new to its requests), and one such half window at 0.78x of plain, priced, kept speculation
+off for longer than a greedy batch-8 benchmark ran (bench_results/anchors-k8-turns.json). A load switched off before
+has shown it can lose: its verdicts are priced, after a trial or after a window that paid alike (one paying window
+on sampled text, where speculation hovers near plain's speed, is no proof).
 
 Verdicts are kept per load: batch sizes 1, 2, 3-4, 5-8, 9-16, ... (`regime`) each have their own windows, verdicts
 and waits, and a step counts only towards its own. Whether speculation pays depends on the batch (on a CPU it pays
@@ -206,7 +207,7 @@ class SpeculationGuard:
             return
         g.losses += 1
         if ratio < self.clear or g.trial or g.losses >= self.patience:
-            priced = 0 if not g.trial else (
+            priced = 0 if g.switched_off == 0 else (
                 math.ceil(self._lost_steps(window) / (self.margin / 2)) if self.margin > 0 else self.off_steps_max)
             g.off_left = min(max(g.wait, priced), self.off_steps_max)
             g.wait = min(2 * g.off_left, self.off_steps_max)

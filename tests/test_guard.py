@@ -48,9 +48,9 @@ def test_losing_speculation_is_switched_off_after_a_window_and_tried_again_later
     assert g.allow(8) and g.now.wait == 3 and g.last_ratio == pytest.approx(2.0)
 
 
-def test_a_first_verdict_waits_off_steps_and_a_losing_trial_waits_its_price():
-    """A trial's wait keeps the next trial within half the margin of the plain steps before it; a load's first verdict
-    is not priced (its window holds the load's first rounds), so a wrong one costs `off_steps` plain steps."""
+def test_a_loads_first_verdict_waits_off_steps_and_every_later_one_its_price():
+    """A verdict's wait keeps the next trial within half the margin of the plain steps before it; a load's first
+    verdict is not priced (its window holds the load's first rounds), so a wrong one costs `off_steps` plain steps."""
     g = SpeculationGuard(window=4, margin=0.04, patience=1, off_steps=3, off_steps_max=10_000)
     _plain(g, 8, 0.1)
     _spec(g, 8, 16, 0.5, steps=2)  # 0.4x plain: far beyond noise, judged after a quarter window (here 2 steps)
@@ -67,8 +67,8 @@ def test_a_first_verdict_waits_off_steps_and_a_losing_trial_waits_its_price():
     _plain(g, 8, 0.1, steps=600)
     _spec(g, 8, 80, 0.5, steps=4)  # pays: on, and the wait back to off_steps
     assert g.allow(8) and g.now.wait == 3
-    _spec(g, 8, 16, 0.5, steps=2)  # loses after paying: unpriced again
-    assert not g.allow(8) and g.now.off_left == 3
+    _spec(g, 8, 16, 0.5, steps=2)  # loses after paying: priced, as the load lost before
+    assert not g.allow(8) and g.now.off_left == 300
 
 
 def test_one_losing_window_is_not_a_verdict_but_two_in_a_row_are():
