@@ -7,8 +7,9 @@ The guard does not model anything: it compares what speculation really gave, tok
 time over a window of `window` speculating steps (drafting waits, verify and the loop's own work included), with
 what plain decoding gives at the same batch sizes, measured on steps without drafts. Where speculation was more than
 `margin` slower in `patience` windows in a row (one noisy window on a busy machine is not a verdict; a loss below
-`clear` of plain decoding's speed is one after half a window, below `severe` after a quarter, once plain steps are
-measured: a batch-16 run of a few dozen steps gets its verdict within the run), it is switched off
+`clear` of plain decoding's speed is one after half a window (a full one where the load's last window paid), below
+`severe` after a quarter, once plain steps are measured: a batch-16 run of a few dozen steps gets its verdict within
+the run), it is switched off
 (k = 0 for every request) for `off_steps` steps, then tried again: a trial that loses is a verdict after a quarter
 window and switches it off again, for twice as long (up to `off_steps_max`); a window that pays resets the wait. A
 verdict also waits long enough that a trial losing what its steps lost costs at most half the margin of the plain
@@ -166,12 +167,15 @@ class SpeculationGuard:
         g.spec.append((requests, committed, seconds))
         if len(g.spec) < self.window:
             # a loss far beyond noise (below `severe` of plain) is a verdict after a quarter window, a clear one
-            # (below `clear`) after half (on trial, any loss beyond the margin after a quarter: it lost before)
+            # (below `clear`) after half (on trial, any loss beyond the margin after a quarter: it lost before); not
+            # a clear one where the load's last full window paid: half a window of text no drafter predicts (every
+            # step committing one token) is a phase there, and greedy runs at 1.8x plain were switched off by it
             n = len(g.spec)
             early = n >= max(2, self.window // 4) and self._measured_near(requests)
+            paid = g.last_ratio is not None and g.last_ratio >= 1 - self.margin
             if early and (ratio := self._ratio(g.spec)) is not None and (
                     ratio < self.severe or (g.trial and ratio < 1 - self.margin)
-                    or (n >= max(2, self.window // 2) and ratio < self.clear)):
+                    or (n >= max(2, self.window // 2) and ratio < self.clear and not paid)):
                 self._verdict(g)
             return
         typical = int(statistics.median(n for n, _, _ in g.spec))

@@ -114,6 +114,27 @@ def test_a_clear_loss_is_a_verdict_after_half_a_window_a_slight_one_after_two_wi
                   speculation={"guard": {"clear": 0.4, "severe": 0.5}})
 
 
+def test_half_a_window_of_text_no_drafter_predicts_does_not_switch_off_speculation_that_paid():
+    """Greedy text at 1.8x plain decoding had phases where every step committed one token; half a window of one was a
+    clear verdict and switched speculation off. Where the load's last full window paid, a clear loss needs a full
+    window; a severe one still takes a quarter."""
+    g = SpeculationGuard(window=16, patience=2, severe=0.5, clear=0.85)
+    _plain(g, 1, 0.025)
+    _spec(g, 1, 4, 0.05, steps=16)  # 2x plain: the window pays
+    assert g.allow(1) and g.last_ratio == pytest.approx(2.0)
+    _spec(g, 1, 1, 0.032, steps=8)  # a dry phase: one token a step at 0.78x plain, half a window
+    assert g.allow(1) and g.switched_off == 0
+    _spec(g, 1, 4, 0.05, steps=8)  # the phase passes: the window, half dry, pays
+    assert g.allow(1) and g.switched_off == 0 and g.last_ratio > 1
+    _spec(g, 1, 1, 0.032, steps=16)  # a whole window dry, below `clear`: a verdict
+    assert not g.allow(1) and g.switched_off == 1
+    g = SpeculationGuard(window=16, patience=2, severe=0.5, clear=0.85)
+    _plain(g, 1, 0.025)
+    _spec(g, 1, 4, 0.05, steps=16)
+    _spec(g, 1, 1, 0.1, steps=4)  # a quarter window at a quarter of plain's speed: severe, whatever paid before
+    assert not g.allow(1) and g.switched_off == 1
+
+
 def test_paying_speculation_stays_on_and_short_runs_never_see_the_guard():
     g = SpeculationGuard(window=16)
     _spec(g, 4, 12, 0.05, steps=15)
