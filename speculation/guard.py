@@ -201,6 +201,10 @@ class SpeculationGuard:
         lost = sum(s for _, _, s in window) - plain_time
         return lost / typical if typical > 0 else 0.0
 
+    def _price(self, window: list[tuple[int, int, float]]) -> int:
+        """The wait after which a trial losing what `window` lost costs half the margin of the plain steps before it."""
+        return math.ceil(self._lost_steps(window) / (self.margin / 2)) if self.margin > 0 else self.off_steps_max
+
     def _verdict(self, g: Regime) -> None:
         ratio, window, g.spec = self._ratio(g.spec), g.spec, []
         if ratio is None:
@@ -211,8 +215,7 @@ class SpeculationGuard:
             return
         g.losses += 1
         if ratio < self.clear or g.trial or g.losses >= self.patience:
-            priced = 0 if g.switched_off == 0 else (
-                math.ceil(self._lost_steps(window) / (self.margin / 2)) if self.margin > 0 else self.off_steps_max)
+            priced = self._price(window) if g.switched_off else 0  # a load's first verdict is not priced
             g.off_left = min(max(g.wait, priced), self.off_steps_max)
             g.wait = min(2 * g.off_left, self.off_steps_max)
             g.switched_off += 1
