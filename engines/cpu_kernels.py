@@ -1,13 +1,13 @@
 """Prepacked linear weights for CPU inference.
 
 PyTorch's default CPU matmul repacks the weight matrix on every call. With one token (a matrix-vector product) that
-is cheap, but a verify step feeds a few tokens per request, and for 2-32 rows the repacking dominates: on a 2-core
+is cheap, but a verify step feeds a few tokens per request, and for 4-32 rows the repacking dominates: on a 2-core
 x86 machine a 5-token step of the bench target cost 2.5x a 1-token step. oneDNN can pack a weight once into its
 blocked layout (the same op PyTorch's inductor uses when it freezes a CPU model); with packed weights the 5-token
 step costs about 1.3x the 1-token step, which is what makes speculation pay on a CPU at all.
 
-`Linear` holds one weight, packed where that pays, and falls back to a plain matmul where the op is missing, the
-weight is not float32 on CPU, or a self-check disagrees.
+`Linear` holds one weight, packed where that pays (steps of `PACKED_MIN_ROWS` rows or more), and falls back to a
+plain matmul where the op is missing, the weight is not float32 on CPU, or a self-check disagrees.
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 # the repacking it saves (measured on x86, 1-5 rows: 256x256 plain 6-17 us vs packed 18-22; 256x704 plain 16-50
 # vs packed 27-36; 512x512 plain 24-72 vs packed 32-47). A drafter's projections stay plain, its LM head is packed.
 PACK_MIN_WEIGHTS = 1 << 17
+# Below this many rows a plain matmul beats the packed one even for a packed weight (measured on the 2-core x86 CPU,
+# one and two threads, warm: 8192x128 at one row 239 us plain against 289 packed, 4608x1536 1299 against 1367; at
+# four rows packed wins, 289 against 444 and 1459 against 2571; with the caches cold, as after a verify step, the
+# drafter's 8192x128 LM head at one row 0.58-0.64 ms plain against 0.77-0.80). A chain's one-token drafter steps run
+# plain, verify steps of several tokens packed.
+PACKED_MIN_ROWS = 4
 
 _packing_checked: bool | None = None
 
@@ -77,7 +83,7 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if self.packed is None or x.numel() < PACKED_MIN_ROWS * x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
         return _packed_linear(x, self.packed, self.bias, self.out_features)
 
@@ -91,9 +97,11 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None),
                              persistent=False)
-        self.bias = linear.bias
+        self.weight, self.bias = linear.weight, linear.bias  # the plain weight, for steps of few rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < PACKED_MIN_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
         return _packed_linear(x, self.packed, self.bias, self.out_features)
 
 

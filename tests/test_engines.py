@@ -275,6 +275,8 @@ def test_prepacked_cpu_linears_match_plain_matmuls(target):
     for rows in (1, 3, 8):
         x = torch.randn(2, rows, lin.in_features)
         assert torch.allclose(packed(x), lin(x), atol=1e-4)
+    one = torch.randn(1, 1, lin.in_features)  # one row: the plain matmul, faster there than the packed weight
+    assert torch.equal(packed(one), lin(one))
     plain = LlamaRunner(target, max_slots=1, max_len=64, prepack=False)
     fast = LlamaRunner(target, max_slots=1, max_len=64)
     for r in (plain, fast):
