@@ -51,20 +51,23 @@ class LinearLatency:
     a: float = 0.0
     b: float = 0.0
     samples: deque = field(default_factory=lambda: deque(maxlen=256))
+    seen: int = 0  # observations so far: every fourth refits (counting the window's length would refit every one
+    # once the window is full; the loop observes a verify step and a drafting round each round)
 
     def observe(self, n: float, seconds: float) -> None:
         self.samples.append((float(n), float(seconds)))
-        if len(self.samples) >= 4 and len(self.samples) % 4 == 0:
+        self.seen += 1
+        if self.seen % 4 == 0:
             self.refit()
 
     def refit(self) -> None:
-        x = np.array([s[0] for s in self.samples])
-        y = np.array([s[1] for s in self.samples])
+        x, y = (np.array(col) for col in zip(*self.samples))
         if np.ptp(x) == 0:
             self.a, self.b = float(np.median(y)), max(self.b, 0.0)
             return
-        b, a = np.polyfit(x, y, 1)
-        self.a, self.b = max(float(a), 0.0), max(float(b), 0.0)
+        dx = x - x.mean()
+        b = float(dx @ y) / float(dx @ dx)  # least squares, in closed form
+        self.a, self.b = max(float(y.mean()) - b * float(x.mean()), 0.0), max(b, 0.0)
 
     def __call__(self, n: float) -> float:
         return self.a + self.b * n
@@ -80,10 +83,12 @@ class RoundLatency:
     b: float = 0.0
     c: float = 0.0
     samples: deque = field(default_factory=lambda: deque(maxlen=256))
+    seen: int = 0  # observations so far: every fourth refits (as LinearLatency)
 
     def observe(self, depth: int, requests: int, seconds: float) -> None:
         self.samples.append((float(depth), float(requests), float(seconds)))
-        if len(self.samples) >= 4 and len(self.samples) % 4 == 0:
+        self.seen += 1
+        if self.seen % 4 == 0:
             self.refit()
 
     def refit(self) -> None:

@@ -51,6 +51,19 @@ def test_linear_latency_fit():
     assert abs(lat.a - 0.01) < 1e-6 and abs(lat.b - 0.002) < 1e-6
 
 
+def test_a_full_window_refits_every_fourth_observation_not_every_one():
+    """The window keeps the last 256 steps; a refit per observation once it is full cost the loop's thread ~0.1 ms
+    a fit, twice a round."""
+    lat = LinearLatency()
+    for i in range(256):
+        lat.observe(1 + i % 8, 0.01 + 0.002 * (1 + i % 8))
+    fits = []
+    for _ in range(8):
+        lat.observe(4, 0.05)  # the machine slowed down
+        fits.append((lat.a, lat.b))
+    assert [i for i in range(1, 8) if fits[i] != fits[i - 1]] == [3, 7]
+
+
 def test_a_request_held_at_zero_probes_and_recovers_when_drafts_turn_out_good():
     # a pessimistic prior switches speculation off; probes observe the real acceptance and switch it back on
     c = _ctrl(0.030, 0.006, 0.002, 0.0, acc=0.2)
