@@ -18,7 +18,7 @@ import torch
 
 from engines.device_work import count
 from engines.drafter_runners import make_drafter_runner, refuse_unless_causal_lm
-from engines.interface import CacheFull, Proposal
+from engines.interface import CacheFull, Proposal, common_prefix
 from engines.runner import prefill_groups
 from engines.verifier import load_causal_lm
 
@@ -87,10 +87,7 @@ class DrafterEngine:
             self.runner.add(rid)
             self.states[rid] = _State()
         cached = self.runner.tokens(rid)
-        common = 0
-        limit = min(len(cached), len(context) - 1)  # at least one token must be pending to step
-        while common < limit and cached[common] == context[common]:
-            common += 1
+        common = common_prefix(cached, context, min(len(cached), len(context) - 1))  # one token left to step
         self.runner.rollback(rid, common)
         self.states[rid].pending = list(context[common:])
 

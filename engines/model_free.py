@@ -26,7 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from engines.interface import CacheFull, Proposal
+from engines.interface import CacheFull, Proposal, common_prefix
 
 # pseudo-counts of the unseen continuation, divided by the match length. Measured on the shipped family (6 held-out
 # prompts, one per domain, 64 tokens, k 8, two domain drafters plus both model-free ones): 3.62 tokens per verify
@@ -108,9 +108,7 @@ class ModelFreeDrafter(ABC):
                 raise CacheFull(f"{self.name} holds {self.max_requests} requests")
             st = self.states[rid] = LookupState(tenant=tenant, prompt_len=len(context))
             st.index = self._new_index(st)
-        common, limit = 0, min(len(st.tokens), len(context))
-        while common < limit and st.tokens[common] == context[common]:
-            common += 1
+        common = common_prefix(st.tokens, context, min(len(st.tokens), len(context)))
         while len(st.tokens) > common:
             self._pop(rid)
             st.tokens.pop()

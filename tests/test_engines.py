@@ -364,3 +364,23 @@ def test_a_busy_consumer_gets_the_steps_waiting_for_it_as_one_chunk(target, mixe
     assert [t for c in quick for t in c.token_ids] == reference[1]
     assert [t for c in slow for t in c.token_ids] == reference[4]
     assert len(quick) == NEW_TOKENS and len(slow) < NEW_TOKENS and slow[-1].finished
+
+
+def test_a_syncs_common_prefix_is_the_walked_one_wherever_the_two_differ():
+    """`sync` keeps what the cache and the new context share: the head compared as a slice must give the same
+    length as a walk of every token, whether they part in the tail, deep in the head, or not before `limit`."""
+    from engines.interface import common_prefix
+
+    def walked(a, b, limit):
+        n = 0
+        while n < limit and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = random.Random(0)
+    base = [rng.randrange(50) for _ in range(300)]
+    for cut in (0, 1, 5, 100, 250, 290, 299, 300):
+        other = base[:cut] + [99] * (300 - cut)  # parts at `cut` (a rejected draft, or an edited context)
+        for limit in (0, 3, cut, min(300, cut + 40), 300):
+            assert common_prefix(base, other, limit) == walked(base, other, limit), (cut, limit)
+    assert common_prefix([], [1, 2], 0) == 0
