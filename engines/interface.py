@@ -273,4 +273,3 @@ def common_prefix(cached: list[int], context: list[int], limit: int) -> int:
 
 
 _SYNC_TAIL = 32
-
