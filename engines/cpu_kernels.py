@@ -42,6 +42,11 @@ PACK_MIN_WEIGHTS = 1 << 17
 # plain, verify steps of several tokens packed.
 PACKED_MIN_ROWS = 4
 
+
+def _few_rows(x: torch.Tensor) -> bool:
+    return x.numel() < PACKED_MIN_ROWS * x.shape[-1]
+
+
 _packing_checked: bool | None = None
 
 
@@ -83,7 +88,7 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.numel() < PACKED_MIN_ROWS * x.shape[-1]:
+        if self.packed is None or _few_rows(x):
             return F.linear(x, self.weight, self.bias)
         return _packed_linear(x, self.packed, self.bias, self.out_features)
 
@@ -100,7 +105,7 @@ class PackedLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias  # the plain weight, for steps of few rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < PACKED_MIN_ROWS * x.shape[-1]:
+        if _few_rows(x):
             return F.linear(x, self.weight, self.bias)
         return _packed_linear(x, self.packed, self.bias, self.out_features)
 
