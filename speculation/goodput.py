@@ -51,14 +51,13 @@ class LinearLatency:
     a: float = 0.0
     b: float = 0.0
     samples: deque = field(default_factory=lambda: deque(maxlen=256))
-    seen: int = 0  # observations so far: each of the first four refits (a model is usable after one), then every
-    # fourth (counting the window's length would refit every one once the window is full; the loop observes a verify
-    # step and a drafting round each round)
+    seen: int = 0  # observations so far: every fourth refits (counting the window's length would refit every one
+    # once the window is full; the loop observes a verify step and a drafting round each round)
 
     def observe(self, n: float, seconds: float) -> None:
         self.samples.append((float(n), float(seconds)))
         self.seen += 1
-        if self.seen <= 4 or self.seen % 4 == 0:
+        if self.seen % 4 == 0:
             self.refit()
 
     def refit(self) -> None:
@@ -84,18 +83,13 @@ class RoundLatency:
     b: float = 0.0
     c: float = 0.0
     samples: deque = field(default_factory=lambda: deque(maxlen=256))
-    seen: int = 0  # observations so far: refits as LinearLatency's
+    seen: int = 0  # observations so far: every fourth refits (as LinearLatency)
 
     def observe(self, depth: int, requests: int, seconds: float) -> None:
         self.samples.append((float(depth), float(requests), float(seconds)))
         self.seen += 1
-        if self.seen <= 4 or self.seen % 4 == 0:
+        if self.seen % 4 == 0:
             self.refit()
-
-    @property
-    def known(self) -> bool:
-        """Does the model price anything? All zero, it says a round costs nothing: nothing measured yet."""
-        return bool(self.a or self.b or self.c)
 
     def refit(self) -> None:
         d, r, y = (np.array(col) for col in zip(*self.samples))
@@ -265,16 +259,11 @@ class GoodputController(DraftLengthController):
         # one request drafts with one drafter either way: the generalist would share nothing, only draft worse
         participations = [m for m in self.participations if len(rids) > 1 or not m.generalist]
         plans = {p: self._allocate(rids, k_caps, groups, p, overlap_s, ahead) for p in participations or [None]}
-        # a participation whose drafting is not measured yet prices its rounds at nothing: it is tried by a probe, not
-        # chosen for that (before this, each such one was chosen for a few rounds at every start, e.g. two-drafter
-        # rounds of 8 requests at 87 ms against the generalist's 26, measured at concurrency 8 on two cores)
-        candidates = [p for p in plans if p is None or self.draft_model(p).known] or list(plans)
-        best = max(candidates, key=lambda m: plans[m][1])  # ties: the first listed
+        best = max(plans, key=lambda m: plans[m][1])  # ties: the first listed
         # participations that measure alike (a routed round whose drafters are parked routes to the generalist) must not
         # alternate: the autoscaler reads the participations chosen
         held = self.held_participation
-        if held in candidates and held != best and \
-                plans[held][1] * (1 + self.participation_hysteresis) >= plans[best][1]:
+        if held in plans and held != best and plans[held][1] * (1 + self.participation_hysteresis) >= plans[best][1]:
             best = held
         # a lone request's routed round (no generalist offered) holds nothing
         if len(participations) == len(self.participations):

@@ -200,30 +200,9 @@ def test_a_request_estimate_moves_by_the_pools_difference_between_modes():
     assert c._acceptance_at("r", ONE) < 0.55 and c._acceptance_at("r", FUSED) > c._acceptance_at("r", ONE) + 0.05
 
 
-def test_a_participation_not_measured_yet_is_not_chosen_for_the_free_drafting_its_empty_model_promises():
-    """Nothing observed, a participation's round model prices its drafting at nothing: it would win every plan (as
-    two-drafter rounds did at each start, at 87 ms a round against the generalist's 26). It waits for its probe; one
-    observed round fits its model, which then prices it either way."""
-    c = _participation_ctrl(0.030, 0.001, {ONE: 2, FUSED: 3})
-    c.participation_draft.pop(FUSED)  # never drafted in: an empty model
-    for _ in range(10):
-        c.choose(["a", "b"])
-        assert c.participation == ONE and not c.probing
-    c.observe_round(2, 4, {FUSED}, 0.200)  # one round, slow
-    assert c.draft_model(FUSED)(4, 2) == pytest.approx(0.200)
-    c.choose(["a", "b"])
-    assert c.participation == ONE
-    fast = _participation_ctrl(0.030, 0.001, {ONE: 2, FUSED: 3})
-    fast.participation_draft.pop(FUSED)
-    fast.observe_round(2, 4, {FUSED}, 0.005)  # one round, as cheap as one drafter's: its better acceptance wins
-    fast.choose(["a", "b"])
-    assert fast.participation == FUSED
-
-
 def test_an_untried_participation_mode_is_probed():
     c = GoodputController(k_max=4, drafters_per_request=2, participations=(ONE, FUSED), participation_probe=4)
     c.verify.a, c.verify.b = 0.030, 0.002
-    c.draft_model(ONE).a = 0.002
     c.draft_model(FUSED).a = 0.050  # fused drafting looks too slow to ever be chosen
     seen, probes = set(), set()
     for _ in range(12):
@@ -238,7 +217,6 @@ def test_a_mode_far_behind_is_probed_ever_less_often_and_at_the_base_rate_once_i
     c = GoodputController(k_max=4, drafters_per_request=2, participations=(ONE, FUSED), participation_probe=4,
                               participation_probe_max=16)
     c.verify.a, c.verify.b = 0.030, 0.002
-    c.draft_model(ONE).a = 0.002
     c.draft_model(FUSED).a = 0.050  # far behind: fused drafting costs more than a round's verification
 
     def probe_rounds(n: int) -> list[int]:
@@ -253,9 +231,9 @@ def test_a_mode_far_behind_is_probed_ever_less_often_and_at_the_base_rate_once_i
     at = probe_rounds(80)
     gaps = [b - a for a, b in zip(at, at[1:])]
     assert gaps[:3] == [9, 17, 17] and at[0] == 4  # waits of 4, 8, 16 rounds unused, then the cap
-    # now costing what one drafter does (its drafting as one drafter's, free verify tokens): a tie, kept on the first
-    # listed mode, so fused is within reach and back to the base rate
-    c.draft_model(FUSED).a, c.verify.b = 0.002, 0.0
+    # now costing what one drafter does (free drafting, free verify tokens): a tie, kept on the first listed mode,
+    # so fused is within reach and back to the base rate
+    c.draft_model(FUSED).a, c.verify.b = 0.0, 0.0
     at = probe_rounds(40)
     assert [b - a for a, b in zip(at, at[1:])] == [5] * (len(at) - 1) and len(at) >= 7
 
