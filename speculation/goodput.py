@@ -211,6 +211,23 @@ class GoodputController(DraftLengthController):
         engine steps in b and c)."""
         return self.participation_draft.setdefault(participation, RoundLatency())
 
+    def priced(self, participation: Participation) -> RoundLatency:
+        """The model a plan prices a participation's rounds by: its own once it has a fit; before, the most observed
+        fitted participation's, scaled by drafters per request. An empty model prices drafting at nothing and won
+        the plan: at concurrency 8 every two-drafter participation was chosen for its first rounds (87 ms a round
+        against the generalist's 26 on the 2-core CPU). The generalist's rounds (one batched forward per depth)
+        cost less than any other's, so it is measured at no price, as is every participation before any has a
+        fit: their first rounds draft and are measured."""
+        own = self.draft_model(participation)
+        if own.seen >= 4 or own.a or own.b or own.c or participation.generalist:
+            return own
+        fitted = [(m.seen, p) for p, m in self.participation_draft.items() if m.seen >= 4]
+        if not fitted:
+            return own
+        source = max(fitted, key=lambda sp: sp[0])[1]
+        m, scale = self.participation_draft[source], participation.drafters_per_request / source.drafters_per_request
+        return RoundLatency(m.a * scale, m.b * scale, m.c * scale)
+
     def participation_acceptance(self, participation: Participation) -> float | None:
         s, t = self.participation_counts.get(participation, (0.0, 0.0))
         return s / t if t >= 1.0 else None
@@ -234,7 +251,7 @@ class GoodputController(DraftLengthController):
         drafted = [k + ahead if k > 0 else 0 for k in ks]
         if participation is not None:  # measured per participation, the hops included
             depth, drafting = max(drafted, default=0), sum(1 for k in ks if k > 0)
-            return verify + (max(0.0, self.draft_model(participation)(depth, drafting) - overlap) if depth else 0.0)
+            return verify + (max(0.0, self.priced(participation)(depth, drafting) - overlap) if depth else 0.0)
         groups = groups or [0] * len(ks)
         combine = max if self.parallel_groups else sum
         model = self.draft
@@ -332,7 +349,7 @@ class GoodputController(DraftLengthController):
         """Everything a plan depends on: the requests in order (the search breaks ties by it), their caps and
         acceptances, the latency models' coefficients, the overlap and drafting ahead."""
         if participation is not None:
-            model = self.draft_model(participation)
+            model = self.priced(participation)
             drafting = (model.a, model.b, model.c)
         else:
             drafting = (self.draft.a, self.draft.b, tuple(group_list), self.drafters_per_request, self.parallel_groups)
@@ -378,7 +395,7 @@ class GoodputController(DraftLengthController):
         plan's goodput depends on the draft lengths only through their sum, maximum, count above zero and the sum of
         expected tokens, so each move is priced from running totals instead of a pass over the plan (the search
         priced ~360 plans per round at batch 8, 6-8 ms of the loop's thread per round on this CPU)."""
-        n, model, verify = participation.drafters_per_request, self.draft_model(participation), self.verify
+        n, model, verify = participation.drafters_per_request, self.priced(participation), self.verify
         expected = {r: _expected_row(acc[r], caps[r]) for r in rids}
         requests = len(rids)
 

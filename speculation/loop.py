@@ -61,6 +61,7 @@ class _Request:
     overrides: SpeculationOverrides
     participation: Participation | None = None  # how its pending draft was made
     drafted: bool = False  # past its first round (which scores the prompt, so is not priced)
+    routed: bool = False  # past its first round not on the generalist (where routing scores the prompt, late)
 
 
 class VerifyLoop:
@@ -212,9 +213,12 @@ class VerifyLoop:
         for d in batch:
             req = self.requests.get(d.request_id)
             if req is not None:
-                participations.add(d.participation if req.drafted else None)
-                scored += 0 if req.drafted else len(d.context)
+                # the generalist's rounds leave the prompt unscored: the request's first routed round scores it
+                first = not req.drafted or not (req.routed or d.participation.generalist)
+                participations.add(None if first else d.participation)
+                scored += len(d.context) if first else 0
                 req.participation, req.drafted = d.participation, True
+                req.routed |= not d.participation.generalist
         self._catching_up |= scored > 0
         t, work = time.perf_counter(), WORK.snapshot()
         try:

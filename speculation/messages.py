@@ -76,6 +76,9 @@ class DraftRequest:
     wait_s: float | None = None  # how long the verifier waits for this round's drafts (None: draft_timeout_ms)
     verify_s: float | None = None  # the verifier's recent verify step (median, seconds): what a round's wait costs
     tenant: str | None = None  # SpeculationOverrides.tenant
+    # the round's time prices its participation (the goodput controller's round model); a drafting tier clears it
+    # for a round that is not on the tier a plan drafts on (the auto tier's warm-up and probes)
+    priced: bool = True
 
 
 @dataclass

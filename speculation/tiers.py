@@ -20,6 +20,8 @@ each tier drafting in turn at startup until it has `WARMUP` measured rounds (or 
 `seed`), and a round on the tier not in use every `PROBE_EVERY` rounds as it runs (never a round drafted ahead; `FAR` times as seldom while it
 predicts less than `1 - FAR_BELOW` of the goodput of the tier in use). A tier must predict `HYSTERESIS` more goodput
 to replace the one in use.
+The goodput controller prices its participations by the rounds of the tier in use only (a warm-up's or a probe's
+round is marked unpriced, `DraftRequest.priced`).
 Either tier's drafts are verified by the target, so the output is the target's whichever drafts; a request that
 moves between tiers is re-synced from its committed context by the drafter engines (`DrafterEngine.sync`).
 """
@@ -240,6 +242,9 @@ class AutoDraftingTier:
         load = len(self.loop.requests) if self.loop is not None else len(batch)
         tier = self.chooser.pick(load, verify_s, acceptance, ahead=any(d.ahead for d in batch))
         self.interval[tier] += 1
+        if tier != self.chooser.held:  # warm-up or a probe: the goodput controller prices the tier in use only
+            for d in batch:
+                d.priced = False
         drafts = await self._measured(tier, batch)
         if tier == REMOTE and not drafts:
             drafts = await self._measured(COLOCATED, batch)

@@ -171,6 +171,32 @@ def test_a_batch_spread_over_routed_drafters_consolidates_on_the_generalist_and_
         assert c.participation == ONE
 
 
+def test_an_unmeasured_participation_is_priced_by_a_measured_one_scaled_by_its_drafters():
+    """Before its own rounds are fitted, a participation is priced by the fitted one's model, scaled by drafters
+    per request: an empty model priced two-drafter rounds at nothing, and they won the plan of a batch whose
+    generalist drafted at a fraction of their cost. With nothing fitted yet, and for the generalist (one batched
+    forward per depth), the first rounds draft at no price."""
+    shared, two = Participation(1, generalist=True), Participation(2)
+    c = GoodputController(k_max=8, drafters_per_request=2, participations=(shared, ONE, two), participation_probe=1000)
+    c.verify.a, c.verify.b = 0.030, 0.0013
+    rids = [str(i) for i in range(8)]
+    assert sum(c.choose(rids).values()) > 0 and c.priced(two)(4, 8) == 0.0  # nothing measured: draft, and measure
+    for depth in (2, 4, 6, 8):  # the generalist's rounds: 4 ms + 2 ms per depth for the batch
+        c.observe_round(8, depth, {shared}, 0.004 + 0.002 * depth)
+    assert c.priced(ONE)(4, 8) == pytest.approx(0.012) and c.priced(two)(4, 8) == pytest.approx(0.024)
+    for _ in range(10):
+        c.choose(rids)
+        assert c.participation == shared
+    for depth in (2, 4, 6, 8):  # once measured, its own rounds price it
+        c.observe_round(8, depth, {two}, 0.001 * depth)
+    assert c.priced(two)(4, 8) == pytest.approx(0.004)
+    # the generalist steps the batch at once, cheaper than any routed round: measured at no price
+    c = GoodputController(k_max=8, drafters_per_request=2, participations=(shared, ONE, two))
+    for depth in (2, 4, 6, 8):
+        c.observe_round(8, depth, {ONE}, 0.004 + 0.002 * depth)
+    assert c.priced(shared)(4, 8) == 0.0 and c.priced(two)(4, 8) == pytest.approx(0.024)
+
+
 def test_modes_that_measure_alike_do_not_alternate():
     """A routed round whose domain drafters are parked routes to the generalist: the two modes then measure alike,
     within noise. The mode in use stays until another predicts `participation_hysteresis` more goodput."""

@@ -51,6 +51,31 @@ def cosine_trace(tmp_path_factory, prompts):
     return _record(tmp_path_factory.mktemp("cosine"), prompts, adaptive=False, guard={"enabled": False})
 
 
+def test_a_requests_first_routed_round_after_generalist_rounds_is_priced_as_its_prompts_scoring(tmp_path, prompts):
+    """The generalist's rounds leave a request's prompt unscored; its first routed round scores it with every
+    drafter. That round is not the routed participation's steady cost: the goodput controller's round model is not
+    fed it (None among the round's participations) and the trace marks it scored, as a request's first round."""
+    from speculation.messages import Participation
+
+    path = tmp_path / "trace.jsonl"
+    loop = build_loop(AppConfig.model_validate(_args(record_trace=str(path), adaptive=True,
+                                                     guard={"enabled": False})))
+    shared, routed, chosen, priced = Participation(1, generalist=True), Participation(1), [], []
+
+    def choose(rids, *args, **kwargs):  # three generalist rounds, then routed ones
+        loop.controller.participation = shared if len(chosen) < 3 else routed
+        chosen.append(loop.controller.participation)
+        return {r: 2 for r in rids}
+
+    loop.controller.choose, observe = choose, loop.planner.observe_round
+    loop.planner.observe_round = lambda batch, parts, s: (priced.append(set(parts)), observe(batch, parts, s))
+    asyncio.run(generate_all(loop, prompts[:3], [SamplingParams(max_tokens=16, ignore_eos=True)] * 3))
+    loop.trace.close()
+    scored = [d["scored"] > 0 for d in Trace.load(path).drafts]
+    assert priced[:5] == [{None}, {shared}, {shared}, {None}, {routed}]
+    assert scored[:5] == [True, False, False, True, False]
+
+
 def test_trace_holds_requests_steps_and_drafting_rounds(cosine_trace, prompts):
     cfg, trace = cosine_trace
     assert sorted(map(tuple, (r["prompt"] for r in trace.requests))) == sorted(map(tuple, prompts))
