@@ -204,7 +204,8 @@ class VerifyLoop:
         # drafted ahead, the round runs beside the step being verified
         overlap = (self.stats.verify_seconds[-1] if self.stats.verify_seconds else 0.0) if ahead else \
             self.grouping.overlap(rids, self.engine.running)
-        batch = self.planner.plan(contexts, overrides, overlap, ahead=bool(ahead))
+        unscored = frozenset(r for r in rids if r in self.requests and not self.requests[r].routed)
+        batch = self.planner.plan(contexts, overrides, overlap, ahead=bool(ahead), unscored=unscored)
         self.stats.planned(self.planner.chosen, getattr(self.controller, "predicted_goodput", None))
         if not batch:
             return {}

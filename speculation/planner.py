@@ -36,10 +36,12 @@ class DraftPlanner:
         self.chosen: list[int] = []  # the last round's
 
     def plan(self, contexts: dict[str, list[int]], overrides: dict[str, SpeculationOverrides],
-             overlap_s: float = 0.0, ahead: bool = False) -> list[DraftRequest]:
+             overlap_s: float = 0.0, ahead: bool = False, unscored: frozenset[str] = frozenset()) -> list[DraftRequest]:
         """This round's draft requests: per-request depth from the controller (within each request's own
         bounds; `overlap_s` of verification runs beside this drafting), Gamma_max over the batch, and how each
-        request drafts (participation). `ahead`: the contexts end with drafts being verified (DraftRequest.ahead)."""
+        request drafts (participation). `ahead`: the contexts end with drafts being verified (DraftRequest.ahead).
+        `unscored`: requests that have drafted on the generalist only, whose first routed round scores their prompt
+        with every drafter."""
         spec, rids = self.cfg.speculation, list(contexts)
         if self.guard is not None and not self.guard.allow(len(rids)):
             self.chosen = [0] * len(rids)  # plain decoding: switched off, or measuring plain steps
@@ -48,6 +50,7 @@ class DraftPlanner:
         caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
                 for r, o in overrides.items()}
         ks = self.controller.choose(rids, caps, overlap_s=overlap_s, ahead=ahead) if self.controller else caps
+        self._hold_scoring_probe(unscored.intersection(rids))
         self.chosen = [ks[r] for r in rids if caps[r] > 0]  # the requests that may speculate
         self.recent_k.extend(self.chosen)
         while sum(ks.values()) > spec.gamma_max:  # Gamma_max: shorten the longest drafts (CoSine Alg. 2)
@@ -68,6 +71,17 @@ class DraftPlanner:
                 self.retirement.observe(len(batch), sum(1 for d in batch if not d.participation.generalist))
             batch = self.retirement.apply(batch)
         return batch
+
+    def _hold_scoring_probe(self, unscored: set[str]) -> None:
+        """A probe of a routed participation while the generalist is held waits for a round without unscored
+        requests: it would score their prompts with every drafter (0.4-0.6 s a round at concurrency 8 on the 2-core
+        CPU, every request of the batch waiting: ours' p99 inter-token latency there) and price nothing, a scoring
+        round being no measure of a routed round (the probe's wait grows as after any probe)."""
+        c = self.controller
+        held = getattr(c, "held_participation", None)
+        if unscored and getattr(c, "probing", False) and held is not None and held.generalist \
+                and not c.participation.generalist:
+            c.participation, c.probing = held, False
 
     def participation(self, o: SpeculationOverrides) -> Participation:
         """How a request drafts this round: the controller's choice unless the request fixes its drafters, their

@@ -170,3 +170,30 @@ def test_the_planner_retires_domain_drafters_only_where_the_autoscaler_can_take_
     assert all(d.participation.generalist for d in planner.plan(contexts, overrides))  # 4 of 20 routed by choice
     batch = planner.plan(contexts, overrides)  # 8 of 20
     assert not planner.retirement.retired and not any(d.participation.generalist for d in batch)
+
+
+def test_a_routed_probe_waits_for_a_round_without_prompts_to_score():
+    """While the generalist is held, a due probe of a routed participation is not run in a round with a request
+    whose prompt no routed round has scored (it would score them with every drafter, stalling the batch, and price
+    nothing); in a round of scored requests it is."""
+    cfg = _cfg(adaptive=True, lockstep=False)
+    cfg.drafters[2].generalist = True
+    cfg.routing.drafters_per_request = 1
+    planner = DraftPlanner(cfg)
+    c, shared = planner.controller, Participation(1, generalist=True)
+    c.participation_probe = c.participation_probe_max = 2
+    c.verify.a, c.verify.b = 0.030, 0.001
+    for p, seconds in ((shared, 0.002), (Participation(1), 0.020)):  # the generalist's rounds are the cheaper
+        for depth in (2, 4, 6, 8):
+            c.observe_round(4, depth, {p}, seconds * depth)
+    contexts = {r: [1, 2, 3] for r in ("a", "b", "c", "d")}
+    overrides = {r: SpeculationOverrides() for r in contexts}
+    held, probes = [], 0
+    for _ in range(12):
+        batch = planner.plan(contexts, overrides, unscored=frozenset({"d"}))
+        held.append({d.participation for d in batch})
+    assert held and all(p == {shared} for p in held)  # every probe due was held back
+    for _ in range(12):
+        batch = planner.plan(contexts, overrides)
+        probes += {d.participation for d in batch} == {Participation(1)}
+    assert probes >= 1
