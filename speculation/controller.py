@@ -19,9 +19,10 @@ class DraftLengthController(ABC):
 
     @abstractmethod
     def choose(self, rids: list[str], k_caps: dict[str, int] | None = None, overlap_s: float = 0.0,
-               ahead: bool = False) -> dict[str, int]:
+               ahead: bool = False, unscored: frozenset[str] = frozenset()) -> dict[str, int]:
         """Each request's draft length, within its cap; `overlap_s` of verification runs beside the drafting.
-        `ahead`: the round is drafted ahead, one token deeper than the length chosen (the planner adds it)."""
+        `ahead`: the round is drafted ahead, one token deeper than the length chosen (the planner adds it).
+        `unscored`: requests that drafted on the generalist only, whose first routed round scores their prompt."""
 
     def observe_round(self, requests: int, depth: int, participations: set[Participation | None],
                       seconds: float) -> None:

@@ -44,9 +44,9 @@ class HillClimbController(DraftLengthController):
         self.step_tokens = self.step_requests = 0
 
     def choose(self, rids: list[str], k_caps: dict[str, int] | None = None, overlap_s: float = 0.0,
-               ahead: bool = False) -> dict[str, int]:
-        """The current k for every request, within its cap (`overlap_s`, `ahead` are for the goodput model:
-        unused)."""
+               ahead: bool = False, unscored: frozenset[str] = frozenset()) -> dict[str, int]:
+        """The current k for every request, within its cap (`overlap_s`, `ahead`, `unscored` are for the goodput
+        model: unused)."""
         return {r: min(self.k, (k_caps or {}).get(r, self.k_max)) for r in rids}
 
     def observe_step(self, wall_s: float) -> None:

@@ -49,8 +49,8 @@ class DraftPlanner:
             return []
         caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
                 for r, o in overrides.items()}
-        ks = self.controller.choose(rids, caps, overlap_s=overlap_s, ahead=ahead) if self.controller else caps
-        self._hold_scoring_probe(unscored.intersection(rids))
+        ks = self.controller.choose(rids, caps, overlap_s=overlap_s, ahead=ahead, unscored=unscored) \
+            if self.controller else caps
         self.chosen = [ks[r] for r in rids if caps[r] > 0]  # the requests that may speculate
         self.recent_k.extend(self.chosen)
         while sum(ks.values()) > spec.gamma_max:  # Gamma_max: shorten the longest drafts (CoSine Alg. 2)
@@ -71,17 +71,6 @@ class DraftPlanner:
                 self.retirement.observe(len(batch), sum(1 for d in batch if not d.participation.generalist))
             batch = self.retirement.apply(batch)
         return batch
-
-    def _hold_scoring_probe(self, unscored: set[str]) -> None:
-        """A probe of a routed participation while the generalist is held waits for a round without unscored
-        requests: it would score their prompts with every drafter (0.4-0.6 s a round at concurrency 8 on the 2-core
-        CPU, every request of the batch waiting: ours' p99 inter-token latency there) and price nothing, a scoring
-        round being no measure of a routed round (the probe's wait grows as after any probe)."""
-        c = self.controller
-        held = getattr(c, "held_participation", None)
-        if unscored and getattr(c, "probing", False) and held is not None and held.generalist \
-                and not c.participation.generalist:
-            c.participation, c.probing = held, False
 
     def participation(self, o: SpeculationOverrides) -> Participation:
         """How a request drafts this round: the controller's choice unless the request fixes its drafters, their
