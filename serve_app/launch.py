@@ -41,13 +41,14 @@ def load_config(path: Path, http_port: int | None = None) -> dict:
     return cfg
 
 
-def _wait_ready(base: str, model: str, deadline: float) -> None:
+def _wait_ready(base: str, model: str, api_key: str | None, deadline: float) -> None:
     """Until a one-token completion through the whole graph succeeds (the proxy answers before replicas do)."""
     body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     last = "no answer yet"
     while time.time() < deadline:
         try:
-            r = httpx.post(f"{base}/v1/completions", json=body, timeout=60, headers=auth_headers())
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=60, headers=headers)
             if r.status_code == 200:
                 return
             last = f"HTTP {r.status_code}: {r.text[:200]}"
@@ -57,9 +58,12 @@ def _wait_ready(base: str, model: str, deadline: float) -> None:
     raise TimeoutError(f"{base} did not answer a completion in time ({last})")
 
 
-def auth_headers() -> dict[str, str]:
-    key = os.environ.get("COSINE_API_KEY")
-    return {"authorization": f"Bearer {key}"} if key else {}
+def api_key_of(ingress: dict) -> tuple[str | None, str | None]:
+    """The key the ingress will require (as serve_app/app.py's `configured_api_key` reads it: COSINE_API_KEY, else the
+    config's `ingress.api_key`), and how the banner's commands refer to it."""
+    if os.environ.get("COSINE_API_KEY"):
+        return os.environ["COSINE_API_KEY"], "env"
+    return (ingress.get("api_key"), "config") if ingress.get("api_key") else (None, None)
 
 
 def _cosine() -> str:
@@ -67,19 +71,21 @@ def _cosine() -> str:
     return sys.argv[0] if Path(sys.argv[0]).name == "cosine" else "cosine"
 
 
-def banner(base: str, model: str, dashboard: str | None, metrics_port: int | None) -> str:
-    keyed = bool(os.environ.get("COSINE_API_KEY"))
+def banner(base: str, model: str, dashboard: str | None, metrics_port: int | None,
+           key_from: str | None = None) -> str:
+    """`key_from`: "env" (COSINE_API_KEY), "config" (the config's `ingress.api_key`, never printed) or None."""
+    key = {"env": "$COSINE_API_KEY", "config": "<ingress.api_key>"}.get(key_from)
+    py_key = {"env": 'os.environ["COSINE_API_KEY"]', "config": '"<ingress.api_key>"'}.get(key_from, '"none"')
     lines = [
         f"CoSine is serving {model!r} at {base}/v1 (OpenAI-compatible)",
         "",
         "  curl:",
         f"    curl {base}/v1/chat/completions -H 'content-type: application/json'"
-        + (' -H "authorization: Bearer $COSINE_API_KEY"' if keyed else "") + " \\",
+        + (f' -H "authorization: Bearer {key}"' if key else "") + " \\",
         f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
         "\"max_tokens\": 32}'",
         "  openai SDK (Python):",
-        f"    from openai import OpenAI; client = OpenAI(base_url=\"{base}/v1\", api_key="
-        + ('os.environ["COSINE_API_KEY"])' if keyed else '"none")'),
+        f"    from openai import OpenAI; client = OpenAI(base_url=\"{base}/v1\", api_key={py_key})",
         f"    print(client.chat.completions.create(model=\"{model}\", max_tokens=32,",
         "          messages=[{\"role\": \"user\", \"content\": \"Hello\"}]).choices[0].message.content)",
         "",
@@ -135,12 +141,13 @@ def serve_forever(config_path: Path, http_port: int | None = None, dashboard_por
         dashboard = f"http://{ctx.dashboard_url}"
         # what `serve deploy` does: every key of the config applies (autoscaling policies included)
         ServeSubmissionClient(dashboard).deploy_applications(cfg)
-        model = "cosine-target"
-        for app in cfg["applications"]:
-            model = ((app.get("args") or {}).get("ingress") or {}).get("model_name", model)
-        _wait_ready(base, model, t0 + ready_timeout_s)
+        ingress = ((cfg["applications"][-1].get("args") or {}).get("ingress") or {})
+        model = ingress.get("model_name", "cosine-target")
+        key, key_from = api_key_of(ingress)
+        _wait_ready(base, model, key, t0 + ready_timeout_s)
         metrics_port = ray._private.worker.global_worker.node.metrics_export_port
-        print(f"ready in {time.time() - t0:.0f} s\n\n{banner(base, model, dashboard, metrics_port)}", flush=True)
+        print(f"ready in {time.time() - t0:.0f} s\n\n{banner(base, model, dashboard, metrics_port, key_from)}",
+              flush=True)
         while not stop:
             time.sleep(0.5)
         print("stopping ...", flush=True)

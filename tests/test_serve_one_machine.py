@@ -1,7 +1,10 @@
-"""The graph on one machine, served for real: `speculation.drafting_tier: auto`, whose graph builds both tiers (the
-Speculation and drafter deployments, and the coordinator and drafters inside the verifier's replica), with an API
-key. One server for the three concerns below, because each graph's start costs the suite half a minute.
+"""`cosine serve` (what `make run` runs) on the one-machine layout, served for real: `speculation.drafting_tier:
+auto`, whose graph builds both tiers (the Speculation and drafter deployments, and the coordinator and drafters inside
+the verifier's replica), with an API key in the config. One server for the concerns below, because each graph's start
+costs the suite a minute.
 
+- The command: the endpoint comes up, prints what it serves and how to call it, runs the replicas at its own
+  priority, and Ctrl-C leaves no process behind (the module's last test).
 - The tier: the verifier's chooser (speculation/tiers.py) measures each tier's rounds and drafts on the one that
   predicts more goodput. On one machine the remote tier is the same drafters on the same cores plus a hop through
   Ray each round, so colocated must win, as the simulator and the in-process test find.
@@ -16,16 +19,29 @@ key. One server for the three concerns below, because each graph's start costs t
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
+import yaml
 from openai import AuthenticationError, OpenAI
 
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
 from speculation.tiers import COLOCATED, REMOTE, WARMUP
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +50,104 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 DOMAINS_SERVED = ("code", "legal", "biomedical")
 
 
-@pytest.fixture(scope="module")
-def server():
-    from tests.conftest import local_serve, one_machine_app
+def _config(path: Path) -> Path:
+    """examples/local.yaml as a site would change it: the small target (the tests compare with its greedy output),
+    three domain drafters and the generalist, an API key and a model name; its autoscaling as shipped."""
+    from model_family.paths import REPO_ROOT
 
-    cfg = one_machine_app("auto", DOMAINS_SERVED, draft_timeout_ms=5000, model_name=MODEL)
-    cfg["ingress"]["api_key"] = KEY
-    with local_serve(cfg) as url:
-        yield url
+    cfg = yaml.safe_load((REPO_ROOT / "examples" / "local.yaml").read_text())
+    args = cfg["applications"][0]["args"]
+    args["drafters"] = [d for d in args["drafters"] if d["name"] in (*DOMAINS_SERVED, "generic")]
+    args["ingress"].update(model_name=MODEL, api_key=KEY)
+    args["verifier"].update(model="target", max_batch=8, max_len=512, kv_cache_gib=1)
+    # the guard off: these tests check that drafts flow, and on a shared 2-core CPU it may rightly find speculation
+    # slower than plain decoding and switch it off (its own tests: tests/test_guard.py)
+    args["speculation"].update(draft_timeout_ms=5000, guard={"enabled": False})
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+class _Output:
+    """The process's output, read by a thread (select() on a buffered pipe misses lines already buffered)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, marker: str, timeout_s: float) -> str:
+        deadline = time.time() + timeout_s
+        while marker not in self.text():
+            assert self.proc.poll() is None or marker in self.text(), f"exited early:\n{self.text()[-3000:]}"
+            assert time.time() < deadline, f"no {marker!r} after {timeout_s} s:\n{self.text()[-3000:]}"
+            time.sleep(0.5)
+        return self.text()
+
+
+@dataclass
+class Served:
+    url: str
+    dashboard: str
+    proc: subprocess.Popen
+    output: _Output
+    ray_tmp: str
+    descendants: list[psutil.Process]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port, dash = free_port(), free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="cs-")  # short: Ray's socket paths live under it
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
+    env.pop("COSINE_API_KEY", None)  # the config's key, not the environment's
+    cosine = str(Path(sys.executable).with_name("cosine"))
+    config = _config(tmp_path_factory.mktemp("one-machine") / "local.yaml")
+    proc = subprocess.Popen([cosine, "serve", str(config), "--port", str(port), "--dashboard-port", str(dash)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    descendants: list[psutil.Process] = []
+    try:
+        output = _Output(proc)
+        output.wait_for("Ctrl-C stops it.", 420)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        yield Served(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{dash}", proc, output, ray_tmp, descendants)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for p in descendants:  # a failed run must not leave Ray behind either
+            if p.is_running():
+                p.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served.url
+
+
+def test_cosine_serve_prints_where_it_serves_and_runs_the_replicas_at_its_priority(served):
+    out = served.output.text()
+    base = served.url
+    assert f"{base}/v1" in out and "curl " in out and "OpenAI(base_url=" in out
+    # the key from the config: the banner's commands send one, and the command's own readiness check sent it
+    assert "authorization: Bearer <ingress.api_key>" in out, out[-3000:]
+    assert f"Ray dashboard:      {served.dashboard}" in out
+    assert served.descendants, "Ray's processes should be running under cosine serve"
+    # the replicas at the priority of Ray's own processes (Ray's default, nice 15, lost the verifier's cores to
+    # them whenever they woke)
+    replicas = {p.pid: p.nice() for p in served.descendants if "ServeReplica" in " ".join(p.cmdline())}
+    assert replicas and set(replicas.values()) == {os.nice(0)}, replicas
+
+
+def _deployments(served: Served) -> set[str]:
+    """The application's deployments as an operator reads them: `serve status` against the dashboard."""
+    status = subprocess.run([str(Path(sys.executable).with_name("serve")), "status", "--address", served.dashboard],
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr[-2000:]
+    return set(yaml.safe_load(status.stdout)["applications"]["cosine"]["deployments"])
 
 
 def _complete(server: str, ids: list[int], n: int, **extra) -> httpx.Response:
@@ -54,10 +160,8 @@ def _want(target, tokenizer, ids: list[int], n: int) -> str:
                             skip_special_tokens=True)
 
 
-def test_auto_builds_both_tiers_chooses_colocated_here_and_stays_lossless(server, tokenizer, target, heldout):
-    from ray import serve
-
-    deployments = set(serve.status().applications["cosine"].deployments)
+def test_auto_builds_both_tiers_chooses_colocated_here_and_stays_lossless(served, server, tokenizer, target, heldout):
+    deployments = _deployments(served)
     assert {"Ingress", "Verifier", "Speculation"} <= deployments, deployments
     assert {f"Drafter-{d}" for d in DOMAINS_SERVED} <= deployments, deployments
     for d in DOMAINS_SERVED:
@@ -128,3 +232,15 @@ def test_the_openapi_document_describes_this_server(server):
     spec = httpx.get(f"{server}/openapi.json", headers=AUTH, timeout=30).json()
     assert {"/v1/chat/completions", "/v1/completions", "/tokenize", "/health"} <= set(spec["paths"])
     assert spec["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"] == [MODEL]
+
+
+def test_ctrl_c_stops_the_server_and_every_process_it_started(served):
+    proc, output = served.proc, served.output
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    assert proc.returncode == 0, output.text()[-3000:]
+    assert "stopped" in output.wait_for("stopped", 10)
+    _, alive = psutil.wait_procs(served.descendants, timeout=30)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+    leftover = [p.pid for p in psutil.process_iter(["cmdline"]) if served.ray_tmp in " ".join(p.info["cmdline"] or [])]
+    assert not leftover, f"processes still using {served.ray_tmp}: {leftover}"
