@@ -1,11 +1,17 @@
-"""`serve deploy cluster.yaml` onto a local multi-node Ray cluster, with the models by their hub ids.
+"""`serve deploy cluster.yaml` onto a local multi-node Ray cluster, with the models by their hub ids, on models
+that are not the shipped family.
 
 Three Ray nodes on this machine stand in for the cluster of cluster.yaml, started with the custom resources it
 asks for: a head "A100" node advertising `verifier_node` and two "RTX 3090" nodes advertising `drafter_node`. The
-deployed config is cluster.yaml itself with only what a site changes: the model ids name this project's small models
-(published under those ids in a Hugging Face cache the nodes share, offline: nothing can be downloaded here), the
-runtime_env's zip is `cosine package`'s (at a path of this machine), and sizes fit this machine. Every replica must
-land on the right kind of node, and the application must answer.
+deployed config is cluster.yaml itself with only what a site changes: a drafter pinned to a revision, the runtime_env's
+zip `cosine package`'s (at a path of this machine), sizes and timeouts for this machine's CPU. Every replica must
+land on the right kind of node.
+
+The ids name tiny random-weight checkpoints with this project's vocabulary, published under them in a Hugging Face
+cache the nodes share, offline (nothing can be downloaded here): a Qwen3 target verified in vLLM, the same checkpoint
+as three of the drafters (the fast runner; its drafts are the target's, so they are accepted), and a GPT-NeoX drafter
+(the transformers-backed runner) at a pinned revision. Greedy output through the graph, streamed and not, must equal
+vLLM's target-only greedy output, with drafts accepted.
 """
 
 from __future__ import annotations
@@ -15,18 +21,21 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
-from tests.helpers.hub_cache import offline_env, publish
+from tests.helpers import vllm_greedy
+from tests.helpers.hub_cache import offline_env, publish, snapshot
+from tests.helpers.tiny_models import save_tiny
 
 pytestmark = pytest.mark.slow
 CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
-# the shipped model that stands in for each id of cluster.yaml
-STAND_INS = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-32B": "target", "Qwen/Qwen2.5-Coder-0.5B": "drafter-code",
-             "Qwen/Qwen2.5-Math-1.5B": "drafter-techdocs", "Qwen/Qwen2.5-0.5B-Instruct": "drafter-dialogue",
-             "Qwen/Qwen2.5-0.5B": "drafter-generic"}
+TARGET = "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B"
+# the checkpoint that stands in for each id of cluster.yaml; the NeoX drafter is published at a revision
+STAND_INS = {TARGET: "qwen3", "Qwen/Qwen2.5-Coder-0.5B": "qwen3", "Qwen/Qwen2.5-0.5B-Instruct": "qwen3",
+             "Qwen/Qwen2.5-0.5B": "qwen3", "Qwen/Qwen2.5-Math-1.5B": "gpt_neox"}
+REVISION = "v1"
+NEW_TOKENS = 24
 
 
 def _config(http_port: int, package: Path) -> dict:
@@ -40,7 +49,14 @@ def _config(http_port: int, package: Path) -> dict:
     app["runtime_env"]["working_dir"] = package.as_uri()
     args = app["args"]
     args["verifier"].update(max_batch=4, max_len=256, tensor_parallel_size=1, kv_cache_gib=1, engine_kwargs={})
-    args["speculation"]["draft_timeout_ms"] = 5000  # this machine's CPU drafts far slower than a 3090
+    # this machine's CPU drafts far slower than a 3090, and verifies the tiny target in milliseconds: drafts wait for
+    # their time, not for a share of the verify step; every round drafts k (the controller would find drafting on
+    # these CPUs not paying, and the guard switch it off: tests/test_guard.py), so drafts are checked
+    args["speculation"].update(draft_timeout_ms=5000, draft_timeout_share=None, adaptive=False,
+                               guard={"enabled": False})
+    for spec in args["drafters"]:
+        if STAND_INS[spec["model"]] == "gpt_neox":
+            spec["model"] += f"@{REVISION}"
     for spec in [args["ingress"], args["speculation"], args["verifier"], *args["drafters"]]:
         options = spec["deployment"]["ray_actor_options"]
         options.pop("accelerator_type", None)
@@ -48,25 +64,37 @@ def _config(http_port: int, package: Path) -> dict:
     return cfg
 
 
-def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path, monkeypatch):
+def _hub(cache: Path, work: Path, tokenizer_dir: Path) -> Path:
+    """The stand-ins published under cluster.yaml's ids in `cache`; returns the target's snapshot."""
+    checkpoints = {"qwen3": save_tiny("qwen3", work / "qwen3", tokenizer_dir, seed=3),
+                   "gpt_neox": save_tiny("gpt_neox", work / "neox", tokenizer_dir, seed=4)}
+    for repo_id, kind in STAND_INS.items():
+        publish(cache, repo_id, checkpoints[kind], revision=REVISION if kind == "gpt_neox" else "main")
+    return snapshot(cache, TARGET)
+
+
+def test_serve_deploy_places_every_replica_on_its_kind_of_node_and_serves_target_only_greedy(
+        tmp_path, monkeypatch, models, tokenizer, heldout):
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    from model_family.paths import models_dir
     from serve_app.ray_start import start_with_retry
     from tests.conftest import RAY_TMP, free_port, stop_ray
 
     dash, http_port = free_port(), free_port()
     cache = tmp_path / "hub"
-    for repo_id, shipped in STAND_INS.items():
-        publish(cache, repo_id, models_dir() / shipped)
+    target_dir = _hub(cache, tmp_path / "tiny", models / "tokenizer")
+    prompts = [tokenizer(heldout[d][3], add_special_tokens=False).input_ids[:40] for d in ("code", "legal")]
+    # vLLM target-only's answers, before the cluster starts: beside its idle replicas a vLLM run takes about three
+    # times as long on a 2-core machine
+    wants = vllm_greedy.run({"model": str(target_dir), "prompts": prompts, "max_tokens": NEW_TOKENS})["outputs"]
     package = tmp_path / "cosine-serve.zip"
     subprocess.run([sys.executable, "-m", "serve_app.cli", "package", "--out", str(package)], check=True,
                    capture_output=True, timeout=120)
     config = _config(http_port, package)
-    ids = {d["model"] for d in config["applications"][0]["args"]["drafters"]}
+    ids = {d["model"].removesuffix(f"@{REVISION}") for d in config["applications"][0]["args"]["drafters"]}
     assert ids | {config["applications"][0]["args"]["verifier"]["model"]} == set(STAND_INS)
     monkeypatch.setenv("COSINE_MODELS_DIR", str(tmp_path / "no-shipped-models"))  # ids only, from the cache
     for key, value in offline_env(cache).items():  # every node (started below) inherits them
@@ -110,9 +138,30 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node(tmp_path, monkeyp
         for name in ("Verifier", "Speculation"):  # the ingress replicas go wherever Serve puts them
             assert set(placed[name]) == {head_id}, name
 
-        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=120,
-                       json={"model": "deepseek-r1-distill-qwen-32b", "prompt": "def main():", "max_tokens": 8, "temperature": 0})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        _assert_target_only_greedy(f"http://127.0.0.1:{http_port}", config, target_dir, tokenizer, prompts, wants)
     finally:
         stop_ray()
         cluster.shutdown()  # every node, Serve's actors with them
+
+
+def _assert_target_only_greedy(base: str, config: dict, target_dir: Path, tokenizer, prompts, wants) -> None:
+    from openai import OpenAI
+
+    from model_family.compat import eos_token_ids
+
+    model = config["applications"][0]["args"]["ingress"]["model_name"]
+    eos = set(eos_token_ids(target_dir, tokenizer))
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300)
+    accepted = []
+    for ids, want in zip(prompts, wants):
+        cut = next((i for i, t in enumerate(want) if t in eos), len(want))
+        text = tokenizer.decode(want[:cut], skip_special_tokens=True)
+        out = client.completions.create(model=model, prompt=ids, max_tokens=NEW_TOKENS, temperature=0)
+        assert out.choices[0].text == text
+        assert out.usage.completion_tokens == cut
+        accepted.append(out.usage.model_extra["mean_acceptance_length"])
+        stream = client.completions.create(model=model, prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
+                                           stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == text
+    # three drafters are the target itself: with speculation silently off every round would commit one token
+    assert max(accepted) > 2.0, accepted
