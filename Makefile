@@ -30,7 +30,7 @@ run: setup
 	$(VENV)/bin/cosine serve examples/local.yaml
 
 test: setup
-	$(VENV)/bin/pytest -q --durations=10 tests  # ends with the slowest ten tests
+	$(VENV)/bin/pytest -q -n 2 --durations=10 tests  # two workers (tests/conftest.py); ends with the slowest ten tests
 
 # The edit-test loop: everything but the tests marked slow (vLLM engines, Ray clusters, subprocesses).
 test-fast: setup

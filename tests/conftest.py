@@ -116,6 +116,32 @@ def stop_ray() -> None:
     context._disconnect()
 
 
+# The modules that start a Ray cluster and a served graph, each taking both cores for a minute or more. `make test`
+# runs the suite on two pytest-xdist workers: these modules one after another on one worker, the others meanwhile on
+# the other, each module whole on one worker (its tests share its module-scoped engines and servers).
+CLUSTER_MODULES = ("tests/served/", "tests/test_autoscaling_e2e.py", "tests/test_cluster_placement.py",
+                   "tests/test_serve_collaborative.py", "tests/test_serve_one_machine.py")
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit `make test`'s scheduler hands a worker whole: every cluster module together, else the test's module."""
+    path = nodeid.split("::", 1)[0]
+    return "cluster modules" if path.startswith(CLUSTER_MODULES) else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    # xdist's own `--dist loadgroup` would do this from marks, but pytest 9.2 no longer lets a worker rename its
+    # tests, which that mode relies on (pytest-xdist issue 1386): the tests ran ungrouped
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClusterModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return ClusterModulesTogether(config, log)
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_CACHE, ignore_errors=True)
 

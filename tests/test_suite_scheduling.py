@@ -1,0 +1,24 @@
+"""`make test` runs the suite on two pytest-xdist workers with tests/conftest.py's scheduler: the modules that start
+a Ray cluster one after another on one worker (two graphs starting at once would each take both cores), every other
+module whole on one worker (its tests share its module-scoped engines and servers)."""
+
+from __future__ import annotations
+
+from xdist.scheduler import LoadScopeScheduling
+
+from tests.conftest import CLUSTER_MODULES, scope_of
+
+
+def test_the_cluster_modules_share_one_scope_and_every_other_module_is_its_own():
+    cluster = {scope_of(f"{m}::test_a[x]" if m.endswith(".py") else f"{m}test_graph.py::test_b")
+               for m in CLUSTER_MODULES}
+    assert len(cluster) == 1
+    assert scope_of("tests/test_planner.py::test_a") == scope_of("tests/test_planner.py::test_b[1]")
+    assert scope_of("tests/test_planner.py::test_a") != scope_of("tests/test_goodput.py::test_a")
+    assert scope_of("tests/test_planner.py::test_a") not in cluster
+
+
+def test_xdist_still_splits_scopes_where_the_scheduler_overrides_it():
+    # pytest-xdist is pinned: its LoadScopeScheduling hands each scope of `_split_scope` to one worker; a version that
+    # no longer calls it would spread the cluster modules over both workers, silently
+    assert callable(vars(LoadScopeScheduling).get("_split_scope"))
