@@ -40,8 +40,13 @@ ROUTES = {  # the server's method -> its route (Ray Serve LLM's endpoint map)
 
 
 def configured_api_key(cfg) -> str | None:
-    """The key clients must send: the ingress replicas' COSINE_API_KEY, else the configuration's."""
-    return os.environ.get("COSINE_API_KEY") or cfg.ingress.api_key
+    """The key clients must send to the application of `cfg` (an AppConfig)."""
+    return required_api_key(cfg.ingress.api_key)
+
+
+def required_api_key(config_key: str | None) -> str | None:
+    """The key clients must send: the ingress replicas' COSINE_API_KEY, else the configuration's `config_key`."""
+    return os.environ.get("COSINE_API_KEY") or config_key
 
 
 def tenant_of(api_key: str | None) -> str | None:

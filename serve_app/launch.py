@@ -58,24 +58,16 @@ def _wait_ready(base: str, model: str, api_key: str | None, deadline: float) -> 
     raise TimeoutError(f"{base} did not answer a completion in time ({last})")
 
 
-def api_key_of(ingress: dict) -> tuple[str | None, str | None]:
-    """The key the ingress will require (as serve_app/app.py's `configured_api_key` reads it: COSINE_API_KEY, else the
-    config's `ingress.api_key`), and how the banner's commands refer to it."""
-    if os.environ.get("COSINE_API_KEY"):
-        return os.environ["COSINE_API_KEY"], "env"
-    return (ingress.get("api_key"), "config") if ingress.get("api_key") else (None, None)
-
-
 def _cosine() -> str:
     """This command as it was started (`make run` starts .venv/bin/cosine), for the commands the banner prints."""
     return sys.argv[0] if Path(sys.argv[0]).name == "cosine" else "cosine"
 
 
-def banner(base: str, model: str, dashboard: str | None, metrics_port: int | None,
-           key_from: str | None = None) -> str:
-    """`key_from`: "env" (COSINE_API_KEY), "config" (the config's `ingress.api_key`, never printed) or None."""
-    key = {"env": "$COSINE_API_KEY", "config": "<ingress.api_key>"}.get(key_from)
-    py_key = {"env": 'os.environ["COSINE_API_KEY"]', "config": '"<ingress.api_key>"'}.get(key_from, '"none"')
+def banner(base: str, model: str, dashboard: str | None, metrics_port: int | None, keyed: bool = False) -> str:
+    """`keyed`: clients must send a key, COSINE_API_KEY's where it is set, else the config's (never printed)."""
+    from_env = bool(os.environ.get("COSINE_API_KEY"))
+    key = ("$COSINE_API_KEY" if from_env else "<ingress.api_key>") if keyed else None
+    py_key = ('os.environ["COSINE_API_KEY"]' if from_env else '"<ingress.api_key>"') if keyed else '"none"'
     lines = [
         f"CoSine is serving {model!r} at {base}/v1 (OpenAI-compatible)",
         "",
@@ -124,6 +116,8 @@ def serve_forever(config_path: Path, http_port: int | None = None, dashboard_por
     from ray import serve
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
+    from serve_app.app import required_api_key
+
     cfg = load_config(config_path, http_port)
     http = cfg["http_options"]
     base = f"http://{http['host']}:{http['port']}"
@@ -143,10 +137,10 @@ def serve_forever(config_path: Path, http_port: int | None = None, dashboard_por
         ServeSubmissionClient(dashboard).deploy_applications(cfg)
         ingress = ((cfg["applications"][-1].get("args") or {}).get("ingress") or {})
         model = ingress.get("model_name", "cosine-target")
-        key, key_from = api_key_of(ingress)
+        key = required_api_key(ingress.get("api_key"))
         _wait_ready(base, model, key, t0 + ready_timeout_s)
         metrics_port = ray._private.worker.global_worker.node.metrics_export_port
-        print(f"ready in {time.time() - t0:.0f} s\n\n{banner(base, model, dashboard, metrics_port, key_from)}",
+        print(f"ready in {time.time() - t0:.0f} s\n\n{banner(base, model, dashboard, metrics_port, bool(key))}",
               flush=True)
         while not stop:
             time.sleep(0.5)
