@@ -6,7 +6,7 @@ import asyncio
 import gc
 from dataclasses import dataclass
 
-from assembly.drafting_tier import InProcessDraftingTier
+from assembly.drafting_tier import InProcessDraftingTier, step_on_verifier_thread
 from config import AppConfig
 from engines.build import build_verifier_engine, in_passing_thread
 from engines.interface import VerifierEngine
@@ -30,6 +30,7 @@ def build_loop(cfg: AppConfig, engine: VerifierEngine | None = None,
         if cfg.speculation.mode != "off" else None
     loop = VerifyLoop(engine if engine is not None else in_passing_thread(build_verifier_engine, cfg), cfg, tier)
     loop.drafting_overlaps_verification = cfg.speculation.colocated_overlaps(loop.engine.device)
+    step_on_verifier_thread(tier, loop, loop.drafting_overlaps_verification)
     freeze_startup_heap()
     return loop
 

@@ -87,7 +87,9 @@ class DrafterSpec(Strict):
                                                   "replica sees one (ray_actor_options.num_gpus), else the CPU")
     threads: int | None = Field(1, ge=1, description="torch CPU threads of a replica (a drafter step is too small "
                                 "to gain from more, and drafters sharing cores with the verifier must not crowd it); "
-                                "null: as for the verifier")
+                                "null: as for the verifier. Drafters in the verifier's process that take turns with "
+                                "verification on a CPU (colocated_overlap) step on the verifier's thread, with its "
+                                "threads")
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
 
     @model_validator(mode="after")

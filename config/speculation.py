@@ -220,8 +220,9 @@ class SpeculationSpec(Strict):
     colocated_overlap: Literal["auto", "on", "off"] = Field(
         "auto", description="drafters in the verifier's process (`cosine generate`, benchmarks; assembly/loop.py): "
         "on: drafting overlaps verification, the loop verifying one half of the batch while the other half drafts "
-        "(the drafters' host work and kernels while the target's kernels run); off: the two take turns; auto: on "
-        "where the verifier runs on a GPU, off on a CPU, where drafters and verifier share the same cores")
+        "(the drafters' host work and kernels while the target's kernels run); off: the two take turns (on a CPU the "
+        "drafters step on the verifier's thread); auto: on where the verifier runs on a GPU, off on a CPU, where "
+        "drafters and verifier share the same cores")
     record_trace: str | None = Field(None, description="a JSON-lines file (absolute path on the verifier's node) "
                                      "the verify loop appends to: every finished request's prompt and output, "
                                      "every verify step's and drafting round's timing, each request's draft depth "

@@ -19,7 +19,7 @@ from deployments.speculation import DrafterFailures
 from engines.build import build_verifier_engine, cpu_threads, in_passing_thread
 from engines.device_work import WORK, DeviceWork, warmed_up
 from engines.sampling import SamplingParams
-from assembly.drafting_tier import InProcessDraftingTier
+from assembly.drafting_tier import InProcessDraftingTier, step_on_verifier_thread
 from assembly.loop import freeze_startup_heap
 from speculation.loop import VerifyLoop
 from speculation.loop_stats import LoopStats
@@ -215,6 +215,8 @@ class VerifierDeployment:
             config.speculation.colocated_overlaps(self.engine.device)
         if self.tiers is not None:  # follows the tier in use
             self.tiers.attach(self.loop)
+        # the colocated tier overlaps verification only as the one tier, configured so (auto: never)
+        step_on_verifier_thread(local, self.loop, plan.fixed is not None and self.loop.drafting_overlaps_verification)
         self.placement_checked = not plan.remote
         warmed_up()  # engines and drafters captured their graphs above: a capture from now on is counted
         freeze_startup_heap()

@@ -361,11 +361,14 @@ class VerifyLoop:
             if nxt:  # this half's next drafts are produced while the other half is verified
                 pending[turn] = asyncio.get_running_loop().create_task(self._drafts(nxt))
 
+    @property
+    def step_thread(self) -> ThreadPoolExecutor:
+        """The thread verify steps run on: the engine's own (`step_executor`), else the loop's verify thread."""
+        return self.engine.step_executor or self._verify_thread
+
     def submit_step(self, drafts: dict, only: set[str] | None) -> asyncio.Future:
-        """The engine's step on the thread it steps on (`step_executor`), else on the loop's verify thread."""
-        if self.engine.step_executor is not None:
-            return asyncio.wrap_future(self.engine.step_executor.submit(self.engine.step, drafts, only))
-        return asyncio.get_running_loop().run_in_executor(self._verify_thread, self.engine.step, drafts, only)
+        """The engine's step on `step_thread`."""
+        return asyncio.wrap_future(self.step_thread.submit(self.engine.step, drafts, only))
 
     def fail(self, rids: list[str], error: Exception) -> None:
         """A verify step over `rids` failed: they fail with it (aborted everywhere), the loop goes on."""

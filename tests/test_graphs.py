@@ -142,7 +142,8 @@ def test_steps_and_cache_moves_never_wait_for_a_capture(target):
 def test_colocated_drafting_overlaps_verification_where_the_verifier_runs_on_a_gpu(target, drafter_models):
     """`speculation.colocated_overlap`: auto overlaps on a GPU (the target's kernels while the drafters' host work
     runs), not on a CPU (the same cores); on and off as set. The loop built in process takes it from the config and
-    the verifier's device."""
+    the verifier's device; where drafting takes turns with verification on a CPU, the drafters step on the thread
+    the verifier steps on (`step_on_verifier_thread`), else on threads of their own."""
     def spec(setting):
         return SpeculationSpec(colocated_overlap=setting)
 
@@ -155,4 +156,12 @@ def test_colocated_drafting_overlaps_verification_where_the_verifier_runs_on_a_g
         cfg = AppConfig(verifier={"model": "target", "max_batch": 2, "max_len": MAX_LEN},
                         drafters=[{"name": n, "model": n, "max_len": MAX_LEN, "max_requests": 2} for n in NAMES],
                         speculation={"colocated_overlap": setting})
-        assert build_loop(cfg, verifier, engines).drafting_overlaps_verification is overlaps
+        loop = build_loop(cfg, verifier, engines)
+        assert loop.drafting_overlaps_verification is overlaps
+        threads = {n: s.executor for n, s in loop.drafting.servers.items()}
+        if overlaps:
+            assert loop.step_thread not in threads.values() and len(set(threads.values())) == len(NAMES), setting
+        else:
+            assert set(threads.values()) == {loop.step_thread}, setting
+            ran = loop.step_thread.submit(threading.current_thread).result()
+            assert ran.name.startswith("verify"), ran.name  # the loop's verify thread: the torch engine has none
