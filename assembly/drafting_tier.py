@@ -89,9 +89,8 @@ def step_on_verifier_thread(tier: InProcessDraftingTier | None, loop: VerifyLoop
     """Where colocated drafters take turns with verification (`overlaps` False) on a CPU, they step on the thread
     the verifier steps on, as vLLM's own drafter does: with its torch threads and its warm OpenMP workers. On
     threads of their own, each drafter's OpenMP pool woke sleeping workers at every op while the verifier's pool
-    spun beside it (measured on the 2-core CPU, concurrency 8, k = 4: the generic drafter's one-token step at
-    batch 8 1.6 ms on the verifier's thread against 2.2 ms on its own; rounds 10-10.4 ms against 13.8-13.9).
-    Whether it did."""
+    spun beside it (the 2-core CPU, `cosine bench anchors`, k = 4, concurrency 8: a drafting round 11.47 ms against
+    23.20 on threads of their own; docs/benchmarks.md). Whether it did."""
     if tier is None or overlaps or loop.engine.device != "cpu":
         return False
     tier.step_on(loop.step_thread)

@@ -53,6 +53,7 @@ import tempfile
 from pathlib import Path
 
 from model_family import DOMAINS
+from benchmarks.anchor_notes import by_drafter, drafters_line, guard_line, paired_line, participation_line, summed
 from benchmarks.common import ServedApp, cell, heldout_prompts, machine_load, paired, refuse_if_busy, tps_cell
 from benchmarks.metrics import save_json
 from benchmarks.repeated import COPY_BAR, repeated_prompts, workload_stats
@@ -305,7 +306,9 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             "guard_switched_off": [r["guard_switched_off"] for r in runs] if "guard_switched_off" in mid else None,
             "guard_by_batch": runs[-1].get("guard_by_batch"),
             # ours in process, over its runs: each drafter's tokens in the verified chains, and those accepted
-            "by_drafter": _by_drafter(runs),
+            "by_drafter": by_drafter(runs),
+            # ours in process, over its runs: requests' rounds by the participation they drafted in
+            "by_participation": summed([r.get("by_participation") or {} for r in runs]),
             "model_free_calibration": runs[-1].get("model_free_calibration"),
             # greedy: token for token; sampled: None (the distribution test's p-value is added instead)
             "identical_to_vllm_target_only": all(_same(r, reference, tok) for r in runs)
@@ -313,18 +316,8 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             "text": text_stats([o for r in runs for o in r["outputs"]])}
 
 
-def _by_drafter(runs: list[dict]) -> dict[str, dict] | None:
-    """Each drafter's share of the drafted tokens that reached verification over `runs`, and its acceptance rate."""
-    if not any(r.get("by_drafter") for r in runs):
-        return None
-    sums: dict[str, list[int]] = {}
-    for r in runs:
-        for name, (drafted, accepted) in r["by_drafter"].items():
-            s = sums.setdefault(name, [0, 0])
-            s[0], s[1] = s[0] + drafted, s[1] + accepted
-    total = sum(d for d, _ in sums.values()) or 1
-    return {n: {"drafted_share": round(d / total, 3), "accepted_rate": round(a / d, 3) if d else None}
-            for n, (d, a) in sorted(sums.items(), key=lambda kv: -kv[1][0]) if d}
+
+
 
 
 def _latency(run: dict) -> dict:
@@ -391,34 +384,18 @@ def format_table(result: dict) -> str:
     lines += [paired_line(r) for r in result["rows"] if r.get("paired_vs_vllm_target_only")]
     lines += [guard_line(r) for r in result["rows"] if r.get("drafted_step_share") is not None]
     lines += [drafters_line(r) for r in result["rows"] if r.get("by_drafter")]
+    lines += [participation_line(r) for r in result["rows"] if r.get("by_participation")]
     lines += [f"- {name}: not run: {why}" for name, why in result.get("unavailable", {}).items()]
     lines += [f"- WARNING: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)
 
 
-def paired_line(row: dict) -> str:
-    p = row["paired_vs_vllm_target_only"]
-    return (f"- {row['system']} / vLLM target-only, concurrency {row['concurrency']}, paired by repeat: "
-            f"{p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f}; {', '.join(f'{x:.2f}' for x in p['by_repeat'])})")
 
 
-def guard_line(row: dict) -> str:
-    """What the guard let through in a row of ours in process: steps with drafts and its verdicts, per run."""
-    share = ", ".join(f"{x:.0%}" for x in row["drafted_step_share"])
-    offs = ", ".join(str(x) for x in row["guard_switched_off"] or [])
-    loads = ", ".join(f"{n}: {'on' if g['speculating'] else 'off'}" for n, g in (row["guard_by_batch"] or {}).items())
-    return (f"- {row['system']}, concurrency {row['concurrency']}: steps with drafts per run {share}; "
-            f"speculation switched off {offs or '-'} times per run by the guard; after the last run, by load: "
-            f"{loads or '-'}")
 
 
-def drafters_line(row: dict) -> str:
-    """Which drafters drafted a row's verified tokens: each one's share of them and how many were accepted."""
-    parts = ", ".join(f"{n} {d['drafted_share']:.0%} ({cell(d['accepted_rate'], '{:.2f}')} accepted)"
-                      for n, d in row["by_drafter"].items())
-    calib = ", ".join(f"{n} {f:.2f}" for n, f in (row.get("model_free_calibration") or {}).items())
-    return (f"- {row['system']}, concurrency {row['concurrency']}: drafted tokens by drafter: {parts}"
-            + (f"; model-free confidences scaled by {calib} (accepted over claimed)" if calib else ""))
+
+
 
 
 def describe_workload(name: str, stats: dict | None) -> str:

@@ -202,6 +202,7 @@ def _ours_worker(spec: dict, max_batch: int):
         steps, drafted = loop.stats.totals["steps"], loop.stats.totals["drafted_steps"]
         switched = guard.switched_off if guard else 0
         by_drafter = {n: list(v) for n, v in loop.stats.by_drafter.items()}
+        by_participation = dict(loop.stats.by_participation)
         res, wall = aio.run_until_complete(go(prompts, concurrency, max_tokens, sampling))
         return {"outputs": [r[0] for r in res], "seconds": [r[1] for r in res], "latency": [r[3] for r in res],
                 "wall": wall,
@@ -220,6 +221,9 @@ def _ours_worker(spec: dict, max_batch: int):
                 # which drafters the router chose: each one's tokens in the verified chains and those accepted
                 "by_drafter": {n: [d - by_drafter.get(n, [0, 0])[0], a - by_drafter.get(n, [0, 0])[1]]
                                for n, (d, a) in loop.stats.by_drafter.items()},
+                # how the requests' rounds drafted: the goodput controller's participations, probes included
+                "by_participation": {p: n - by_participation.get(p, 0) for p, n in loop.stats.by_participation.items()
+                                     if n > by_participation.get(p, 0)},
                 # the model-free drafters' calibration over every request so far (accepted over claimed)
                 "model_free_calibration": coordinator.state()["model_free_calibration"] or None}
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from assembly.drafter_server import DrafterServer
-from benchmarks import anchors, common, turns
+from benchmarks import anchor_notes, anchors, common, turns
 from benchmarks.repeated import repeated_prompts, workload_stats
 from benchmarks.sampled import Sampling
 from benchmarks.worker_handle import Worker
@@ -67,7 +67,7 @@ def test_repeats_rotate_the_order_and_ratios_pair_each_repeat():
     assert p["by_repeat"] == [0.967, 0.98, 0.96] and (p["median"], p["min"], p["max"]) == (0.967, 0.96, 0.98)
     # the ratio of the medians would say 24 / 25 = 0.96; an older run without repeats has no pairing
     assert common.paired(ours, {"system": anchors.TARGET_ONLY, "tokens_per_s": 25.0}) is None
-    line = anchors.paired_line(dict(ours, paired_vs_vllm_target_only=p))
+    line = anchor_notes.paired_line(dict(ours, paired_vs_vllm_target_only=p))
     assert line == (f"- {anchors.OURS} / vLLM target-only, concurrency 1, paired by repeat: 0.97x (0.96-0.98; "
                     "0.97, 0.98, 0.96)")
 
@@ -289,6 +289,18 @@ def test_a_worker_forgets_the_outputs_it_drafts_from_between_repeats(tmp_path, t
 def test_the_drafters_line_says_how_the_model_free_confidences_were_scaled():
     row = {"system": anchors.OURS_MF, "concurrency": 8, "model_free_calibration": {"suffix": 0.31},
            "by_drafter": {"suffix": {"drafted_share": 0.43, "accepted_rate": 0.15}}}
-    line = anchors.drafters_line(row)
+    line = anchor_notes.drafters_line(row)
     assert "suffix 43% (0.15 accepted)" in line and "scaled by suffix 0.31" in line
-    assert "scaled" not in anchors.drafters_line(dict(row, model_free_calibration=None))
+    assert "scaled" not in anchor_notes.drafters_line(dict(row, model_free_calibration=None))
+
+
+def test_a_rows_participations_are_summed_over_its_runs_and_said_as_shares():
+    """What the goodput controller chose (issue 58's closing note): each run's requests' rounds per participation,
+    summed over the row's runs; a participation no run used is not listed."""
+    runs = [{"by_participation": {"1 generalist": 30, "1": 10}}, {"by_participation": {"1": 20, "2 lockstep": 20}},
+            {}]
+    counts = anchor_notes.summed([r.get("by_participation") or {} for r in runs])
+    assert counts == {"1": 30, "1 generalist": 30, "2 lockstep": 20}
+    assert anchor_notes.summed([{}, {}]) is None
+    line = anchor_notes.participation_line({"system": anchors.OURS, "concurrency": 8, "by_participation": counts})
+    assert line.endswith("requests' rounds by participation: 1 generalist 38%, 1 38%, 2 lockstep 25%"), line
