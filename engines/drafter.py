@@ -129,10 +129,8 @@ class DrafterEngine:
     def _propose(self, logits: torch.Tensor, alternatives: bool = True) -> list[Proposal]:
         """A proposal from each row of `logits` [n, vocab], all rows in one pass (a step's requests together).
         Without `alternatives`, a proposal's top tokens are its own token alone (no top-k over the vocabulary)."""
-        logits = logits[:, :self.vocab_limit]
-        q = torch.softmax(logits.float(), dim=-1)
-        tokens = logits.argmax(-1)
-        probs = q.gather(-1, tokens[:, None])[:, 0]
+        q = torch.softmax(logits[:, :self.vocab_limit].float(), dim=-1)
+        probs, tokens = q.max(-1)  # the most likely token and its probability in one pass (argmax and gather: two)
         if not alternatives:
             return [Proposal(t, p, [t], [p]) for t, p in zip(tokens.tolist(), probs.tolist())]
         top_p, top_i = q.topk(self.top_alternatives, dim=-1)

@@ -105,8 +105,8 @@ def _choose(logits: torch.Tensor, vocab_limit: int | None, top: int) -> torch.Te
     `top` 0: no top-k over the vocabulary)."""
     logits = logits[..., :vocab_limit]
     q = torch.softmax(logits.float(), dim=-1)
-    tokens = logits.argmax(-1, keepdim=True)
-    chosen = [tokens.double(), q.gather(-1, tokens).double()]
+    probs, tokens = q.max(-1, keepdim=True)
+    chosen = [tokens.double(), probs.double()]
     if top:
         top_p, top_i = q.topk(top, dim=-1)
         chosen += [top_i.double(), top_p.double()]
