@@ -222,6 +222,42 @@ def test_a_round_costs_one_forward_per_drafter_shape_and_depth(drafter_models, t
             s.executor.shutdown(wait=True)
 
 
+def test_a_tier_stepped_on_the_verifiers_thread_drafts_as_on_its_own(drafter_models, texts):
+    """`InProcessDraftingTier.step_on` (colocated drafters on a CPU step on the verifier's thread): every drafter
+    and the pool then step on that thread alone, their own threads shut down, and every draft is the one the
+    drafters give on threads of their own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from assembly.drafter_server import DrafterServer
+    from assembly.drafting_tier import InProcessDraftingTier
+    from speculation.coordinator import SpeculationCoordinator
+    from speculation.messages import DraftRequest
+
+    names, k = list(NAMES), 4
+    contexts = {f"r{i}": texts[i][:20 + 7 * i] for i in range(4)}
+    verifier_thread = ThreadPoolExecutor(1, thread_name_prefix="verifier")
+    drafts = {}
+    for setting in ("off", "on"):
+        servers = {n: DrafterServer(n, DrafterEngine(drafter_models[n], name=n, max_requests=4, max_len=128))
+                   for n in names}
+        tier = InProcessDraftingTier(SpeculationCoordinator(names), servers, setting)
+        own = {s.executor for s in servers.values()}
+        if setting == "on":
+            tier.step_on(verifier_thread)
+            assert {s.executor for s in servers.values()} == {verifier_thread} == {p.executor for p in
+                                                                                   tier.pools.values()}
+            for e in own:  # shut down: nothing more runs there
+                with pytest.raises(RuntimeError):
+                    e.submit(int)
+        batch = [DraftRequest(r, c, k, budget=2 * k, drafters=[names[i % 4], names[(i + 1) % 4]])
+                 for i, (r, c) in enumerate(contexts.items())]
+        drafts[setting] = {r: d.tokens for r, d in asyncio.run(tier.draft(batch)).items()}
+        for e in own:
+            e.shutdown(wait=True)
+    verifier_thread.shutdown(wait=True)
+    assert drafts["on"] == drafts["off"] and len(drafts["on"]) == len(contexts)
+
+
 def test_the_pool_by_default_only_where_the_drafters_run_on_a_gpu(drafter_models):
     """`pool_drafters: auto` (the default) pools same-shape drafters on a GPU only: on a CPU each steps alone (the
     pooled step measured no faster there); `on` pools them wherever they run."""
