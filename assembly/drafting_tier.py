@@ -59,7 +59,7 @@ class InProcessDraftingTier:
     def step_on(self, thread: ThreadPoolExecutor) -> None:
         """Step every drafter (and pool) on `thread` from now on, their own threads shut down: the verifier's thread
         where drafting takes turns with verification on a CPU (`step_on_verifier_thread`)."""
-        for runs in [*self.servers.values(), *{id(p): p for p in self.pools.values()}.values()]:
+        for runs in [*self.servers.values(), *self.pools.values()]:
             if runs.executor is not thread:
                 runs.executor.shutdown(wait=True)
                 runs.executor = thread
@@ -85,16 +85,14 @@ class InProcessDraftingTier:
             self.servers[name].release_later(rids)
 
 
-def step_on_verifier_thread(tier: InProcessDraftingTier | None, loop: VerifyLoop, overlaps: bool) -> bool:
+def step_on_verifier_thread(tier: InProcessDraftingTier | None, loop: VerifyLoop, overlaps: bool) -> None:
     """Where colocated drafters take turns with verification (`overlaps` False) on a CPU, they step on the thread
     the verifier steps on, as vLLM's own drafter does: with its torch threads and its warm OpenMP workers. On
     threads of their own, each drafter's OpenMP pool woke sleeping workers at every op while the verifier's pool
     spun beside it (the 2-core CPU, `cosine bench anchors`, k = 4, concurrency 8: a drafting round 11.47 ms against
-    23.20 on threads of their own; docs/benchmarks.md). Whether it did."""
-    if tier is None or overlaps or loop.engine.device != "cpu":
-        return False
-    tier.step_on(loop.step_thread)
-    return True
+    23.20 on threads of their own; docs/benchmarks.md)."""
+    if tier is not None and not overlaps and loop.engine.device == "cpu":
+        tier.step_on(loop.step_thread)
 
 
 class _PooledCalls:

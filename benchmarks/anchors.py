@@ -316,10 +316,6 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             "text": text_stats([o for r in runs for o in r["outputs"]])}
 
 
-
-
-
-
 def _latency(run: dict) -> dict:
     """Time to first token (median over the run's requests) and the 99th percentile of the intervals between a
     request's tokens (over all of them), where the system reports arrivals (not HF's nor the served row's)."""
@@ -388,14 +384,6 @@ def format_table(result: dict) -> str:
     lines += [f"- {name}: not run: {why}" for name, why in result.get("unavailable", {}).items()]
     lines += [f"- WARNING: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)
-
-
-
-
-
-
-
-
 
 
 def describe_workload(name: str, stats: dict | None) -> str:

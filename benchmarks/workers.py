@@ -222,8 +222,8 @@ def _ours_worker(spec: dict, max_batch: int):
                 "by_drafter": {n: [d - by_drafter.get(n, [0, 0])[0], a - by_drafter.get(n, [0, 0])[1]]
                                for n, (d, a) in loop.stats.by_drafter.items()},
                 # how the requests' rounds drafted: the goodput controller's participations, probes included
-                "by_participation": {p: n - by_participation.get(p, 0) for p, n in loop.stats.by_participation.items()
-                                     if n > by_participation.get(p, 0)},
+                "by_participation": {str(p): n - by_participation.get(p, 0)
+                                     for p, n in loop.stats.by_participation.items() if n > by_participation.get(p, 0)},
                 # the model-free drafters' calibration over every request so far (accepted over claimed)
                 "model_free_calibration": coordinator.state()["model_free_calibration"] or None}
 

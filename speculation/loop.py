@@ -219,7 +219,7 @@ class VerifyLoop:
                 participations.add(None if first else d.participation)
                 scored += len(d.context) if first else 0
                 req.participation, req.drafted = d.participation, True
-                self.stats.by_participation[str(d.participation)] += 1
+                self.stats.by_participation[d.participation] += 1
                 req.routed |= not d.participation.generalist
         self._catching_up |= scored > 0
         t, work = time.perf_counter(), WORK.snapshot()

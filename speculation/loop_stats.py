@@ -20,7 +20,7 @@ class LoopStats:
         self.step_intervals: deque = deque(maxlen=128)  # per step: from one verify's end to the next one's start
         self.recent_accepted: dict[str, deque] = {}  # drafter -> accepted length (bonus included) per draft
         self.by_drafter: dict[str, list[int]] = {}  # drafter -> [tokens of its in verified chains, those accepted]
-        self.by_participation: Counter = Counter()  # participation (its str) -> requests' rounds drafted so
+        self.by_participation: Counter = Counter()  # Participation -> requests' rounds drafted in it
         self.totals = {"steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0,  # since start, for benchmarks
                        "drafted_steps": 0,  # verify steps where some request had a draft
                        "drafted_ahead": 0, "ahead_used": 0,
