@@ -10,8 +10,9 @@ what plain decoding gives at the same batch sizes, measured on steps without dra
 `clear` of plain decoding's speed is one after half a window (a full one where the load's last window paid), below
 `severe` after a quarter, once plain steps are measured: a batch-16 run of a few dozen steps gets its verdict within
 the run), it is switched off
-(k = 0 for every request) for `off_steps` steps, then tried again: a trial that loses is a verdict after a quarter
-window and switches it off again, for twice as long (up to `off_steps_max`); a window that pays resets the wait. A
+(k = 0 for every request) for `off_steps` steps, then tried again: a trial that loses clearly is a verdict after a
+quarter window (any loss beyond the margin after half) and switches it off again, for twice as long (up to
+`off_steps_max`); a window that pays resets the wait. A
 verdict also waits long enough that a trial losing what its steps lost costs at most half the margin of the plain
 steps before it: a trial's price, not a fixed count, sets how often speculation that keeps losing is tried. A load's
 first verdict waits `off_steps`, unpriced: its window holds the load's first rounds (the goodput controller not yet
@@ -102,7 +103,7 @@ class SpeculationGuard:
         r = regime(requests)
         if r not in self.regimes:
             # a load never judged, above one where speculation lost, starts on trial: a larger batch leaves
-            # speculation less to gain (on a GPU as on a CPU), so a losing quarter window is its verdict
+            # speculation less to gain (on a GPU as on a CPU), so a clearly losing quarter window is its verdict
             lost_below = any(g.last_ratio is not None and g.last_ratio < 1 - self.margin
                              for q, g in self.regimes.items() if q < r)
             self.regimes[r] = Regime(wait=self.off_steps, trial=lost_below)
@@ -167,15 +168,18 @@ class SpeculationGuard:
         g.spec.append((requests, committed, seconds))
         if len(g.spec) < self.window:
             # a loss far beyond noise (below `severe` of plain) is a verdict after a quarter window, a clear one
-            # (below `clear`) after half (on trial, any loss beyond the margin after a quarter: it lost before); not
-            # a clear one where the load's last full window paid: half a window of text no drafter predicts (every
-            # step committing one token) is a phase there, and greedy runs at 1.8x plain were switched off by it
+            # (below `clear`) after half; not a clear one where the load's last full window paid: half a window of
+            # text no drafter predicts (every step committing one token) is a phase there, and greedy runs at 1.8x
+            # plain were switched off by it. On trial (it lost before) a clear loss is one after a quarter window,
+            # any loss beyond the margin after half: sampled text at batch 1 lost trials of 4 steps at 0.90-0.96x
+            # plain, between full windows that paid 1.0-1.8x (the 2-core CPU, examples/bench.yaml, k = 4)
             n = len(g.spec)
             early = n >= max(2, self.window // 4) and self._measured_near(requests)
+            half = n >= max(2, self.window // 2)
             paid = g.last_ratio is not None and g.last_ratio >= 1 - self.margin
             if early and (ratio := self._ratio(g.spec)) is not None and (
-                    ratio < self.severe or (g.trial and ratio < 1 - self.margin)
-                    or (n >= max(2, self.window // 2) and ratio < self.clear and not paid)):
+                    ratio < self.severe or (g.trial and ratio < (1 - self.margin if half else self.clear))
+                    or (half and ratio < self.clear and not paid)):
                 self._verdict(g)
             return
         typical = int(statistics.median(n for n, _, _ in g.spec))

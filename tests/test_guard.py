@@ -94,6 +94,22 @@ def test_a_loss_far_beyond_noise_is_a_verdict_after_a_quarter_window():
     assert not g.allow(8) and g.switched_off == 1 and g.last_ratio == pytest.approx(1 / 3)
 
 
+def test_a_trial_losing_clearly_is_judged_after_a_quarter_window_a_slight_loss_after_half():
+    """On trial a slight loss (0.9x plain, inside `clear`) over a quarter window is no verdict: sampled text lost such
+    trials by noise between windows that paid; it is one after half a window. A clear loss (0.75x) takes a quarter."""
+    for committed, steps in ((18, 8), (15, 4)):  # 0.9x and 0.75x plain's 16 tokens per 0.1 s
+        g = SpeculationGuard(window=16, patience=2, severe=0.5, clear=0.85, off_steps=4)
+        _plain(g, 16, 0.1)
+        _spec(g, 16, 12, 0.1, steps=8)  # 0.75x: switched off after half a window
+        assert not g.allow(16) and g.switched_off == 1
+        _plain(g, 16, 0.1, steps=4)
+        assert g.allow(16) and g.now.trial
+        _spec(g, 16, committed, 0.125, steps=steps - 1)
+        assert g.allow(16), (committed, steps)
+        _spec(g, 16, committed, 0.125)
+        assert not g.allow(16) and g.switched_off == 2, (committed, steps)
+
+
 def test_a_clear_loss_is_a_verdict_after_half_a_window_a_slight_one_after_two_windows():
     """Below `clear` (0.85x plain) speculation is switched off after half a window, within a batch-16 run of a few
     dozen steps; a loss within it (0.9x) waits for `patience` full windows, as noise may make one."""
