@@ -104,9 +104,12 @@ def serve_env() -> dict[str, str]:
       whenever they woke; `vllm serve` runs at nice 0 (docs/operations.md).
     - A short drain of the ingress on shutdown: it drains 30 s so that external load balancers can deregister it;
       on one machine only Serve's own proxy routes to it, which learns of a stopping replica at once, so a short
-      drain keeps Ctrl-C quick."""
+      drain keeps Ctrl-C quick.
+    - Serve's controller loop every 0.5 s, not 0.1: each pass asks the GCS for every node's resources, and on the
+      2-core CPU an idle bench graph's controller took 3.2% of a core (1.3% at 0.5 s), all of it from the cores
+      the verifier's step runs on; replicas start and are replaced, and the autoscaler decides, at most 0.4 s later."""
     defaults = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_worker_niceness": "0",
-                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
     return {k: os.environ.get(k, v) for k, v in defaults.items()}
 
 
