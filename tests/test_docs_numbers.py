@@ -137,6 +137,7 @@ PRINTED = [("docs/benchmarks.md", "history/anchors-k4-2026-11-27.json", "benchma
            ("docs/benchmarks.md", "anchors-k8-verifier-thread.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-t07-verifier-thread.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-t07-trial-half.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "anchors-k4-trial-half.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-t07-served-c1-seed1.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-headline.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", "history/anchors-k4-t07-vllm-unfixed.json", "benchmarks.anchors:format_table"),
