@@ -9,17 +9,16 @@ what plain decoding gives at the same batch sizes, measured on steps without dra
 `margin` slower in `patience` windows in a row (one noisy window on a busy machine is not a verdict; a loss below
 `clear` of plain decoding's speed is one after half a window (a full one where the load's last window paid), below
 `severe` after a quarter, once plain steps are measured: a batch-16 run of a few dozen steps gets its verdict within
-the run), it is switched off
-(k = 0 for every request) for `off_steps` steps, then tried again: a trial that loses clearly is a verdict after a
-quarter window (any loss beyond the margin after half) and switches it off again, for twice as long (up to
-`off_steps_max`); a window that pays resets the wait. A
-verdict also waits long enough that a trial losing what its steps lost costs at most half the margin of the plain
-steps before it: a trial's price, not a fixed count, sets how often speculation that keeps losing is tried. A load's
-first verdict waits `off_steps`, unpriced: its window holds the load's first rounds (the goodput controller not yet
-fitted to it, drafters new to its requests), and one such half window at 0.78x of plain, priced, kept speculation
-off for longer than a greedy batch-8 benchmark ran (bench_results/anchors-k8-turns.json). A load switched off before
-has shown it can lose: its verdicts are priced, after a trial or after a window that paid alike (one paying window
-on sampled text, where speculation hovers near plain's speed, is no proof).
+the run), it is switched off (k = 0 for every request) for `off_steps` steps, then tried again: a trial that loses
+clearly is a verdict after a quarter window (any loss beyond the margin after half) and switches it off again, for
+twice as long (up to `off_steps_max`); a window that pays resets the wait. A verdict also waits long enough that a
+trial losing what its steps lost costs at most half the margin of the plain steps before it: a trial's price, not a
+fixed count, sets how often speculation that keeps losing is tried. A load's first verdict waits `off_steps`,
+unpriced: its window holds the load's first rounds (the goodput controller not yet fitted to it, drafters new to its
+requests), and one such half window at 0.78x of plain, priced, kept speculation off for longer than a greedy batch-8
+benchmark ran (bench_results/anchors-k8-turns.json). A load switched off before has shown it can lose: its verdicts
+are priced, after a trial or after a window that paid alike (one paying window on sampled text, where speculation
+hovers near plain's speed, is no proof).
 
 Verdicts are kept per load: batch sizes 1, 2, 3-4, 5-8, 9-16, ... (`regime`) each have their own windows, verdicts
 and waits, and a step counts only towards its own. Whether speculation pays depends on the batch (on a CPU it pays
