@@ -292,7 +292,7 @@ def test_the_ingress_names_its_requests_tenant_by_the_api_key_it_checks(monkeypa
     assert openai_server(api_key="s3cret").responder.tenant == tenant_of("other")
 
 
-def _hybrid(models, tokenizer, heldout, alone):
+def _hybrid(models, tokenizer, heldout, alone, generalists=frozenset()):
     """A code drafter model and an n-gram drafter behind a coordinator with `routing.model_free_alone: alone`; the
     step function records every (drafter, request) call; two contexts: "loop" (a code passage seen three times
     before, a strong n-gram match) and "free" (legal text, none)."""
@@ -300,7 +300,8 @@ def _hybrid(models, tokenizer, heldout, alone):
 
     servers = {"code": DrafterServer("code", str(models / "drafter-code"), max_len=512),
                "ngram": DrafterServer.from_spec(DrafterSpec(name="ngram", kind="ngram", max_len=512))}
-    coord = SpeculationCoordinator(["code", "ngram"], RoutingSpec(model_free_alone=alone), model_free={"ngram"})
+    coord = SpeculationCoordinator(["code", "ngram"], RoutingSpec(model_free_alone=alone), model_free={"ngram"},
+                                   generalists=generalists)
     called: list[tuple[str, str]] = []
 
     async def step_fn(name, calls):
@@ -329,6 +330,23 @@ def test_a_strong_match_drafts_without_the_models_and_a_weak_one_with_them(model
     assert ("code", "free") in called and ("ngram", "loop") in called
     assert (("code", "loop") in called) == (alone is None)
     assert drafts["loop"].tokens[:4] == text[20:24]  # the passage's continuation
+
+
+def test_the_generalists_rounds_take_the_model_free_drafters_and_a_strong_match_goes_without_its_forwards(
+        models, tokenizer, heldout):
+    """In the generalist participation (a loaded verifier's rounds) the model-free drafters join the generalist as
+    in a routed round: the strong match ("loop", a passage seen three times) is drafted by the n-gram drafter alone,
+    the request without a match by the generalist."""
+    from speculation.messages import DraftRequest, Participation
+
+    _, coord, called, step_fn, text, contexts = _hybrid(models, tokenizer, heldout, 2.0, generalists={"code"})
+    together = Participation(1, generalist=True)
+    for _ in range(2):
+        called.clear()
+        drafts = asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8, participation=together)
+                                          for r, c in contexts.items()], step_fn))
+    assert ("ngram", "loop") in called and ("code", "free") in called and ("code", "loop") not in called
+    assert drafts["loop"].tokens[:4] == text[20:24]
 
 
 @pytest.mark.parametrize("phase_s, worth, models_called", [(0.5, 0.5, False), (0.001, 3.0, True), (None, 0.5, True)])
