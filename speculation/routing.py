@@ -23,20 +23,19 @@ Measured on 240 held-out 64-token prompts, own domain first: 141 raw, 186 with t
 the drafters' per-token floor (engines/drafter.py). Without prompt scores every drafter starts equal.
 
 Model-free drafters (n-gram, suffix: engines/model_free.py) take no place: the routed places go to the drafter
-models, and every model-free drafter joins each routed round beside them. They cost a lookup, not a forward pass,
-and propose nothing where the context's end never occurred before. They are asked first (the coordinator's
-`_model_free_first`): where one's chain is expected to have `routing.model_free_alone` tokens accepted, the round is
-theirs alone, without the models' forwards (Snowflake's hybrid of suffix and model drafts, chosen per step by the
-match's score); elsewhere fusion (Eq. 4) weighs a match's confidence (its continuation's frequency) against the
-models' probabilities, token by token. A match's frequency is what the text repeated, not what the target will
-accept: sampled text at T = 0.7 accepted 15% of the suffix drafter's tokens where their confidences claimed far more.
-So each model-free drafter's confidences are calibrated per request by what the target accepted (`calibrated`):
-scaled by the request's accepted tokens over the acceptance its confidences claimed, on the positions the target
-judged (decayed sums, a new request starting from every request's), before fusion and the alone-or-with-models
-choice see them. Their routing
-scores are kept by the same Eq. 1-2 as the models' (their tokens are scored against what the target committed), so
-a request's ranking at release says which drafter its output followed; they have no prompt likelihood, so the
-cold start leaves them at 0.
+models, and every model-free drafter joins each routed round beside them (and the generalist participation's). They
+cost a lookup, not a forward pass, and propose nothing where the context's end never occurred before. They are asked
+first (the coordinator's `_model_free_first`): where one's chain is expected to have `routing.model_free_alone`
+tokens accepted, the round is theirs alone, without the models' forwards (Snowflake's hybrid of suffix and model
+drafts, chosen per step by the match's score); elsewhere fusion (Eq. 4) weighs a match's confidence (its
+continuation's frequency) against the models' probabilities, token by token. A match's frequency is what the text
+repeated, not what the target will accept: sampled text at T = 0.7 accepted 15% of the suffix drafter's tokens where
+their confidences claimed far more. So each model-free drafter's confidences are calibrated per request by what the
+target accepted (`calibrated`): scaled by the request's accepted tokens over the acceptance its confidences claimed,
+on the positions the target judged (decayed sums, a new request starting from every request's), before fusion and
+the alone-or-with-models choice see them. Their routing scores are kept by the same Eq. 1-2 as the models' (their
+tokens are scored against what the target committed), so a request's ranking at release says which drafter its
+output followed; they have no prompt likelihood, so the cold start leaves them at 0.
 """
 
 from __future__ import annotations
