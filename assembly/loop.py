@@ -38,7 +38,8 @@ def build_loop(cfg: AppConfig, engine: VerifierEngine | None = None,
 def freeze_startup_heap() -> None:
     """Once models and engines are loaded: everything alive now moved out of the garbage collector's reach, so that
     its collections while serving walk only what serving allocates (vLLM's engine core does the same at its own
-    startup, before our drafters and deployment exist)."""
+    startup, before our drafters and deployment exist). Frozen objects in reference cycles are never collected: a
+    process that builds loops and drops them must `gc.unfreeze()` after (the test suite does, per module)."""
     gc.collect()
     gc.freeze()
 

@@ -5,6 +5,7 @@ on half of its own steps."""
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import tempfile
@@ -187,6 +188,7 @@ def record(config: str, requests_from: Path, out: Path = RECORDED, concurrencies
         loop.trace.close()
         for server in loop.drafting.servers.values():
             server.executor.shutdown(wait=True)
+        gc.unfreeze()  # build_loop froze the heap: this run's loop, engine and drafters must go when it is dropped
         lines = [json.loads(x) for x in path.read_text().splitlines()[start:]]
         for x in lines:
             x.update({k: round(v, 6) for k, v in x.items() if isinstance(v, float)})  # microseconds
