@@ -40,7 +40,7 @@ from openai import AuthenticationError, OpenAI
 
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
-from speculation.tiers import COLOCATED, REMOTE, WARMUP
+from speculation.tiers import COLOCATED, HYSTERESIS, REMOTE, WARMUP
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -172,13 +172,16 @@ def test_auto_builds_both_tiers_chooses_colocated_here_and_stays_lossless(served
             assert r.json()["choices"][0]["text"] == _want(target, tokenizer, ids, 24), (d, i)
     stats = httpx.get(f"{server}/v1/internal/speculation_stats", headers=AUTH, timeout=30).json()
     chooser = stats["drafting_tier"]
-    # both tiers measured (the warm-up drafts on each in turn), then the colocated one chosen and drafting most
+    # both tiers measured (the warm-up drafts on each in turn), then one chosen and drafting most: colocated on a quiet
+    # 2-core machine; the remote tier's drafters have processes of their own, and with the suite's other worker
+    # loading the cores it measured faster once (CI, 2026-11-30), so the test holds the choice to its measurements
     assert chooser["measured"].get(REMOTE, 0) >= WARMUP and chooser["measured"].get(COLOCATED, 0) >= WARMUP, chooser
-    assert chooser["chosen"] == COLOCATED, chooser
-    assert chooser["rounds"][COLOCATED] > chooser["rounds"][REMOTE], chooser
-    # chosen for what it predicts from the rounds measured on each tier at this load, not by default
+    chosen = chooser["chosen"]
+    other = REMOTE if chosen == COLOCATED else COLOCATED
+    assert chooser["rounds"][chosen] > chooser["rounds"][other], chooser
+    # chosen for what it predicts from the rounds measured on each tier at this load (held within the hysteresis)
     goodput = chooser["predicted"]["goodput"]
-    assert goodput[COLOCATED] > goodput[REMOTE], chooser
+    assert goodput[chosen] * (1 + HYSTERESIS) >= goodput[other], chooser
     for tier in (COLOCATED, REMOTE):
         assert stats[tier]["rounds"] > 0 and stats[tier]["drafter_failures"] == 0, (tier, stats[tier])
 
@@ -201,10 +204,11 @@ def test_colocated_drafting_streamed_and_not_is_target_only_greedy(server, token
                     pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
         assert "".join(pieces) == want, d
     after = httpx.get(f"{server}/v1/internal/speculation_stats", headers=AUTH, timeout=30).json()
-    # these requests drafted on the chosen tier: inside this replica, on its CPU
-    assert after["drafting_tier"]["chosen"] == COLOCATED
-    assert after[COLOCATED]["rounds"] > before[COLOCATED]["rounds"]
-    assert after["controller"]["drafting_overlaps_verification"] is False
+    # these requests drafted on the chosen tier (inside this replica, on its CPU, where it is the colocated one)
+    chosen = after["drafting_tier"]["chosen"]
+    assert after[chosen]["rounds"] > before[chosen]["rounds"]
+    if chosen == COLOCATED:
+        assert after["controller"]["drafting_overlaps_verification"] is False
 
 
 def test_concurrent_requests_stay_lossless(server, tokenizer, target, heldout):
