@@ -108,11 +108,12 @@ def test_bench_target_preserves_next_token_distribution(bench_target, target, do
 # over 10 s on the 2-core CPU (the bench target's greedy decoding): slow
 @pytest.mark.slow
 def test_bench_target_greedy_equals_target(bench_target, target, domain_prompt_ids):
-    for domain, prompts in domain_prompt_ids.items():
-        ids = torch.tensor(prompts)
-        a = greedy_continue(target, ids, 32)
-        b = greedy_continue(bench_target, ids, 32)
-        assert torch.equal(a, b), domain
+    # every domain's prompts in one batch (they are all 48 tokens): the bench target's weights read once a step
+    domains = [d for d, prompts in domain_prompt_ids.items() for _ in prompts]
+    ids = torch.tensor([p for prompts in domain_prompt_ids.values() for p in prompts])
+    a = greedy_continue(target, ids, 32)
+    b = greedy_continue(bench_target, ids, 32)
+    assert [d for d, x, y in zip(domains, a, b) if not torch.equal(x, y)] == []
 
 
 def test_deepened_target_computes_the_same_function(target, domain_prompt_ids, models):
