@@ -34,7 +34,7 @@ test: setup
 
 # The edit-test loop: everything but the tests marked slow (vLLM engines, Ray clusters, subprocesses).
 test-fast: setup
-	$(VENV)/bin/pytest -q -m "not slow" tests
+	$(VENV)/bin/pytest -q -n 2 -m "not slow" tests
 
 bench-target: setup
 	$(VENV)/bin/cosine models bench-target
