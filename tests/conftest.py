@@ -13,8 +13,8 @@ from pathlib import Path
 # OpenMP workers that sleep as soon as their parallel region ends, rather than spin first (libgomp reads this when
 # torch loads it, so it is set before `import torch`; Ray's processes and every subprocess inherit it). A serving
 # process has its cores to itself and spins; the suite runs two workers, Ray clusters and vLLM engines on the same
-# cores, where every spinning worker burns a core another process needs: a fresh `make test` on a 2-core AMD EPYC
-# took 22:31 of pytest with spinning workers and 17:30 without (2026-11-30, 755 passed each).
+# cores, where every spinning worker burns a core another process needs: the suite on two workers in one checkout on a
+# 2-core AMD EPYC took 22:31 of pytest with spinning workers and 17:30 without (2026-11-30, 755 passed each).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402

@@ -160,7 +160,8 @@ def _want(target, tokenizer, ids: list[int], n: int) -> str:
                             skip_special_tokens=True)
 
 
-def test_auto_builds_both_tiers_chooses_by_its_measurements_and_stays_lossless(served, server, tokenizer, target, heldout):
+def test_auto_builds_both_tiers_chooses_by_its_measurements_and_stays_lossless(served, server, tokenizer, target,
+                                                                            heldout):
     deployments = _deployments(served)
     assert {"Ingress", "Verifier", "Speculation"} <= deployments, deployments
     assert {f"Drafter-{d}" for d in DOMAINS_SERVED} <= deployments, deployments
