@@ -76,6 +76,15 @@ class InProcessDraftingTier:
     async def stats(self) -> dict:
         return self.coordinator.state()
 
+    def forward_work(self) -> tuple[int, float]:
+        """The drafter models' forward passes so far and their seconds, by the runners' own timers (a pool's
+        batched forward counted once): what of a drafting round is model compute, the rest being the coordinator's
+        and the drafter servers' host work. Model-free drafters have none."""
+        pools = {id(p.pool): p.pool for p in self.pools.values()}
+        alone = [s.engine for n, s in self.servers.items() if n not in self.pools and s.engine.runner is not None]
+        return (sum(e.forward_passes for e in alone) + sum(p.forward_passes for p in pools.values()),
+                sum(e.runner.forward_seconds for e in alone) + sum(p.forward_seconds for p in pools.values()))
+
     def release(self, request_ids: list[str]) -> None:
         per: dict[str, list[str]] = {}
         for r in request_ids:

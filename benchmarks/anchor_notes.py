@@ -44,6 +44,15 @@ def guard_line(row: dict) -> str:
             f"{loads or '-'}")
 
 
+def rounds_line(row: dict) -> str:
+    """Where a row's drafting round went: the drafter models' forwards (how many, how long) and the host work left
+    (the coordinator's routing and fusion, the drafter servers' syncs and proposals, the thread hops)."""
+    per, fwd = row["draft_ms_per_round"], row["draft_forward_ms_per_round"]
+    return (f"- {row['system']}, concurrency {row['concurrency']}: a drafting round {per:.2f} ms: "
+            f"{row['drafter_forwards_per_round']:.2f} drafter forwards taking {fwd:.2f} ms, host work "
+            f"{per - fwd:.2f} ms")
+
+
 def drafters_line(row: dict) -> str:
     """Which drafters drafted a row's verified tokens: each one's share of them and how many were accepted."""
     parts = ", ".join(f"{n} {d['drafted_share']:.0%} ({cell(d['accepted_rate'], '{:.2f}')} accepted)"

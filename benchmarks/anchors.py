@@ -53,7 +53,8 @@ import tempfile
 from pathlib import Path
 
 from model_family import DOMAINS
-from benchmarks.anchor_notes import by_drafter, drafters_line, guard_line, paired_line, participation_line, summed
+from benchmarks.anchor_notes import (by_drafter, drafters_line, guard_line, paired_line, participation_line,
+                                     rounds_line, summed)
 from benchmarks.common import ServedApp, cell, heldout_prompts, machine_load, paired, refuse_if_busy, tps_cell
 from benchmarks.metrics import save_json
 from benchmarks.repeated import COPY_BAR, repeated_prompts, workload_stats
@@ -299,6 +300,10 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             if mid.get("draft_tokens") else None,
             "draft_ms_per_round": round(1000 * mid["draft_s"] / mid["draft_rounds"], 3)
             if mid.get("draft_rounds") else None,
+            # ours in process: of a round, the drafter models' forwards (their count and time); the rest is host work
+            **({"drafter_forwards_per_round": round(mid["drafter_forwards"] / mid["draft_rounds"], 2),
+                "draft_forward_ms_per_round": round(1000 * mid["draft_forward_s"] / mid["draft_rounds"], 3)}
+               if mid.get("draft_rounds") and "drafter_forwards" in mid else {}),
             # ours in process: the share of verify steps with drafts in each run, the guard's verdicts against
             # speculation in each run, and each load's verdict after the last run
             "drafted_step_share": [round(r["drafted_step_share"], 3) for r in runs]
@@ -379,6 +384,7 @@ def format_table(result: dict) -> str:
     lines += [f"- {k}: {v:.2f}x" for k, v in result["goals"].items()]
     lines += [paired_line(r) for r in result["rows"] if r.get("paired_vs_vllm_target_only")]
     lines += [guard_line(r) for r in result["rows"] if r.get("drafted_step_share") is not None]
+    lines += [rounds_line(r) for r in result["rows"] if r.get("draft_forward_ms_per_round") is not None]
     lines += [drafters_line(r) for r in result["rows"] if r.get("by_drafter")]
     lines += [participation_line(r) for r in result["rows"] if r.get("by_participation")]
     lines += [f"- {name}: not run: {why}" for name, why in result.get("unavailable", {}).items()]

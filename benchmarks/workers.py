@@ -203,7 +203,9 @@ def _ours_worker(spec: dict, max_batch: int):
         switched = guard.switched_off if guard else 0
         by_drafter = {n: list(v) for n, v in loop.stats.by_drafter.items()}
         by_participation = dict(loop.stats.by_participation)
+        forwards, forward_s = loop.drafting.forward_work()
         res, wall = aio.run_until_complete(go(prompts, concurrency, max_tokens, sampling))
+        forwards_after, forward_s_after = loop.drafting.forward_work()
         return {"outputs": [r[0] for r in res], "seconds": [r[1] for r in res], "latency": [r[3] for r in res],
                 "wall": wall,
                 "drafts": sum(r[2].get("num_drafts", 0) for r in res),
@@ -212,6 +214,8 @@ def _ours_worker(spec: dict, max_batch: int):
                 "draft_tokens": sum(r[2].get("num_draft_tokens", 0) for r in res),
                 "draft_s": coordinator.stats["step_seconds"] - draft_s,
                 "draft_rounds": coordinator.stats["rounds"] - rounds,
+                # of the drafting rounds' time: the drafter models' forward passes (the rest is host work)
+                "drafter_forwards": forwards_after - forwards, "draft_forward_s": forward_s_after - forward_s,
                 # the guard: the share of this run's verify steps that verified drafts, its verdicts against
                 # speculation during the run, and each load's verdict at the end
                 "drafted_step_share": (loop.stats.totals["drafted_steps"] - drafted)

@@ -226,6 +226,11 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
     ours = rows[1]
     assert 0 < ours["drafted_step_share"][0] <= 1 and ours["guard_switched_off"] == [0]
     assert rows[0]["drafted_step_share"] is None
+    # a round's drafter forwards: at least one a round (k = 3 chains), within the round's time; none for vLLM's
+    assert ours["drafter_forwards_per_round"] >= 1
+    assert 0 < ours["draft_forward_ms_per_round"] < ours["draft_ms_per_round"]
+    assert "draft_forward_ms_per_round" not in rows[0]
+    assert f"{ours['drafter_forwards_per_round']:.2f} drafter forwards" in table
     assert f"{anchors.OURS}, concurrency 2: steps with drafts per run" in table
     shares = ours["by_drafter"]  # which drafters the router chose, with each one's acceptance
     assert shares and sum(d["drafted_share"] for d in shares.values()) == pytest.approx(1, abs=0.01)
