@@ -104,7 +104,11 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node_and_serves_target
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 2, "resources": {"verifier_node": 1}, "include_dashboard": True, "dashboard_port": dash,
             "temp_dir": RAY_TMP})
-        drafter_nodes = [cluster.add_node(num_cpus=2, resources={"drafter_node": 1}) for _ in range(2)]
+        # each node unpacks the package's working_dir into a directory of its own, as on separate machines: in the
+        # session directory these nodes share, a node unpacking it again deleted the directory another node's replica
+        # was working in (its first process then died at torch's first MKL call: "Cannot load libtorch_cpu.so")
+        drafter_nodes = [cluster.add_node(num_cpus=2, resources={"drafter_node": 1},
+                                          runtime_env_dir_name=f"runtime_resources_drafter_{i}") for i in range(2)]
         cluster.wait_for_nodes()
         return cluster, drafter_nodes
 
