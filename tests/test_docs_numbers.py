@@ -109,6 +109,7 @@ HISTORY_C1 = "history/anchors-k8-c1-per-domain-1.json"
 PRINTED = [("docs/benchmarks.md", "anchors-k4-t07-1130.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-1130.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-1130.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "anchors-k8-rounds.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-c8-model-free-generalist.json",
             "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", "history/anchors-k4-2026-11-27.json", "benchmarks.anchors:format_table"),
