@@ -106,7 +106,7 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node_and_serves_target
             "temp_dir": RAY_TMP})
         # each node unpacks the package's working_dir into a directory of its own, as on separate machines: in the
         # session directory these nodes share, a node unpacking it again deleted the directory another node's replica
-        # was working in (its first process then died at torch's first MKL call: "Cannot load libtorch_cpu.so")
+        # was working in (its first process then died: "Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so")
         drafter_nodes = [cluster.add_node(num_cpus=2, resources={"drafter_node": 1},
                                           runtime_env_dir_name=f"runtime_resources_drafter_{i}") for i in range(2)]
         cluster.wait_for_nodes()
