@@ -105,8 +105,8 @@ def test_serve_deploy_places_every_replica_on_its_kind_of_node_and_serves_target
             "num_cpus": 2, "resources": {"verifier_node": 1}, "include_dashboard": True, "dashboard_port": dash,
             "temp_dir": RAY_TMP})
         # each node unpacks the package's working_dir into a directory of its own, as on separate machines: in the
-        # session directory these nodes share, a node unpacking it again deleted the directory another node's replica
-        # was working in (its first process then died: "Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so")
+        # session directory these nodes share, the drafter nodes unpacked it again while a head-node replica started
+        # in it, and that replica's first process died ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so")
         drafter_nodes = [cluster.add_node(num_cpus=2, resources={"drafter_node": 1},
                                           runtime_env_dir_name=f"runtime_resources_drafter_{i}") for i in range(2)]
         cluster.wait_for_nodes()
