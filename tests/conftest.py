@@ -16,9 +16,22 @@ from pathlib import Path
 # cores, where every spinning worker burns a core another process needs: the suite on two workers in one checkout on a
 # 2-core AMD EPYC took 22:31 of pytest with spinning workers and 17:30 without (2026-11-30, 755 passed each).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The suite's own processes run torch on one thread unless a test or an engine sets more (a thread's count is its own:
+# engines/build.py `set_thread_torch_threads`): its models are tiny, two workers share two cores with Ray and vLLM,
+# and a second thread only adds wake-ups. libgomp reads OMP_NUM_THREADS once, as torch loads it; the variable is
+# restored after, so Ray's processes and every subprocess get the machine's defaults, as they would in production.
+# tests/test_engines.py and tests/test_collaborative.py alone, on an idle 2-core AMD EPYC (2026-11-30): 156 CPU s and
+# 128 s with two threads, 115 CPU s and 115 s with one.
+_omp_threads = os.environ.get("OMP_NUM_THREADS")
+os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if _omp_threads is None:
+    del os.environ["OMP_NUM_THREADS"]
+else:
+    os.environ["OMP_NUM_THREADS"] = _omp_threads
 
 # The suite owns every directory it writes: vLLM and torch.compile caches, Ray's temp dir (sessions, sockets and
 # the ray_current_cluster address file, which Ray puts under $RAY_TMPDIR/ray), and Ray's auth token (given in the

@@ -52,16 +52,6 @@ def _context(n: int, seed: int) -> list[int]:
 CONTEXT = _context(40, 1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small gain nothing from a second thread, and on a loaded machine its spin-waits cost the module
-    10x its time (66 s against 7 s, 2 shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def models() -> dict:
     out = {}

@@ -17,8 +17,13 @@ from engines.build import in_passing_thread
 
 def test_the_value_comes_back_errors_are_raised_here_and_the_callers_torch_threads_apply():
     seen = []
-    assert in_passing_thread(lambda x: (seen.append(torch.get_num_threads()), x + 1)[1], 41) == 42
-    assert seen == [torch.get_num_threads()]
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)  # not what a new thread starts with (tests/conftest.py: one)
+    try:
+        assert in_passing_thread(lambda x: (seen.append(torch.get_num_threads()), x + 1)[1], 41) == 42
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [before + 1]
     with pytest.raises(ValueError, match="bad config"):
         in_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad config")))
 
