@@ -13,6 +13,7 @@ import asyncio
 import random
 
 from config import AppConfig
+from engines.build import set_thread_torch_threads
 from engines.interface import VerifierEngine
 from engines.runner import LlamaRunner
 from engines.sampling import SamplingParams
@@ -149,13 +150,13 @@ def test_verify_steps_keep_the_loops_torch_threads_beside_in_process_drafters(ta
     ran on one core of two, at half speed, in every in-process run before this was pinned). Built with two threads
     (the suite's processes run one: tests/conftest.py), a count neither the drafters' nor a new thread's default."""
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    set_thread_torch_threads(2)  # torch's C setter: an in-process vLLM engine makes `torch.set_num_threads` a no-op
     try:
         seen: list[int] = []
         _record_steps(monkeypatch, lambda engine, members: seen.append(torch.get_num_threads()))
         _run(target, [drafter_models["generic"]], mixed_prompts[:4], k=4, batch=4)
     finally:
-        torch.set_num_threads(before)
+        set_thread_torch_threads(before)
     assert seen and set(seen) == {2}
 
 

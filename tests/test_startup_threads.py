@@ -12,17 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.build import in_passing_thread
+from engines.build import in_passing_thread, set_thread_torch_threads
 
 
 def test_the_value_comes_back_errors_are_raised_here_and_the_callers_torch_threads_apply():
     seen = []
     before = torch.get_num_threads()
-    torch.set_num_threads(before + 1)  # not what a new thread starts with (tests/conftest.py: one)
+    # not what a new thread starts with (tests/conftest.py: one); torch's C setter, as an in-process vLLM engine makes
+    # `torch.set_num_threads` a no-op in this process
+    set_thread_torch_threads(before + 1)
     try:
         assert in_passing_thread(lambda x: (seen.append(torch.get_num_threads()), x + 1)[1], 41) == 42
     finally:
-        torch.set_num_threads(before)
+        set_thread_torch_threads(before)
     assert seen == [before + 1]
     with pytest.raises(ValueError, match="bad config"):
         in_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad config")))
