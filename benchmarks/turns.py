@@ -29,9 +29,11 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _signal(procs: list[psutil.Process], sig: int, timeout_s: float = 10) -> None:
+def _signal(procs: list[psutil.Process], sig: int, timeout_s: float = 60) -> None:
     """Send `sig` to every process of `procs`, and wait until each has acted on it (a signal is delivered when its
-    process is next scheduled): stopped for SIGSTOP, running again for SIGCONT."""
+    process is next scheduled): stopped for SIGSTOP, running again for SIGCONT. RuntimeError if one has not within
+    `timeout_s`, checked after the deadline too (on a loaded machine this thread may sleep past it): a system measured
+    beside one still running would be measured wrong."""
     for p in procs:
         try:
             p.send_signal(sig)
@@ -39,10 +41,18 @@ def _signal(procs: list[psutil.Process], sig: int, timeout_s: float = 10) -> Non
             pass
     stopping = sig == signal.SIGSTOP
     deadline = time.monotonic() + timeout_s
-    while procs and time.monotonic() < deadline:
-        procs = [p for p in procs if _pending(p, stopping)]
-        if procs:
-            time.sleep(0.01)
+    while procs := [p for p in procs if _pending(p, stopping)]:
+        if time.monotonic() > deadline:
+            states = ", ".join(f"{p.pid} {_status(p)}" for p in procs)
+            raise RuntimeError(f"{signal.Signals(sig).name}: not acted on in {timeout_s:.0f} s by {states}")
+        time.sleep(0.01)
+
+
+def _status(p: psutil.Process) -> str:
+    try:
+        return p.status()
+    except psutil.NoSuchProcess:
+        return "gone"
 
 
 def _pending(p: psutil.Process, stopping: bool) -> bool:

@@ -3,12 +3,14 @@ a paused process gets no CPU; its turn resumes it, and `resume_all` leaves nothi
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import psutil
+import pytest
 
 from benchmarks.turns import Turns
 
@@ -68,3 +70,12 @@ def test_only_the_measured_system_runs_and_a_paused_one_gets_no_cpu():
             for p in reversed(_tree(s)):
                 p.kill()
             s.proc.wait()
+
+
+def test_a_process_that_does_not_act_on_its_signal_in_time_is_an_error_not_a_measurement(monkeypatch):
+    from benchmarks import turns
+
+    monkeypatch.setattr(turns, "_pending", lambda p, stopping: True)  # as a process stuck where no signal reaches it
+    me = psutil.Process()
+    with pytest.raises(RuntimeError, match=f"SIGCONT: not acted on in 0 s by {me.pid} "):
+        turns._signal([me], signal.SIGCONT, timeout_s=0.05)
