@@ -39,11 +39,6 @@ else:
 # The prefix is short: Ray's unix socket paths under it must stay within 107 bytes.
 _CACHE = Path(tempfile.mkdtemp(prefix="cos-"))
 os.environ["RAY_TMPDIR"] = str(_CACHE)
-# So does whatever else this process and its children put in the temp dir: vLLM engines' rendezvous files
-# (vllm_dist_*), multiprocessing's pymp-* dirs, the benchmarks' log dirs and pytest's tmp_path, which suite runs left
-# in /tmp before.
-(_CACHE / "tmp").mkdir()
-os.environ["TMPDIR"] = tempfile.tempdir = str(_CACHE / "tmp")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
 os.environ.setdefault("VLLM_CACHE_ROOT", str(_CACHE / "vllm"))
