@@ -61,3 +61,39 @@ def test_the_last_attempt_and_other_errors_propagate():
     with pytest.raises(ValueError):
         start_with_retry(broken, attempts=3, log=lambda _: None)
     assert len(calls) == 1
+
+
+def test_rays_dashboard_start_still_raises_from_the_function_this_retries_on():
+    from ray._private import services
+
+    from serve_app.ray_start import DASHBOARD_START
+
+    assert "Failed to start the dashboard" in inspect.getsource(getattr(services, DASHBOARD_START)), \
+        "Ray no longer starts its dashboard in this function: update serve_app/ray_start.py"
+
+
+def test_a_dashboard_that_died_at_start_is_retried_and_one_that_never_starts_fails():
+    from serve_app.ray_start import DASHBOARD_START
+
+    calls = []
+
+    def dies_at_start(times: int):
+        def dashboard() -> None:
+            raise Exception("Failed to read dashboard.err file: [Errno 2] No such file or directory")
+
+        dashboard.__code__ = dashboard.__code__.replace(co_name=DASHBOARD_START)  # as Ray's frame is named
+
+        def start() -> str:
+            calls.append(1)
+            if len(calls) <= times:
+                dashboard()
+            return "started"
+        return start
+
+    logged: list[str] = []
+    assert start_with_retry(dies_at_start(1), attempts=3, log=logged.append) == "started"
+    assert len(calls) == 2 and "dashboard died as it started (Failed to read dashboard.err" in logged[0]
+    calls.clear()
+    with pytest.raises(Exception, match="dashboard.err"):
+        start_with_retry(dies_at_start(5), attempts=3, log=lambda _: None)
+    assert len(calls) == 3
