@@ -36,8 +36,15 @@ else:
 # The suite owns every directory it writes: vLLM and torch.compile caches, Ray's temp dir (sessions, sockets and
 # the ray_current_cluster address file, which Ray puts under $RAY_TMPDIR/ray), and Ray's auth token (given in the
 # environment, so nothing is written to ~/.ray). All of it goes when the session ends; nothing is assumed to exist.
-# The prefix is short: Ray's unix socket paths under it must stay within 107 bytes.
-_CACHE = Path(tempfile.mkdtemp(prefix="cos-"))
+# So does whatever else this process and its children put in the temp dir (vLLM's rendezvous files vllm_dist_*,
+# multiprocessing's pymp-* dirs, the benchmarks' log dirs, pytest's tmp_path), which suite runs left in /tmp before.
+# The prefix is short: Ray's unix socket paths under it must stay within 107 bytes. pytest-xdist's workers import
+# this module too, with the controller's TMPDIR; their dirs go beside the controller's, in the temp root it started
+# with (handed down in the environment): nested inside it, Ray's socket paths passed 107 bytes in a fresh clone.
+_ROOT = os.environ.setdefault("COSINE_TEST_TMP_ROOT", tempfile.gettempdir())
+_CACHE = Path(tempfile.mkdtemp(prefix="cos-", dir=_ROOT))
+(_CACHE / "t").mkdir()
+os.environ["TMPDIR"] = tempfile.tempdir = str(_CACHE / "t")
 os.environ["RAY_TMPDIR"] = str(_CACHE)
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)

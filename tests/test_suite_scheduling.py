@@ -22,3 +22,23 @@ def test_xdist_still_splits_scopes_where_the_scheduler_overrides_it():
     # pytest-xdist is pinned: its LoadScopeScheduling hands each scope of `_split_scope` to one worker; a version that
     # no longer calls it would spread the cluster modules over both workers, silently
     assert callable(vars(LoadScopeScheduling).get("_split_scope"))
+
+
+def test_this_process_writes_its_temp_files_in_a_dir_of_its_own_beside_the_other_workers():
+    # pytest-xdist's workers inherit the controller's TMPDIR; a worker's dir made inside the controller's pushed
+    # Ray's socket paths past 107 bytes (91 errors in a fresh clone)
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tests.conftest import _CACHE, _ROOT, RAY_TMP
+
+    assert _CACHE.parent == Path(_ROOT) and not any(p.name.startswith("cos-") for p in _CACHE.parents)
+    assert tempfile.gettempdir() == os.environ["TMPDIR"] == str(_CACHE / "t")
+    child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert child == str(_CACHE / "t")
+    # Ray's longest socket path under its temp dir: a session dir, then sockets/plasma_store
+    assert len(f"{RAY_TMP}/session_2026-12-01_01-17-37_575436_4194304/sockets/plasma_store") <= 107
