@@ -41,7 +41,7 @@ from openai import AuthenticationError, OpenAI
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
 from speculation.tiers import COLOCATED, HYSTERESIS, REMOTE, WARMUP
-from tests.conftest import free_port
+from tests.conftest import _ROOT, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     port, dash = free_port(), free_port()
-    ray_tmp = tempfile.mkdtemp(prefix="cs-")  # short: Ray's socket paths live under it
+    # short, in the temp root rather than this process's own temp dir: Ray's socket paths live under it
+    ray_tmp = tempfile.mkdtemp(prefix="cs-", dir=_ROOT)
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
     env.pop("COSINE_API_KEY", None)  # the config's key, not the environment's
     cosine = str(Path(sys.executable).with_name("cosine"))
