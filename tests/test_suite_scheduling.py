@@ -1,12 +1,19 @@
 """`make test` runs the suite on two pytest-xdist workers with tests/conftest.py's scheduler: the modules that start
 a Ray cluster one after another on one worker (two graphs starting at once would each take both cores), every other
-module whole on one worker (its tests share its module-scoped engines and servers)."""
+module whole on one worker (its tests share its module-scoped engines and servers); every process of the suite writes
+its temp files in a dir of its own, beside the others'."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 from xdist.scheduler import LoadScopeScheduling
 
-from tests.conftest import CLUSTER_MODULES, scope_of
+from tests.conftest import _CACHE, _ROOT, CLUSTER_MODULES, RAY_TMP, scope_of
 
 
 def test_the_cluster_modules_share_one_scope_and_every_other_module_is_its_own():
@@ -27,14 +34,6 @@ def test_xdist_still_splits_scopes_where_the_scheduler_overrides_it():
 def test_this_process_writes_its_temp_files_in_a_dir_of_its_own_beside_the_other_workers():
     # pytest-xdist's workers inherit the controller's TMPDIR; a worker's dir made inside the controller's pushed
     # Ray's socket paths past 107 bytes (91 errors in a fresh clone)
-    import os
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from tests.conftest import _CACHE, _ROOT, RAY_TMP
-
     assert _CACHE.parent == Path(_ROOT) and not any(p.name.startswith("cos-") for p in _CACHE.parents)
     assert tempfile.gettempdir() == os.environ["TMPDIR"] == str(_CACHE / "t")
     child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
