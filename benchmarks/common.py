@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -91,6 +91,7 @@ class Row:
     efficiency: float | None = None
     tokens_per_s_min: float | None = None  # over the repeats
     tokens_per_s_max: float | None = None
+    tokens_per_s_by_repeat: list[float] | None = None  # every repeat's, in run order
     runs: int = 1
     # device work (engines/device_work.py): drafter forwards per drafting depth, host reads (syncs on a GPU) per
     # drafting round and per verify step, CUDA graph captures during the run (0 after warm-up)
@@ -102,9 +103,10 @@ class Row:
 
 
 def median_row(rows: list[Row]) -> Row:
-    """The median run by tokens/s, with the spread of all runs."""
+    """The median run by tokens/s (a copy: `rows` are left as they are, so a summary after each repeat reads every
+    run's own figure), with the spread of all runs and every run's tokens/s in the order of `rows`."""
     ordered = sorted(rows, key=lambda r: r.tokens_per_s)
-    mid = ordered[(len(ordered) - 1) // 2]
+    mid = replace(ordered[(len(ordered) - 1) // 2], tokens_per_s_by_repeat=[r.tokens_per_s for r in rows])
     mid.tokens_per_s = round(statistics.median(r.tokens_per_s for r in rows), 1)
     mid.tokens_per_s_min, mid.tokens_per_s_max, mid.runs = ordered[0].tokens_per_s, ordered[-1].tokens_per_s, len(rows)
     return mid

@@ -246,6 +246,7 @@ def run(config: str, systems: list[str], rates: list[float], duration: float, re
         for key in ("goodput_tok_s", "tpot_ms_mean", "tpot_ms_p99", "ttft_ms_mean", "drafter_replica_s", "errors"):
             vals = [r[key] for r in rs]
             row[key], row[key + "_min"], row[key + "_max"] = statistics.median(vals), min(vals), max(vals)
+            row[key + "_by_repeat"] = vals  # in run order
         ks = [r["mean_k"] for r in rs if r.get("mean_k") is not None]
         row["mean_k"] = statistics.median(ks) if ks else None  # the controller's recent mean k (adaptive systems)
         row["replica_traces"] = [r["replica_trace"] for r in rs]

@@ -158,9 +158,9 @@ def run(url: str, model: str, per_domain: int = 2, new_tokens: int = 128, concur
                     log(f"[{rep + 1}/{repeats}] concurrency {c}: {v} ({name})")
                     runs.setdefault((v, name), []).append(fn(v, c, prompts))
         for v in chosen:
-            row = _median(runs[(v, "served")])
+            row = median_run(runs[(v, "served")])
             if "in-process" in transports:
-                inproc = _median(runs[(v, "in-process")])
+                inproc = median_run(runs[(v, "in-process")])
                 row["in_process_tokens_per_s"] = inproc["tokens_per_s"]
                 row["served_vs_in_process"] = round(row["tokens_per_s"] / inproc["tokens_per_s"], 3)
                 row["in_process_mean_accepted_length"] = inproc["mean_accepted_length"]
@@ -205,13 +205,13 @@ class _InProcess:
         return stats
 
 
-def _median(runs: list[dict]) -> dict:
+def median_run(runs: list[dict]) -> dict:
     """The median run by tokens/s, with the spread; output that differed between runs is reported as such."""
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
     row = dict(ordered[(len(ordered) - 1) // 2])
     row.update(tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in runs), 2),
                tokens_per_s_min=ordered[0]["tokens_per_s"], tokens_per_s_max=ordered[-1]["tokens_per_s"],
-               repeats=len(runs))
+               tokens_per_s_by_repeat=[r["tokens_per_s"] for r in runs], repeats=len(runs))
     if any(r["texts"] != runs[0]["texts"] for r in runs):
         row["texts"] = None
     return row
