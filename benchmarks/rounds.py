@@ -145,8 +145,8 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     reference = runs[names[0]][0]["outputs"]
     rows = []
     for name in names:
-        by_repeat = [round(sum(len(o) for o in r["outputs"]) / r["wall"], 1) for r in runs[name]]  # in run order
-        tps = sorted(sum(len(o) for o in r["outputs"]) / r["wall"] for r in runs[name])
+        per_run = [sum(len(o) for o in r["outputs"]) / r["wall"] for r in runs[name]]  # in run order
+        tps = sorted(per_run)
         # the drafting tier's own time (routing, the drafters' steps, fusion) over all timed runs
         draft_s = sum(r["draft_s"] for r in runs[name])
         drafted, rounds = (sum(r[key] for r in runs[name]) for key in ("draft_tokens", "draft_rounds"))
@@ -154,7 +154,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
                      "draft_ms_per_drafted_token": round(1000 * draft_s / drafted, 3) if drafted else None,
                      "draft_ms_per_round": round(1000 * draft_s / rounds, 3) if rounds else None,
                      "tokens_per_s_min": round(tps[0], 1), "tokens_per_s_max": round(tps[-1], 1),
-                     "tokens_per_s_by_repeat": by_repeat,
+                     "tokens_per_s_by_repeat": [round(t, 1) for t in per_run],
                      "runs": len(tps), **round_stats(_records(traces[name], timed_from[name]), ks[name]),
                      "identical_to_controller": all(r["outputs"] == reference for r in runs[name])})
     return {"config": {"prompts": len(prompts), "new_tokens": new_tokens, "concurrency": concurrency, "k": k,
