@@ -16,12 +16,16 @@ prometheus:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # pip pulls CUDA builds of torchvision/torchaudio/torchcodec alongside vllm; they break transformers' imports
-# on CPU machines and no text model needs them, so they are removed right after the install.
+# on CPU machines and no text model needs them, so they are removed right after the install. scikit-learn comes
+# with lm-eval (a test dependency) and is removed too: none of the tests' lm-eval tasks use it, and where it is
+# installed transformers imports it (with scipy.stats) in every process that loads a model, 2-3 s of each Ray
+# replica's start on the 2-core CPU; a serving install (without the test extra) never has it.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e ".[$(EXTRA),test]"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PIP) uninstall -y -q scikit-learn
 	touch $@
 
 # The whole serving graph on this machine with the shipped models: OpenAI API on 127.0.0.1:8000, the Ray

@@ -1,7 +1,8 @@
 """`make test` runs the suite on two pytest-xdist workers with tests/conftest.py's scheduler: the modules that start
 a Ray cluster one after another on one worker (two graphs starting at once would each take both cores), every other
 module whole on one worker (its tests share its module-scoped engines and servers); every process of the suite writes
-its temp files in a dir of its own, beside the others'."""
+its temp files in a dir of its own, beside the others'; none of them imports
+scikit-learn, which no test uses."""
 
 from __future__ import annotations
 
@@ -41,3 +42,11 @@ def test_this_process_writes_its_temp_files_in_a_dir_of_its_own_beside_the_other
     assert child == str(_CACHE / "t")
     # Ray's longest socket path under its temp dir: a session dir, then sockets/plasma_store
     assert len(f"{RAY_TMP}/session_2026-12-01_01-17-37_575436_4194304/sockets/plasma_store") <= 107
+
+
+def test_loading_a_model_imports_no_scikit_learn():
+    # lm-eval, a test dependency, brings scikit-learn; where it is installed, transformers imports it (and
+    # scipy.stats) in every process that loads a model: 2-3 s of each Ray replica's start here. `make setup` removes it
+    import transformers.models.auto.modeling_auto  # noqa: F401
+
+    assert "sklearn" not in sys.modules
