@@ -1,8 +1,7 @@
 """`make test` runs the suite on two pytest-xdist workers with tests/conftest.py's scheduler: the modules that start
 a Ray cluster one after another on one worker (two graphs starting at once would each take both cores), every other
 module whole on one worker (its tests share its module-scoped engines and servers); every process of the suite writes
-its temp files in a dir of its own, beside the others'; none of them imports
-scikit-learn, which no test uses."""
+its temp files in a dir of its own, beside the others'; none of them imports scikit-learn, which no test uses."""
 
 from __future__ import annotations
 
