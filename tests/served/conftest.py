@@ -9,6 +9,7 @@ examples/local.yaml does, every domain drafter and the generalist deployed.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,14 +60,21 @@ def cases(tokenizer, heldout, target) -> dict:
 
 
 @pytest.fixture(scope="package")
-def reference(models, cases) -> dict:
-    """vLLM target-only's answers to `cases`, run before the graph starts (`server` asks for it first): beside the
-    graph's idle replicas the run took about three times as long on a 2-core machine."""
-    return vllm_reference(models, cases)
+def reference_run(models, cases):
+    """vLLM target-only's answers to `cases`, computed in a process of its own while the graph starts (`server`
+    starts it first): the suite's other worker finishes its modules before the Ray modules end, so work in parallel
+    here takes cores that would otherwise wait."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(vllm_reference, models, cases)
 
 
 @pytest.fixture(scope="package")
-def server(reference):
+def reference(reference_run) -> dict:
+    return reference_run.result()
+
+
+@pytest.fixture(scope="package")
+def server(reference_run):
     from tests.conftest import free_port, local_serve
 
     METRICS["port"] = free_port()
