@@ -13,7 +13,8 @@ each concurrency (a closed loop: that many requests in flight), greedy or sample
   ours: `speculation.k`, its maximum when adaptive).
 - HF assisted generation with the domain drafter (batch 1 only: transformers' assisted generation is batch 1).
 - ours: the vLLM verifier with the in-process drafting tier (`VerifyLoop`, the full CoSine configuration of
-  examples/bench.yaml), and the same configuration served through Ray Serve (`cosine serve`, HTTP); both again with
+  examples/bench.yaml), and the same configuration served through Ray Serve (`cosine serve`, HTTP, every request
+  streamed as vLLM's serving benchmark and most clients do); both again with
   the model-free drafters in the roster (examples/bench-model-free.yaml: n-gram and suffix drafters beside the
   models). In process every request is sent as one tenant (the suffix drafters' tree of earlier outputs in play);
   served, the configuration has no API key, so requests have no tenant and the suffix drafter matches each
@@ -323,7 +324,8 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
 
 def _latency(run: dict) -> dict:
     """Time to first token (median over the run's requests) and the 99th percentile of the intervals between a
-    request's tokens (over all of them), where the system reports arrivals (not HF's nor the served row's)."""
+    request's tokens (over all of them), where the system reports arrivals (not HF's); served, the arrivals of the
+    streamed chunks at the client."""
     lat = run.get("latency")
     if not lat:
         return {"ttft_ms": None, "itl_p99_ms": None}

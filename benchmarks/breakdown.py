@@ -25,20 +25,15 @@ host time ours adds is ours minus vLLM's own, per step.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from benchmarks.common import cell, reap, wait_until_serving
+from benchmarks.common import cell, reap, stream_completions, wait_until_serving
 from benchmarks.turns import Turns
 from benchmarks.worker_handle import Worker
 from benchmarks.workers import step_intervals
@@ -78,26 +73,11 @@ class VllmServe:
 
 
 def stream_intervals(url: str, model: str, prompts, max_tokens: int, sampling: dict, extra: dict) -> dict:
-    """Every prompt streamed at once from an OpenAI completions endpoint; the arrival of each chunk with tokens."""
-    async def go():
-        arrivals: dict[int, list[float]] = {}
-        async with httpx.AsyncClient(timeout=600) as client:
-            async def one(i, p):
-                times = arrivals.setdefault(i, [])
-                body = {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                        "temperature": sampling["temperature"], "top_p": sampling["top_p"], **extra}
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]":
-                            if json.loads(line[6:])["choices"][0].get("text") is not None:
-                                times.append(time.perf_counter())
-
-            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        return arrivals
-
-    arrivals = asyncio.run(go())
-    return {"intervals": step_intervals(arrivals, max(t[0] for t in arrivals.values()))}
+    """Every prompt streamed at once from an OpenAI completions endpoint; the intervals between each request's chunks
+    from the first arrival after the last prefill on."""
+    arrivals = stream_completions(url, model, prompts, len(prompts), max_tokens, dict(sampling, seeds=None),
+                                  extra)["arrivals"]
+    return {"intervals": step_intervals(dict(enumerate(arrivals)), max(t[0] for t in arrivals))}
 
 
 # ---------------------------------------------------------------------------------------------- orchestrator

@@ -6,6 +6,7 @@ Every benchmark imports these from here; none reaches into another benchmark's m
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -221,34 +222,64 @@ class ServedApp:
         self.model = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
 
     def run(self, prompts, concurrency, max_tokens, domains, sampling: dict | None = None) -> dict:
-        """`sampling`: {"temperature", "top_p", "seeds": one per prompt or None}; greedy without it."""
-        sampling = sampling or {"temperature": 0, "top_p": 1.0, "seeds": None}
-
-        async def go():
-            sem = asyncio.Semaphore(concurrency)
-            async with httpx.AsyncClient(timeout=600) as client:
-                async def one(i, p):
-                    async with sem:
-                        t = time.perf_counter()
-                        r = await client.post(f"{self.url}/v1/completions", json={
-                            "model": self.model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
-                            "temperature": sampling["temperature"], "top_p": sampling["top_p"],
-                            "seed": sampling["seeds"][i] if sampling["seeds"] else None, "return_token_ids": True})
-                        r.raise_for_status()
-                        return r.json(), time.perf_counter() - t
-
-                t0 = time.perf_counter()
-                res = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-                return res, time.perf_counter() - t0
-
-        res, wall = asyncio.run(go())
-        # the output check compares the text with the reference's decoded text, as a client reads it
-        return {"texts": [r[0]["choices"][0]["text"] for r in res], "seconds": [r[1] for r in res],
-                "outputs": [r[0]["choices"][0].get("token_ids") or [0] * r[0]["usage"]["completion_tokens"] for r in res],
-                "wall": wall, "drafts": sum(r[0]["usage"].get("num_drafts", 0) for r in res),
-                "accepted": sum(r[0]["usage"].get("num_accepted_tokens", 0) for r in res),
-                "steps": sum(r[0]["usage"].get("verify_steps", 0) for r in res)}
+        """`stream_completions` of `prompts` against this server (`domains`: unused, the server routes)."""
+        return stream_completions(self.url, self.model, prompts, concurrency, max_tokens, sampling)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
         reap(self.proc, 120)
+
+
+def stream_completions(url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                       sampling: dict | None = None, extra: dict | None = None) -> dict:
+    """Closed-loop streamed completions of `prompts` (token ids, ignore_eos) from an OpenAI-compatible server,
+    `concurrency` at a time: every request streamed, as vLLM's own serving benchmark does and as most clients do, so
+    each chunk's arrival gives the request's time to first token and the intervals between its chunks.
+    `sampling`: {"temperature", "top_p", "seeds": one per prompt or None}; greedy without it; `extra`: more fields of
+    every request's body. Returns the outputs' texts and token ids, seconds per request, latencies, each chunk's
+    arrival (perf_counter), the wall time and the speculation counts of the usage."""
+    from benchmarks.workers import latencies
+
+    sampling = sampling or {"temperature": 0, "top_p": 1.0, "seeds": None}
+
+    async def one(client: httpx.AsyncClient, i: int, p: list[int]):
+        body = {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+                "seed": sampling["seeds"][i] if sampling["seeds"] else None, "return_token_ids": True,
+                "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+        t, text, ids, arrivals, usage = time.perf_counter(), [], [], [], {}
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"request {i} failed: {chunk['error']}")
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    text.append(choice.get("text") or "")
+                    if choice.get("token_ids"):
+                        ids += choice["token_ids"]
+                        arrivals.append(time.perf_counter())
+        return "".join(text), ids, usage, time.perf_counter() - t, latencies(t, arrivals), arrivals
+
+    async def go():
+        sem = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def limited(i, p):
+                async with sem:
+                    return await one(client, i, p)
+
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(limited(i, p) for i, p in enumerate(prompts)))
+            return res, time.perf_counter() - t0
+
+    res, wall = asyncio.run(go())
+    # the output check compares the text with the reference's decoded text, as a client reads it
+    return {"texts": [r[0] for r in res], "outputs": [r[1] for r in res], "seconds": [r[3] for r in res],
+            "latency": [r[4] for r in res], "arrivals": [r[5] for r in res], "wall": wall, "drafts": sum(r[2].get("num_drafts", 0) for r in res),
+            "accepted": sum(r[2].get("num_accepted_tokens", 0) for r in res),
+            "steps": sum(r[2].get("verify_steps", 0) for r in res)}

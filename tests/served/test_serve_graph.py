@@ -113,6 +113,24 @@ def test_chat_non_streamed_and_streamed_agree(server):
     assert "draft_acceptance_rate" in usage
 
 
+def test_the_benchmarks_streaming_client_reads_the_targets_tokens_their_arrivals_and_the_drafts(server, tokenizer,
+                                                                                                 target, heldout):
+    """`cosine bench anchors`' served rows: every request streamed, its token ids and chunk arrivals read."""
+    from benchmarks.common import stream_completions
+
+    prompts = [tokenizer(heldout[d][9][:300], add_special_tokens=False).input_ids
+               for d in ("code", "legal", "dialogue")]
+    run = stream_completions(server, MODEL, prompts, 2, 24)
+    for ids, text, p, lat in zip(run["outputs"], run["texts"], prompts, run["latency"]):
+        assert ids == greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist()  # ignore_eos: all 24
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+        assert 0 < lat["ttft_s"] and all(x >= 0 for x in lat["itl_s"])
+    # a chunk per verify step: accepted drafts put several tokens in one
+    assert run["drafts"] > 0 and run["accepted"] > 0
+    assert min(len(lat["itl_s"]) for lat in run["latency"]) < 23
+    assert run["wall"] >= max(run["seconds"])
+
+
 @pytest.mark.parametrize("body,status,needle", [
     ("{not json", 400, "JSON"),
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
