@@ -2,7 +2,7 @@
 that the README's tables are exactly this on the latest committed runs, so a re-run needs only its JSON and
 
     python -m benchmarks.headline bench_results/anchors-k4-1130.json bench_results/anchors-k8-1130.json \
-        bench_results/anchors-k4-t07-1130.json bench_results/engine.json
+        bench_results/anchors-k4-t07-1201.json bench_results/engine.json
 
 pasted over the tables. The first table has one column per `cosine bench anchors` run (its k, greedy or its
 sampling settings): ours served against vLLM target-only and against vLLM's fastest `draft_model` run (whichever
