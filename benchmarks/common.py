@@ -264,7 +264,8 @@ def stream_completions(url: str, model: str, prompts: list[list[int]], concurren
                     if choice.get("token_ids"):
                         ids += choice["token_ids"]
                         arrivals.append(time.perf_counter())
-        return "".join(text), ids, usage, time.perf_counter() - t, latencies(t, arrivals), arrivals
+        return {"text": "".join(text), "ids": ids, "usage": usage, "seconds": time.perf_counter() - t,
+                "latency": latencies(t, arrivals), "arrivals": arrivals}
 
     async def go():
         sem = asyncio.Semaphore(concurrency)
@@ -279,7 +280,9 @@ def stream_completions(url: str, model: str, prompts: list[list[int]], concurren
 
     res, wall = asyncio.run(go())
     # the output check compares the text with the reference's decoded text, as a client reads it
-    return {"texts": [r[0] for r in res], "outputs": [r[1] for r in res], "seconds": [r[3] for r in res],
-            "latency": [r[4] for r in res], "arrivals": [r[5] for r in res], "wall": wall, "drafts": sum(r[2].get("num_drafts", 0) for r in res),
-            "accepted": sum(r[2].get("num_accepted_tokens", 0) for r in res),
-            "steps": sum(r[2].get("verify_steps", 0) for r in res)}
+    return {"texts": [r["text"] for r in res], "outputs": [r["ids"] for r in res],
+            "seconds": [r["seconds"] for r in res], "latency": [r["latency"] for r in res],
+            "arrivals": [r["arrivals"] for r in res], "wall": wall,
+            "drafts": sum(r["usage"].get("num_drafts", 0) for r in res),
+            "accepted": sum(r["usage"].get("num_accepted_tokens", 0) for r in res),
+            "steps": sum(r["usage"].get("verify_steps", 0) for r in res)}
