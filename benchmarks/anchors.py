@@ -14,7 +14,8 @@ each concurrency (a closed loop: that many requests in flight), greedy or sample
 - HF assisted generation with the domain drafter (batch 1 only: transformers' assisted generation is batch 1).
 - ours: the vLLM verifier with the in-process drafting tier (`VerifyLoop`, the full CoSine configuration of
   examples/bench.yaml), and the same configuration served through Ray Serve (`cosine serve`, HTTP, every request
-  streamed as vLLM's serving benchmark and most clients do); both again with
+  streamed as vLLM's serving benchmark and most clients do), beside `vllm serve` (vLLM's own OpenAI server,
+  target-only, what a user would run instead) streamed by the same client; both of ours again with
   the model-free drafters in the roster (examples/bench-model-free.yaml: n-gram and suffix drafters beside the
   models). In process every request is sent as one tenant (the suffix drafters' tree of earlier outputs in play);
   served, the configuration has no API key, so requests have no tenant and the suffix drafter matches each
@@ -56,7 +57,8 @@ from pathlib import Path
 from model_family import DOMAINS
 from benchmarks.anchor_notes import (by_drafter, drafters_line, guard_line, paired_line, participation_line,
                                      rounds_line, summed)
-from benchmarks.common import ServedApp, cell, heldout_prompts, machine_load, paired, refuse_if_busy, tps_cell
+from benchmarks.common import (ServedApp, VllmServe, cell, heldout_prompts, machine_load, paired, refuse_if_busy,
+                               tps_cell)
 from benchmarks.metrics import save_json
 from benchmarks.repeated import COPY_BAR, repeated_prompts, workload_stats
 from benchmarks.turns import Turns
@@ -74,13 +76,14 @@ ORACLE = "vLLM draft_model, domain drafter"
 SUFFIX = "vLLM suffix"
 OURS_MF = "ours + model-free drafters, in process"
 SERVED_MF = "ours + model-free drafters, served (Ray Serve, HTTP)"
+VLLM_SERVE = "vllm serve: vLLM target-only, served (its OpenAI server, HTTP)"
 WORKLOADS = {"heldout": "held-out prompts to continue", "repeated": "repeated context (benchmarks/repeated.py)"}
 
 
 # `--systems`: the short names of the rows to run (vLLM target-only, the baseline, always runs)
 SHORT = {"draft-generic": "vLLM draft_model, generic drafter", "draft-domain": ORACLE, "ngram": "vLLM ngram",
          "suffix": SUFFIX, "hf": HF, "ours": OURS, "served": SERVED, "ours-model-free": OURS_MF,
-         "served-model-free": SERVED_MF}
+         "served-model-free": SERVED_MF, "vllm-serve": VLLM_SERVE}
 
 
 def _systems(served: bool, config: str, model_free_config: str) -> dict[str, dict]:
@@ -93,6 +96,7 @@ def _systems(served: bool, config: str, model_free_config: str) -> dict[str, dic
            OURS: {"kind": "ours", "config": config},
            OURS_MF: {"kind": "ours", "config": model_free_config}}
     if served:
+        out[VLLM_SERVE] = {"kind": "vllm-serve"}
         out[SERVED] = {"kind": "served", "config": config}
         out[SERVED_MF] = {"kind": "served", "config": model_free_config}
     return out
@@ -133,16 +137,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
     runners: dict[str, object] = {}
     turns = Turns(runners)
     try:
-        for i, (name, spec) in enumerate(systems.items()):
-            if name == ORACLE:
-                continue
-            log(f"[start {i + 1}/{len(systems)}] {name}")
-            if spec["kind"] == "served":
-                runners[name] = ServedApp(_with_k(spec["config"], k, logs), port, port + 1)
-                port += 2  # two served graphs (with and without the model-free drafters) run side by side
-            else:
-                runners[name] = Worker(dict(spec, max_batch=max_batch, k=k, fix_sampling=not sampling.greedy),
-                                       logs / f"{i}.log")
+        _start(systems, runners, port, max_batch, k, sampling, logs, log)
 
         def measure(name: str, concurrency: int, subset, max_tokens: int, run: int) -> dict:
             turns.only(name)  # every other system paused (benchmarks/turns.py)
@@ -182,6 +177,24 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
             # what the target writes on these prompts at these settings (vLLM target-only's outputs, every run's)
             "workload": _workload_stats(workload, prompts, runs[(TARGET_ONLY, min(concurrencies))]),
             "rows": rows, "goals": _goals(rows, concurrencies), "warnings": warnings, "unavailable": unavailable}
+
+
+def _start(systems: dict[str, dict], runners: dict, port: int, max_batch: int, k: int, sampling: Sampling, logs: Path,
+           log) -> None:
+    """Every system but the oracle's engines started into `runners` (as each comes up, so a failure stops them)."""
+    for i, (name, spec) in enumerate(systems.items()):
+        if name == ORACLE:
+            continue
+        log(f"[start {i + 1}/{len(systems)}] {name}")
+        if spec["kind"] == "served":
+            runners[name] = ServedApp(_with_k(spec["config"], k, logs), port, port + 1)
+            port += 2  # two served graphs (with and without the model-free drafters) run side by side
+        elif spec["kind"] == "vllm-serve":
+            runners[name] = VllmServe(port, max_batch, 512, logs / "vllm-serve.log")  # 512: as the workers'
+            port += 1
+        else:
+            runners[name] = Worker(dict(spec, max_batch=max_batch, k=k, fix_sampling=not sampling.greedy),
+                                   logs / f"{i}.log")
 
 
 def _rotated(interleaved: list[tuple[str, int]], rep: int) -> list[tuple[str, int]]:
@@ -347,6 +360,7 @@ def _goals(rows: list[dict], concurrencies) -> dict:
         return next((r["tokens_per_s"] for r in rows if r["system"] == system and r["concurrency"] == c), None)
 
     ours = [OURS, SERVED, OURS_MF, SERVED_MF]
+    # vLLM's methods in process (its server runs target-only: the served rows' baseline, not a method)
     builtin = [r["system"] for r in rows if r["system"].startswith("vLLM") and r["system"] != TARGET_ONLY]
     out = {}
     hi = max(concurrencies)
@@ -357,6 +371,10 @@ def _goals(rows: list[dict], concurrencies) -> dict:
                 out[f"{s} / best built-in vLLM method, concurrency {c}"] = round(tps(s, c) / best, 3)
         if tps(s, hi) is not None:
             out[f"{s} / vLLM target-only, concurrency {hi}"] = round(tps(s, hi) / tps(TARGET_ONLY, hi), 3)
+    for s in (SERVED, SERVED_MF):  # served against served: what a user would run instead, through the same client
+        for c in concurrencies:
+            if tps(s, c) is not None and tps(VLLM_SERVE, c):
+                out[f"{s} / {VLLM_SERVE}, concurrency {c}"] = round(tps(s, c) / tps(VLLM_SERVE, c), 3)
     return out
 
 

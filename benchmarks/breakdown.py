@@ -25,15 +25,12 @@ host time ours adds is ours minus vLLM's own, per step.
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import cell, reap, stream_completions, wait_until_serving
+from benchmarks.common import VllmServe, cell, stream_completions
 from benchmarks.turns import Turns
 from benchmarks.worker_handle import Worker
 from benchmarks.workers import step_intervals
@@ -49,29 +46,6 @@ IN_PROCESS = {VLLM: {"kind": "breakdown", "system": "vllm"}, HOOKS: {"kind": "br
 
 
 # ---------------------------------------------------------------------------------------------- served side
-class VllmServe:
-    """`vllm serve` on the bench target, on a loopback port: vLLM's OpenAI server as its users run it."""
-
-    def __init__(self, port: int, max_batch: int, max_len: int, log_path: Path):
-        from model_family.paths import model_path
-
-        self.url = f"http://127.0.0.1:{port}"
-        self.tmp = tempfile.mkdtemp(prefix="cosine-vllm-serve-")  # vLLM leaves its rendezvous file (vllm_dist_*) there
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TMPDIR=self.tmp)
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                          str(model_path("bench-target")), "--host", "127.0.0.1", "--port", str(port),
-                                          "--dtype", "float32", "--max-model-len", str(max_len), "--max-num-seqs",
-                                          str(max_batch), "--enforce-eager", "--served-model-name", "bench-target"],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.model = "bench-target"
-        wait_until_serving(self.url, self.proc, f"vllm serve (its log: {log_path})")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        reap(self.proc, 60, self.tmp)
-
-
 def stream_intervals(url: str, model: str, prompts, max_tokens: int, sampling: dict, extra: dict) -> dict:
     """Every prompt streamed at once from an OpenAI completions endpoint; the intervals between each request's chunks
     from the first arrival after the last prefill on."""

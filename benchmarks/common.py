@@ -1,5 +1,6 @@
 """What the benchmarks share: held-out prompts, the models loaded as the benchmarks run them, a result row with its
-median over repeats, and the served application under test (`cosine serve` on loopback ports with an HTTP client).
+median over repeats, and the servers under test (`cosine serve`, and `vllm serve` beside it, on loopback ports
+with an HTTP client).
 
 Every benchmark imports these from here; none reaches into another benchmark's module."""
 
@@ -13,6 +14,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -228,6 +230,39 @@ class ServedApp:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
         reap(self.proc, 120)
+
+
+class VllmServe:
+    """`vllm serve` on the bench target, on a loopback port: vLLM's OpenAI server as its users run it (its API server
+    and engine core in processes of their own), with our engine's arguments (fp32, eager on this CPU, the same
+    batch, length and KV cache), and the closed-loop HTTP client `ServedApp` has."""
+
+    def __init__(self, port: int, max_batch: int, max_len: int, log_path: Path):
+        from model_family.paths import model_path
+
+        self.url = f"http://127.0.0.1:{port}"
+        self.tmp = tempfile.mkdtemp(prefix="cosine-vllm-serve-")  # vLLM leaves its rendezvous file (vllm_dist_*) there
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TMPDIR=self.tmp)
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                          str(model_path("bench-target")), "--host", "127.0.0.1", "--port", str(port),
+                                          "--dtype", "float32", "--max-model-len", str(max_len), "--max-num-seqs",
+                                          str(max_batch), "--enforce-eager", "--served-model-name", "bench-target"],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.model = "bench-target"
+        try:
+            wait_until_serving(self.url, self.proc, f"vllm serve (its log: {log_path})")
+        except BaseException:
+            self.stop()
+            raise
+
+    def run(self, prompts, concurrency, max_tokens, domains, sampling: dict | None = None) -> dict:
+        """`stream_completions` of `prompts` against vLLM's server (`domains`: unused)."""
+        return stream_completions(self.url, self.model, prompts, concurrency, max_tokens, sampling)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        reap(self.proc, 60, self.tmp)
 
 
 def stream_completions(url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int,

@@ -48,7 +48,14 @@ def test_goals_compare_with_the_fastest_built_in_method():
     assert goals[f"{anchors.OURS} / best built-in vLLM method, concurrency 1"] == round(132 / 150, 3)
     assert goals[f"{anchors.OURS_MF} / best built-in vLLM method, concurrency 1"] == 1.1
     assert goals[f"{anchors.OURS_MF} / vLLM target-only, concurrency 8"] == round(170 / 160, 3)
-
+    # vllm serve runs target-only: the served rows are read against it, and it is not a method to beat
+    rows += [row(anchors.VLLM_SERVE, 1, 200), row(anchors.VLLM_SERVE, 8, 120), row(anchors.SERVED, 1, 27),
+             row(anchors.SERVED, 8, 132)]
+    goals = anchors._goals(rows, (1, 8))
+    assert goals[f"{anchors.SERVED} / {anchors.VLLM_SERVE}, concurrency 1"] == round(27 / 200, 3)
+    assert goals[f"{anchors.SERVED} / {anchors.VLLM_SERVE}, concurrency 8"] == 1.1
+    assert goals[f"{anchors.OURS_MF} / best built-in vLLM method, concurrency 1"] == 1.1
+    assert not any(k.startswith(anchors.OURS + " /") and "vllm serve" in k for k in goals)
 
 
 def test_repeats_rotate_the_order_and_ratios_pair_each_repeat():

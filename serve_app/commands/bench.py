@@ -116,14 +116,15 @@ def _anchors(bsub) -> None:
     _prompt_options(an, 2, 128)
     an.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     an.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP.format("system"))
-    an.add_argument("--no-served", action="store_true", help="skip ours through Ray Serve")
+    an.add_argument("--no-served", action="store_true", help="skip the served rows (ours through Ray Serve, vllm "
+                    "serve)")
     an.add_argument("--k", type=int, default=4, help="draft tokens per step for every method (ours: the maximum)")
     an.add_argument("--systems", nargs="+", choices=["draft-generic", "draft-domain", "ngram", "suffix", "hf", "ours",
-                                                     "served", "ours-model-free", "served-model-free"],
+                                                     "served", "ours-model-free", "served-model-free", "vllm-serve"],
                     help="run only these beside vLLM target-only (default: every system; suffix needs "
                          "`make vllm-suffix`)")
-    an.add_argument("--port", type=int, default=8011, help="loopback port of the served graph (and port + 1 for "
-                                                           "its dashboard; the model-free one: port + 2 and + 3)")
+    an.add_argument("--port", type=int, default=8011, help="loopback port of the first served graph (port + 1 "
+                    "its dashboard; each next server the next free ports: the model-free graph's, vllm serve's)")
     add_sampling_arguments(an)
     an.add_argument("--json", default="bench_results/anchors.json")
     an.set_defaults(func=_runs("anchors"))
@@ -182,7 +183,8 @@ def _breakdown(bsub) -> None:
     bd.add_argument("--config", default="examples/bench.yaml", help="our configuration (the guard-off and served rows)")
     bd.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     bd.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 2000])
-    bd.add_argument("--new-tokens", type=int, default=40, help="per request (prompt + new tokens + 8 must fit the bench target's 2,048 positions)")
+    bd.add_argument("--new-tokens", type=int, default=40, help="per request (prompt + new tokens + 8 must fit the "
+                    "bench target's 2,048 positions)")
     bd.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP.format("cell"))
     bd.add_argument("--served", action="store_true", help="also ours through Ray Serve against `vllm serve`")
     bd.add_argument("--port", type=int, default=8021, help="loopback port of the served graph (port + 1: its "
