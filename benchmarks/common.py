@@ -224,12 +224,31 @@ class ServedApp:
         self.model = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
 
     def run(self, prompts, concurrency, max_tokens, domains, sampling: dict | None = None) -> dict:
-        """`stream_completions` of `prompts` against this server (`domains`: unused, the server routes)."""
-        return stream_completions(self.url, self.model, prompts, concurrency, max_tokens, sampling)
+        """`stream_completions` of `prompts` against this server (`domains`: unused, the server routes), with what
+        the in-process rows report of the guard (`served_guard`)."""
+        before = self.speculation_stats()
+        out = stream_completions(self.url, self.model, prompts, concurrency, max_tokens, sampling)
+        return out | served_guard(before, self.speculation_stats())
+
+    def speculation_stats(self) -> dict:
+        return httpx.get(f"{self.url}/v1/internal/speculation_stats", timeout=30).json()
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
         reap(self.proc, 120)
+
+
+def served_guard(before: dict, after: dict) -> dict:
+    """A served run's share of verify steps with drafts and the guard's verdicts against speculation, from the
+    server's speculation statistics read before and after it (the keys the in-process workers return); {} where the
+    server has no guard."""
+    guard, was = (after.get("controller") or {}).get("guard"), (before.get("controller") or {}).get("guard")
+    if guard is None or was is None:
+        return {}
+    steps = after["steps_since_start"] - before["steps_since_start"]
+    return {"drafted_step_share": (after["drafted_steps_since_start"] - before["drafted_steps_since_start"])
+            / max(1, steps), "guard_switched_off": guard["switched_off"] - was["switched_off"],
+            "guard_by_batch": guard["by_batch"]}
 
 
 class VllmServe:

@@ -6,8 +6,9 @@ that the README's tables are exactly this on the latest committed runs, so a re-
 
 pasted over the tables. The first table has one column per `cosine bench anchors` run (its k, greedy or its
 sampling settings): ours served against vLLM target-only and against vLLM's fastest `draft_model` run (whichever
-drafter), at concurrency 1 and 8, and the workload's text statistics (vLLM target-only's outputs: distinct tokens
-per output, share of 4-grams repeating an earlier one), so a speed-up is read beside the text it was measured on.
+drafter), at concurrency 1 and 8, against `vllm serve` where a run has it (else "not in this run"), and the
+workload's text statistics (vLLM target-only's outputs: distinct tokens per output, share of 4-grams repeating an
+earlier one), so a speed-up is read beside the text it was measured on.
 A sampled run's `draft_model` cell says so where vLLM's samples fail the distribution test (benchmarks/sampled.py).
 The second is `cosine bench engine`'s: our loop in process against HF assisted generation at batch 1.
 
@@ -24,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.anchors import SERVED, TARGET_ONLY
+from benchmarks.anchors import SERVED, TARGET_ONLY, VLLM_SERVE
 from benchmarks.sampled import P_FLOOR
 
 ANCHORS_LINK = "docs/benchmarks.md#cosine-bench-anchors-ours-against-vllms-own-methods-2-core-cpu"
@@ -68,6 +69,10 @@ def _row(result: dict, key: str, name: str, at: int) -> dict:
     return r
 
 
+def _has(result: dict, system: str, concurrency: int) -> bool:
+    return any(r["system"] == system and r["concurrency"] == concurrency for r in result["rows"])
+
+
 def repeat_range(ours: dict, base: dict) -> str:
     return f"{ours['tokens_per_s_min'] / base['tokens_per_s_max']:.2f}-" \
            f"{ours['tokens_per_s_max'] / base['tokens_per_s_min']:.2f}x"
@@ -101,6 +106,11 @@ def anchors_table(runs: list[dict]) -> list[str]:
                                 + ("; its samples fail the distribution test" if wrong else "")))
         lines.append(f"| [Concurrency {c}: ours served / vLLM's fastest `draft_model`]({ANCHORS_LINK}) | "
                      + " | ".join(cells) + " |")
+        if any(_has(r, VLLM_SERVE, c) for r in runs):  # served against served, where the run has vLLM's server
+            cells = [_ratio(_row(r, "system", SERVED, c), _row(r, "system", VLLM_SERVE, c))
+                     if _has(r, VLLM_SERVE, c) else "not in this run" for r in runs]
+            lines.append(f"| [Concurrency {c}: ours served / `vllm serve` (vLLM's OpenAI server, target-only, the same "
+                         f"streaming client)]({ANCHORS_LINK}) | " + " | ".join(cells) + " |")
     lines.append(f"| {WORKLOAD} | " + " | ".join(_workload(r) for r in runs) + " |")
     return lines
 

@@ -107,4 +107,6 @@ class LoopStats:
                 "verify_ms_recent": mean_ms(self.verify_seconds), "draft_round_ms_recent": mean_ms(self.draft_seconds),
                 "draft_wait_ms_recent": mean_ms(self.wait_seconds),
                 "between_steps_ms_recent": mean_ms(self.step_intervals),
-                "requests_aborted": self.totals["requests_aborted"]}
+                "requests_aborted": self.totals["requests_aborted"],
+                # since start: a client reads a run's share of steps with drafts as the difference of two reads
+                "steps_since_start": self.totals["steps"], "drafted_steps_since_start": self.totals["drafted_steps"]}

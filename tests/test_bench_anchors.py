@@ -267,6 +267,29 @@ def test_sampled_rows_report_a_p_value_text_statistics_and_a_warning():
                                                            "seeds": [10_003, 10_004]}
 
 
+def test_a_served_row_reports_the_guard_from_the_servers_statistics_around_each_run():
+    """`served_guard`: what the in-process rows report of the guard, read from the served graph's speculation
+    statistics before and after a run (the counts since start differenced, the verdicts by load as left)."""
+    def stats(steps, drafted, off, by_batch):
+        return {"steps_since_start": steps, "drafted_steps_since_start": drafted,
+                "controller": {"guard": {"switched_off": off, "by_batch": by_batch}}}
+
+    on, off = {"speculating": True}, {"speculating": False}
+    runs = []
+    for a, b in ((stats(10, 9, 0, {"1": on}), stats(110, 59, 1, {"1": on, "5-8": off})),
+                 (stats(110, 59, 1, {"1": on, "5-8": off}), stats(310, 79, 3, {"1": off, "5-8": off}))):
+        runs.append({"outputs": [[1] * 40], "tokens": 40, "wall": 1.0, "seconds": [1.0], "accepted": 0,
+                     "drafts": 0, "steps": None} | common.served_guard(a, b))
+    row = anchors._row(anchors.SERVED, 8, runs, [[1] * 40], None, greedy=False)
+    assert row["drafted_step_share"] == [0.5, 0.1] and row["guard_switched_off"] == [1, 2]
+    assert anchor_notes.guard_line(row).endswith("steps with drafts per run 50%, 10%; speculation switched off 1, 2 "
+                                                 "times per run by the guard; after the last run, by load: 1: off, "
+                                                 "5-8: off")
+    # no guard (configured off, or speculation off): nothing to report
+    assert common.served_guard({"controller": None}, {"controller": None}) == {}
+    assert common.served_guard(stats(1, 1, 0, {}) | {"controller": {}}, stats(2, 2, 0, {})) == {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("system", [anchors.SUFFIX, anchors.OURS_MF])
 def test_a_worker_forgets_the_outputs_it_drafts_from_between_repeats(tmp_path, tokenizer, system, monkeypatch):

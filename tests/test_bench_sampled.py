@@ -92,7 +92,7 @@ def test_distribution_check_passes_the_right_distribution_and_flags_wrong_ones()
 
 def test_the_headline_puts_each_run_in_its_own_column_labelled_with_its_settings():
     from benchmarks import headline
-    from benchmarks.anchors import SERVED, TARGET_ONLY
+    from benchmarks.anchors import SERVED, TARGET_ONLY, VLLM_SERVE
 
     def run(sampling, served):
         rows = [{"system": s, "concurrency": c, "tokens_per_s": t, "tokens_per_s_min": 0.95 * t,
@@ -115,6 +115,14 @@ def test_the_headline_puts_each_run_in_its_own_column_labelled_with_its_settings
     assert headline.anchors_table([wrong])[3].endswith(
         "| 0.60x (60.0 / 100.0 tok/s, generic drafter; its samples fail the distribution test; repeats 0.54-0.66x) |")
     assert "fail" not in headline.anchors_table([run(Sampling(0.7, 0.95), 60.0)])[3]
+    # where a run has vllm serve, the served rows are read against it too; a run without it says so
+    served = run(Sampling(0.7, 0.95), 60.0)
+    served["rows"] += [{"system": VLLM_SERVE, "concurrency": c, "tokens_per_s": 50.0, "tokens_per_s_min": 47.5,
+                        "tokens_per_s_max": 52.5} for c in (1, 8)]
+    lines = headline.anchors_table([run(None, 80.0), served])
+    assert len(lines) == 9 and "`vllm serve`" in lines[4] and "`vllm serve`" in lines[7]
+    assert lines[4].endswith("| not in this run | 1.20x (60.0 / 50.0 tok/s; repeats 1.09-1.33x) |")
+    assert len(headline.anchors_table([run(None, 80.0)])) == 7
 
 
 def test_hf_assisted_generation_samples_the_targets_distribution_with_our_arguments():

@@ -116,11 +116,13 @@ def test_chat_non_streamed_and_streamed_agree(server):
 def test_the_benchmarks_streaming_client_reads_the_targets_tokens_their_arrivals_and_the_drafts(server, tokenizer,
                                                                                                  target, heldout):
     """`cosine bench anchors`' served rows: every request streamed, its token ids and chunk arrivals read."""
-    from benchmarks.common import stream_completions
+    from benchmarks.common import served_guard, stream_completions
 
     prompts = [tokenizer(heldout[d][9][:300], add_special_tokens=False).input_ids
                for d in ("code", "legal", "dialogue")]
+    before = httpx.get(f"{server}/v1/internal/speculation_stats", timeout=30).json()
     run = stream_completions(server, MODEL, prompts, 2, 24)
+    after = httpx.get(f"{server}/v1/internal/speculation_stats", timeout=30).json()
     for ids, text, p, lat in zip(run["outputs"], run["texts"], prompts, run["latency"]):
         assert ids == greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist()  # ignore_eos: all 24
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
@@ -129,6 +131,12 @@ def test_the_benchmarks_streaming_client_reads_the_targets_tokens_their_arrivals
     assert run["drafts"] > 0 and run["accepted"] > 0
     assert min(len(lat["itl_s"]) for lat in run["latency"]) < 23
     assert run["wall"] >= max(run["seconds"])
+    # the run's verify steps, and those with drafts, as the server counted them: each request's usage counts the
+    # steps it took part in, two requests at a time (a prompt's prefill step counted there at most)
+    steps = after["steps_since_start"] - before["steps_since_start"]
+    drafted = after["drafted_steps_since_start"] - before["drafted_steps_since_start"]
+    assert 0 < drafted <= steps and run["steps"] / 2 <= steps <= run["steps"] + len(prompts)
+    assert served_guard(before, after) == {}  # this graph runs without the guard (conftest.py)
 
 
 @pytest.mark.parametrize("body,status,needle", [
