@@ -25,6 +25,10 @@ class RoutingSpec(Strict):
                                           "prompt log-likelihoods (a new request's first ranking)")
     generalist_margin: float = Field(0.5, ge=0, description="nats per prompt token by which a generalist drafter "
                                      "must out-explain every domain drafter to lead a new request's ranking")
+    score_tokens: int | None = Field(
+        64, ge=2, description="routing's cold start: every drafter scores at most this many of a new request's "
+        "first context tokens, and only the routed drafters read the rest of a longer context (a long prompt, or a "
+        "request first drafted after the guard held speculation off); null: every drafter reads the whole context")
     seed: int = Field(0, description="seed of the router's random picks")
     model_free_alone: float | None = Field(
         2.0, ge=0, description="with model-free drafters in the roster: a round asks them first, and where one's "

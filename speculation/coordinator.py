@@ -9,7 +9,8 @@ deployment, a local `DrafterServer` in process). Per round:
    vote weights, chain costs);
 2. the first strategy (speculation/strategies/, in rank order) that claims the request chooses its drafters among
    those that can be called: voters (Minions), fixed drafters, the generalist, or routed ones (CoSine, SpecRouter's
-   chain choice), or every drafter to score a new request's prompt (routing's cold start);
+   chain choice), or every drafter to score a new request's prompt (routing's cold start: its first
+   `routing.score_tokens` tokens, in calls of their own where the context is longer, then the routed drafters);
 3. drafting: every call asks a drafter for its whole remaining chain. In lockstep (the strategy's `fused`), at each
    depth the most confident token is fed back to every drafter (Eq. 4) and losers become branches; a drafter is
    only called again where its token lost (then its chain no longer follows the fused prefix). Otherwise each
@@ -46,6 +47,9 @@ StepFn = Callable[[str, list[DrafterCall]], Awaitable[dict[str, list[Proposal]]]
 # a round ends at this share of the verifier's draft_timeout_ms, so that what it drafted reaches the verifier in time
 # (through the Speculation deployment's handle in the deployments layout)
 ROUND_SHARE = 0.8
+# a context at most this many tokens longer than `routing.score_tokens` is scored whole: scoring a prefix costs each
+# routed drafter one forward more (~1 ms for a bench drafter on the 2-core CPU), reading a token ~0.03-0.05 ms
+PREFIX_MARGIN = 16
 
 
 @dataclass
@@ -62,6 +66,9 @@ class _Drafting:
     chosen: list[str]
     scoring: bool  # first round: every drafter scores the prompt, most are dropped after
     fuser: FusionTree
+    # scoring reads only the context's first `prefix` tokens, in calls of their own before depth 0 (`routing.
+    # score_tokens`; 0 once scored); None: every drafter scores the whole context at depth 0 and drafts on from it
+    prefix: int | None = None
     chains: dict[str, list[Proposal]] = field(default_factory=dict)  # every drafter's proposals, in order
     ahead: dict[str, dict[int, Proposal]] = field(default_factory=dict)  # drafter -> depth -> proposal received
     path: dict[str, list[int]] = field(default_factory=dict)  # drafter -> tokens fed after the context
@@ -75,11 +82,19 @@ class _Drafting:
         self.alive = set(self.chosen)
         self.lockstep = self.strategy.fused(self.req)
 
+    @property
+    def scoring_at_depth_0(self) -> bool:
+        return self.scoring and self.prefix is None
+
     def calls(self, depth: int) -> dict[str, DrafterCall]:
-        """The drafters that must be called at `depth` (their chain does not reach it)."""
+        """The drafters that must be called at `depth` (their chain does not reach it); at depth -1 each drafter's
+        call scoring the context's prefix."""
+        if depth < 0:
+            return {n: DrafterCall(self.req.request_id, self.req.context[:self.prefix], steps=1, score_context=True,
+                                   tenant=self.req.tenant) for n in self.alive}
         if depth >= self.req.k:
             return {}
-        first = depth == 0 and self.scoring
+        first = depth == 0 and self.scoring_at_depth_0
         return {n: DrafterCall(self.req.request_id, self.req.context + self.path[n],
                                steps=1 if first else self.req.k - depth, score_context=first,
                                tenant=self.req.tenant, alternatives=self.lockstep)
@@ -96,7 +111,7 @@ class _Drafting:
             self.alive = set()
             return
         props = {n: self.ahead[n][depth] for n in self.alive if depth in self.ahead[n]}
-        if depth == 0 and self.scoring:
+        if depth == 0 and self.scoring_at_depth_0:
             ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
             if ll:
                 keep = self.strategy.scored(self.req, ll)
@@ -112,6 +127,18 @@ class _Drafting:
             self.path[n].append(p.token if tok is None else tok)
             if tok is not None and p.token != tok:
                 self.ahead[n] = {}  # its chain went on from its own token: call it again
+
+    def scored_prefix(self, router: Router) -> None:
+        """After the prefix's scoring calls: the routed drafters (of the models that answered, and the model-free
+        ones) draft from depth 0, from the whole context."""
+        answered = {n for n in self.alive if -1 in self.ahead[n] or n in router.model_free}
+        ll = {n: p.context_loglik for n in answered
+              if (p := self.ahead[n].get(-1)) is not None and p.context_loglik is not None}
+        keep = self.strategy.scored(self.req, ll) if ll and self.req.request_id in router.requests else answered
+        self.chosen = [n for n in self.chosen if n in keep and n in answered]
+        self.alive = set(self.chosen)
+        self.ahead = {n: {} for n in self.chosen}
+        self.prefix = 0
 
     def draft(self) -> Draft | None:
         d = self.strategy.draft(self.req, self.chains, self.fuser)
@@ -222,7 +249,10 @@ class SpeculationCoordinator:
         up = [d for d in self.drafters if d not in self.parked and self.health.available(d)]
         strategy = next(s for s in self.strategies if s.claims(req, up))
         choice = strategy.choose(req, up, self.rounds.get(rid))
-        return _Drafting(req, strategy, choice.drafters, scoring=choice.scoring, fuser=FusionTree(budget=req.budget))
+        cap = self.router.config.score_tokens
+        prefix = cap if choice.scoring and cap is not None and len(req.context) > cap + PREFIX_MARGIN else None
+        return _Drafting(req, strategy, choice.drafters, scoring=choice.scoring, fuser=FusionTree(budget=req.budget),
+                         prefix=prefix)
 
     async def _call(self, step_fn: StepFn, name: str, calls: list[DrafterCall],
                     timeout_s: float) -> dict[str, list[Proposal]]:
@@ -264,6 +294,18 @@ class SpeculationCoordinator:
                         r.raw.setdefault(name, {}).update((depth + i, p.prob) for i, p in enumerate(chain))
                         chain, r.factors[name] = self.router.calibrated(call.request_id, name, chain)
                     r.receive(depth, name, chain)
+
+    async def _score_prefixes(self, rounds: dict[str, _Drafting], step_fn: StepFn, deadline: float) -> None:
+        """Routing's cold start for contexts longer than `routing.score_tokens`: every drafter scores the first
+        tokens, in calls of their own, then only the routed drafters draft, from the whole context (at depth 0)."""
+        long = [r for r in rounds.values() if r.prefix]
+        left = deadline - time.perf_counter()
+        if not long or left <= 0:
+            return
+        models = frozenset(self.drafters) - self.router.model_free  # the model-free drafters have no likelihood
+        await self._ask(rounds, long, -1, step_fn, min(self.step_timeout_s, left), only=models)
+        for r in long:
+            r.scored_prefix(self.router)
 
     async def _model_free_first(self, rounds: dict[str, _Drafting], step_fn: StepFn, deadline: float) -> None:
         """`routing.model_free_alone`: the model-free drafters' chains first (a lookup each), and the drafter
@@ -316,6 +358,7 @@ class SpeculationCoordinator:
         rounds = {req.request_id: self._start(req) for req in batch if req.k > 0}
         if not rounds:
             return {}
+        await self._score_prefixes(rounds, step_fn, deadline)
         await self._model_free_first(rounds, step_fn, deadline)
         free, t_models = self.router.model_free, time.perf_counter()
         with_models = sum(1 for r in rounds.values() if r.alive - free) if free else 0

@@ -14,8 +14,8 @@ Drafter choice (Eq. 3): the paper calls alpha > beta "exploration coefficients";
 of filling a drafter place at random rather than by top score: alpha while the request's recent accepted length is
 below tau (explore: its drafters are not working), beta otherwise (exploit).
 
-Cold start: a new request's scores come from each drafter's mean log-likelihood of the prompt (which drafters
-compute during prefill anyway), a softmax over drafters: each domain drafter is a language model of its domain, so
+Cold start: a new request's scores come from each drafter's mean log-likelihood of the prompt's first
+`score_tokens` tokens (only the routed drafters read the rest of a longer context), a softmax over drafters: each domain drafter is a language model of its domain, so
 this is a Bayes classifier of the prompt's domain with a flat prior. A generalist drafter (trained on every domain)
 tends to give a prompt a higher likelihood than the matching specialist, yet drafts its domain worse; it enters
 the softmax `generalist_margin` nats per token down, so it leads only on prompts no domain drafter explains.

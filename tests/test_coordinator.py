@@ -12,7 +12,7 @@ from engines.sampling import SamplingParams
 from engines.verifier import TorchVerifierEngine
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
-from speculation.coordinator import SpeculationCoordinator
+from speculation.coordinator import PREFIX_MARGIN, SpeculationCoordinator
 from speculation.fusion import FusionTree
 from speculation.health import DrafterHealth
 from assembly.drafter_server import DrafterServer
@@ -32,12 +32,12 @@ def _servers(models):
 
 
 async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_tokens=24, seed=0, hung=(), parked=(),
-               participation=None, **coord_kw):
+               participation=None, routing=None, **coord_kw):
     """Greedy decoding of `prompts` with the coordinator's drafts; drafters in `fail` raise, those in `hung`
     never answer (a stopped process), those `parked` have no replica (scaled to zero). `participation`: every
-    round's, or a function of the round's index."""
+    round's, or a function of the round's index. `routing`: the router's settings (default: seeded `seed`)."""
     emb = target.get_input_embeddings().weight.detach()
-    coord = SpeculationCoordinator(NAMES, RoutingSpec(seed=seed), emb, fixed_drafters=fixed, **coord_kw)
+    coord = SpeculationCoordinator(NAMES, routing or RoutingSpec(seed=seed), emb, fixed_drafters=fixed, **coord_kw)
     coord.failed_calls, coord.calls = [], []
     coord.on_failure = coord.failed_calls.append
     coord.parked = set(parked)
@@ -185,6 +185,46 @@ def test_cold_start_ranks_the_prompts_domain_drafter_first(target, servers, toke
     own = sum(cold_rank(coord, f"cold-{d}-{i}", heldout[d][i]) == d for d in DOMAINS for i in range(30, 40))
     # measured 51/60; 46/60 without the log-likelihood floor, 30/60 with neither floor nor generalist margin
     assert own >= 48, f"{own}/60"
+
+
+def test_a_long_context_is_scored_over_its_first_tokens_and_drafted_from_whole_by_the_routed_drafters(
+        target, models, servers, prompts):
+    """`routing.score_tokens`: a context longer than it (by more than PREFIX_MARGIN) is scored by every drafter over
+    its first tokens only, in calls of their own; the routed drafters then draft from the whole context in the same
+    round. The ranking is the one the prefix alone gets, and greedy output is the target's."""
+    cap = 16
+    assert len(prompts[0]) > cap + PREFIX_MARGIN
+    # drafters of their own: the verifier's request ids are those of the module's earlier runs, which the shared
+    # drafters remember as released (and would not draft for)
+    got, coord, _ = asyncio.run(_run(target, _servers(models), prompts[:3], True,
+                                     routing=RoutingSpec(score_tokens=cap)))
+    want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts[:3]]
+    assert got == want and coord.accepted > 0
+
+    calls = []
+
+    async def step_fn(name, batch):
+        calls.append((name, [(len(c.context), c.score_context) for c in batch]))
+        return servers[name].step(batch).chains
+
+    coord = SpeculationCoordinator(NAMES, RoutingSpec(score_tokens=cap), None, generalists={"generic"})
+    ctx = prompts[0]
+    drafts = asyncio.run(coord.draft([DraftRequest("long", ctx, 3, budget=8, participation=Participation(1))],
+                                     step_fn))
+    assert sorted(n for n, _ in calls[:len(NAMES)]) == sorted(NAMES)
+    assert all(c == [(cap, True)] for _, c in calls[:len(NAMES)])  # every drafter reads the first tokens only
+    drafting = calls[len(NAMES):]
+    assert len({n for n, _ in drafting}) == 1 and all(c == [(len(ctx), False)] for _, c in drafting)
+    assert len(drafts["long"]) >= 1
+    ranking = coord.router.ranking("long")
+    for n in coord.release("long"):
+        servers[n].release(["long"])
+    calls.clear()  # the prefix alone, scored whole at depth 0: the same likelihoods, the same ranking
+    short = SpeculationCoordinator(NAMES, RoutingSpec(score_tokens=cap), None, generalists={"generic"})
+    asyncio.run(short.draft([DraftRequest("short", ctx[:cap], 1, budget=8)], step_fn))
+    assert all(c == [(cap, True)] for _, c in calls) and short.router.ranking("short") == ranking
+    for n in short.release("short"):
+        servers[n].release(["short"])
 
 
 def test_participation_sets_how_many_routed_drafters_draft(servers, prompts):
