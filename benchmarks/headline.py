@@ -1,8 +1,8 @@
 """The README's headline tables, rendered from the committed results they quote. tests/test_docs_results.py checks
 that the README's tables are exactly this on the latest committed runs, so a re-run needs only its JSON and
 
-    python -m benchmarks.headline bench_results/anchors-k4-1201b.json bench_results/anchors-k8-1130.json \
-        bench_results/anchors-k4-t07-1201b.json bench_results/engine.json
+    python -m benchmarks.headline bench_results/anchors-k4-1201c.json bench_results/anchors-k8-1130.json \
+        bench_results/anchors-k4-t07-1201c.json bench_results/engine.json
 
 pasted over the tables. The first table has one column per `cosine bench anchors` run (its k, greedy or its
 sampling settings): ours served against vLLM target-only and against vLLM's fastest `draft_model` run (whichever
