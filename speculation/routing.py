@@ -14,13 +14,14 @@ Drafter choice (Eq. 3): the paper calls alpha > beta "exploration coefficients";
 of filling a drafter place at random rather than by top score: alpha while the request's recent accepted length is
 below tau (explore: its drafters are not working), beta otherwise (exploit).
 
-Cold start: a new request's scores come from each drafter's mean log-likelihood of the prompt's first
-`score_tokens` tokens (only the routed drafters read the rest of a longer context), a softmax over drafters: each domain drafter is a language model of its domain, so
-this is a Bayes classifier of the prompt's domain with a flat prior. A generalist drafter (trained on every domain)
-tends to give a prompt a higher likelihood than the matching specialist, yet drafts its domain worse; it enters
-the softmax `generalist_margin` nats per token down, so it leads only on prompts no domain drafter explains.
-Measured on 240 held-out 64-token prompts, own domain first: 141 raw, 186 with the margin, 206 with the margin and
-the drafters' per-token floor (engines/drafter.py). Without prompt scores every drafter starts equal.
+Cold start: a new request's scores come from each drafter's mean log-likelihood of the prompt's first `score_tokens`
+tokens (only the routed drafters read the rest of a longer context), a softmax over drafters: each domain drafter is
+a language model of its domain, so this is a Bayes classifier of the prompt's domain with a flat prior. A generalist
+drafter (trained on every domain) tends to give a prompt a higher likelihood than the matching specialist, yet
+drafts its domain worse; it enters the softmax `generalist_margin` nats per token down, so it leads only on prompts
+no domain drafter explains. Measured on 240 held-out 64-token prompts, own domain first: 141 raw, 186 with the
+margin, 206 with the margin and the drafters' per-token floor (engines/drafter.py). Without prompt scores every
+drafter starts equal.
 
 Model-free drafters (n-gram, suffix: engines/model_free.py) take no place: the routed places go to the drafter
 models, and every model-free drafter joins each routed round beside them (and the generalist participation's). They
