@@ -40,7 +40,11 @@ def test_profile_prints_the_controllers_seeds(tmp_path, capsys):
     assert main(["profile", str(path)]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     seeds = printed["speculation"]["controller"]
-    assert seeds["verify_seed_ms"][0] > 0 and seeds["draft_seed_ms"][0] > 0
+    # each fit prices a step of one token (one request) above zero; its intercept alone may fit to zero where the
+    # machine is busy (the fit keeps it non-negative: a fresh-clone suite run timed the drafter so)
+    for name in ("verify_seed_ms", "draft_seed_ms"):
+        a, b = seeds[name]
+        assert a >= 0 and b >= 0 and a + b > 0, (name, seeds[name])
     AppConfig.model_validate({**cfg["applications"][0]["args"], **printed})
 
 
