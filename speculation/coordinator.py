@@ -111,12 +111,8 @@ class _Drafting:
             self.alive = set()
             return
         props = {n: self.ahead[n][depth] for n in self.alive if depth in self.ahead[n]}
-        if depth == 0 and self.scoring_at_depth_0:
-            ll = {n: p.context_loglik for n, p in props.items() if p.context_loglik is not None}
-            if ll:
-                keep = self.strategy.scored(self.req, ll)
-                props = {n: p for n, p in props.items() if n in keep}
-                self.chosen = [n for n in self.chosen if n in keep]
+        if depth == 0 and self.scoring_at_depth_0 and (keep := self._route(props)) is not None:
+            props = {n: p for n, p in props.items() if n in keep}
         self.alive = set(props)  # a drafter that failed or ran out of room sits the rest of the round out
         if not props:
             return
@@ -128,14 +124,24 @@ class _Drafting:
             if tok is not None and p.token != tok:
                 self.ahead[n] = {}  # its chain went on from its own token: call it again
 
+    def _route(self, scores: dict[str, Proposal]) -> set[str] | None:
+        """After a scoring call: the drafters the likelihoods in `scores` route to, `chosen` cut to them (None, and
+        `chosen` kept, where no likelihood came back)."""
+        ll = {n: p.context_loglik for n, p in scores.items() if p.context_loglik is not None}
+        if not ll:
+            return None
+        keep = set(self.strategy.scored(self.req, ll))
+        self.chosen = [n for n in self.chosen if n in keep]
+        return keep
+
     def scored_prefix(self, router: Router) -> None:
         """After the prefix's scoring calls: the routed drafters (of the models that answered, and the model-free
         ones) draft from depth 0, from the whole context."""
-        answered = {n for n in self.alive if -1 in self.ahead[n] or n in router.model_free}
-        ll = {n: p.context_loglik for n in answered
-              if (p := self.ahead[n].get(-1)) is not None and p.context_loglik is not None}
-        keep = self.strategy.scored(self.req, ll) if ll and self.req.request_id in router.requests else answered
-        self.chosen = [n for n in self.chosen if n in keep and n in answered]
+        scores = {n: self.ahead[n][-1] for n in self.alive if -1 in self.ahead[n]}
+        if self.req.request_id in router.requests:  # not released while the round ran
+            self._route(scores)
+        answered = set(scores) | (self.alive & router.model_free)
+        self.chosen = [n for n in self.chosen if n in answered]
         self.alive = set(self.chosen)
         self.ahead = {n: {} for n in self.chosen}
         self.prefix = 0
