@@ -1,10 +1,11 @@
 """The OpenAI / vLLM request fields beyond the basics, through the served graph with speculation on (tests/served/
-conftest.py's graph: the shipped target verified in vLLM, every domain drafter), each against vLLM target-only with
-the same request (tests/served/api_cases.py: the cases, and their reference run before the graph starts): logprobs,
-penalties, min_tokens, stop_token_ids, ignore_eos, structured output (response_format, structured_outputs) and
-tool_choice named / required, whose output is vLLM's constrained decoding; tool calls parsed by vLLM's hermes parser
-and reasoning by its granite parser (their markers forced by a regex constraint, so a tiny model writes them); and n,
-unknown fields, refused fields, /tokenize, /detokenize, /version. docs/api.md has the field table."""
+conftest.py's graph: the shipped target verified in vLLM, three domain drafters and the generalist), each against vLLM
+target-only with the same request (tests/served/api_cases.py: the cases, and their reference run before the graph
+starts): logprobs, penalties, min_tokens, stop_token_ids, ignore_eos, structured output (response_format,
+structured_outputs) and tool_choice named / required, whose output is vLLM's constrained decoding; tool calls parsed by
+vLLM's hermes parser and reasoning by its granite parser (their markers forced by a regex constraint, so a tiny model
+writes them); and n, unknown fields, refused fields, /tokenize, /detokenize, /version. docs/api.md has the field
+table."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import torch
 
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
-from tests.served.conftest import METRICS, MODEL
+from tests.served.conftest import METRICS, MODEL, SERVED_DOMAINS
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_greedy_through_the_graph_equals_target_only(server, tokenizer, target, 
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120)
     accepted = []
-    for d in DOMAINS:
+    for d in SERVED_DOMAINS:
         prompt = heldout[d][7][:300]
         ids = tokenizer(prompt, add_special_tokens=False).input_ids
         out = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
@@ -69,10 +69,11 @@ def test_the_controller_reports_its_modes_and_that_drafters_share_this_cpu(serve
     c = httpx.get(f"{server}/v1/internal/speculation_stats", timeout=30).json()["controller"]
     # one machine, every drafter on the verifier's CPU: drafting takes its cycles from verification
     assert c["drafting_overlaps_verification"] is False
-    assert {"2 lockstep", "2 one-shot", "7 vote", "3 vote"} <= set(c["acceptance_by_participation"])  # the overrides
+    voters = f"{len(SERVED_DOMAINS) + 1} vote"  # every drafter
+    assert {"2 lockstep", "2 one-shot", voters, "3 vote"} <= set(c["acceptance_by_participation"])  # the overrides
     assert c["participation"] in {"1", "2 lockstep", "2 one-shot"}  # a request's vote is never the controller's pick
     # weights move where voters' chains fare differently against what the target commits: where every voter agrees
-    # (the override tests' one legal prompt, all seven answering in time) they stay equal, so vote on prompts of
+    # (the override tests' one legal prompt, all of them answering in time) they stay equal, so vote on prompts of
     # every domain, whose drafters disagree, until they move (bounded)
     for d in DOMAINS:
         weights = httpx.get(f"{server}/v1/internal/speculation_stats", timeout=30).json()["vote_weights"]
@@ -83,7 +84,7 @@ def test_the_controller_reports_its_modes_and_that_drafters_share_this_cpu(serve
             "model": MODEL, "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
             "speculation": {"mode": "vote"}})
         assert r.status_code == 200, r.text
-    assert set(weights) == {*DOMAINS, "generic"}
+    assert set(weights) == {*SERVED_DOMAINS, "generic"}
     assert all(0.02 <= w <= 0.6 for w in weights.values())  # vote.min_weight, vote.max_weight
     assert max(weights.values()) > 1.05 * min(weights.values())  # the vote requests moved them off equal
 
@@ -243,7 +244,7 @@ def test_client_disconnect_cancels_and_releases_caches(server):
                 break  # hang up mid-generation
     assert _wait(lambda: _aborted() == before + 1)  # counted once the loop has aborted it in the engine
     assert _handle("Verifier").running.remote().result() == 0
-    names = list(DOMAINS) + ["generic"]
+    names = list(SERVED_DOMAINS) + ["generic"]
     assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
 
 
@@ -268,16 +269,16 @@ def test_client_hanging_up_on_a_non_streamed_request_frees_it_everywhere(server)
     # hung up before the 480 tokens are done: the loop aborts the request rather than finishing it
     assert _wait(lambda: _aborted() == before + 1)  # counted once the loop has aborted it in the engine
     assert _handle("Verifier").running.remote().result() == 0
-    names = list(DOMAINS) + ["generic"]
+    names = list(SERVED_DOMAINS) + ["generic"]
     assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
     assert _chat(server, "still serving?").status_code == 200
 
 
 def test_routing_ranks_the_prompts_own_domain_first(server, tokenizer, heldout):
-    """After 12 new tokens (cold start from prompt likelihoods, then verification feedback); measured 21/24."""
+    """After 12 new tokens (cold start from prompt likelihoods, then verification feedback), eight prompts a domain."""
     hits = total = 0
-    for d in DOMAINS:
-        for text in heldout[d][30:34]:
+    for d in SERVED_DOMAINS:
+        for text in heldout[d][30:38]:
             ids = tokenizer(text, add_special_tokens=False).input_ids[:64]
             r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 12,
                                                               "temperature": 0}, timeout=120)
