@@ -7,6 +7,7 @@ import inspect
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,29 +48,35 @@ def test_the_custom_class_proposer_path_is_where_it_was():
     assert "self.engine_core" in inspect.getsource(InprocClient.__init__)  # the scheduler is reached through it
 
 
-# Run in a subprocess: it loads vLLM's native CPU kernels, and a kernel built for instructions this CPU lacks kills
-# the interpreter (SIGABRT, SIGILL). The kernels are loaded as vLLM loads them (`current_platform.import_kernels()`:
-# the AVX-512 or AVX2 build, whichever the CPU runs), never by importing one build by name.
-_REJECTION_SAMPLING_BUGS = """
-import sys
-import torch
-if sys.argv[1] == "avx2":  # as on a CPU without AVX-512: vLLM loads its AVX2 build
-    torch.cpu._is_avx512_supported = lambda: False
-from vllm.platforms import current_platform
-current_platform.import_kernels()
-from vllm.utils import cpu_triton_utils
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only
+def rejection_sampling_bugs() -> str:
+    """What fix_cpu_rejection_sampling works around, checked on vLLM's native CPU kernels as vLLM loads them
+    (`current_platform.import_kernels()`: the AVX-512 or AVX2 build, whichever the CPU runs), never by importing one
+    build by name."""
+    from vllm.platforms import current_platform
 
-out = torch.full((6,), -7, dtype=torch.int32)
-cpu_triton_utils._expand_kernel_impl(out, torch.tensor([3, 7, 5], dtype=torch.int32),
-                                     torch.tensor([2, 5, 6], dtype=torch.int32), 0, 0)
-assert out.tolist() == [-7] * 6, "vLLM's expand now writes its output: remove expand_rows from the fix"
-try:
-    getattr(apply_top_k_only, "__wrapped__", apply_top_k_only)(torch.zeros(0, 10), torch.zeros(0, dtype=torch.int32))
-except RuntimeError:
-    print("both bugs still there")
-else:
+    current_platform.import_kernels()
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only
+
+    out = torch.full((6,), -7, dtype=torch.int32)
+    cpu_triton_utils._expand_kernel_impl(out, torch.tensor([3, 7, 5], dtype=torch.int32),
+                                         torch.tensor([2, 5, 6], dtype=torch.int32), 0, 0)
+    assert out.tolist() == [-7] * 6, "vLLM's expand now writes its output: remove expand_rows from the fix"
+    try:
+        getattr(apply_top_k_only, "__wrapped__", apply_top_k_only)(torch.zeros(0, 10),
+                                                                   torch.zeros(0, dtype=torch.int32))
+    except RuntimeError:
+        return "both bugs still there"
     raise AssertionError("vLLM's top-k now takes zero rows: remove the empty-rows guard from the fix")
+
+
+# The AVX2 build as a CPU without AVX-512 gets it, in a process of its own: loading it makes vLLM's ops that build's
+# for the rest of the process (this one's are the native ones, which every in-process vLLM engine here loads too).
+_AVX2 = """
+import torch
+torch.cpu._is_avx512_supported = lambda: False
+from tests.test_vllm_hooks import rejection_sampling_bugs
+print(rejection_sampling_bugs())
 """
 
 
@@ -78,10 +85,13 @@ else:
 def test_the_cpu_rejection_sampling_bugs_are_still_there(kernels):
     """When this fails, vLLM fixed the bug it names: remove its fix from fix_cpu_rejection_sampling. `avx2`: vLLM's
     kernels as a CPU without AVX-512 gets them (this one runs them either way)."""
-    if platform.machine() not in ("x86_64", "AMD64") and kernels == "avx2":
+    if kernels == "native":
+        assert rejection_sampling_bugs() == "both bugs still there"
+        return
+    if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("vLLM's AVX2 build is an x86-64 one")
-    run = subprocess.run([sys.executable, "-c", _REJECTION_SAMPLING_BUGS, kernels], capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([sys.executable, "-c", _AVX2], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
     assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
     assert "both bugs still there" in run.stdout
 
