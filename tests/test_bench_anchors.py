@@ -192,10 +192,12 @@ def test_forgetting_outputs_empties_the_suffix_drafters_tenant_trees_between_rep
 
 
 @pytest.mark.slow
-def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
+def test_drafting_cost_columns_on_a_tiny_run_and_a_worker_forgets_what_it_drafts_from(tmp_path, tokenizer, heldout):
     """The real workers (vLLM draft_model with the generic drafter and the sampling fix; ours in process, the pooled
-    drafters of examples/bench.yaml) on two short prompts: each row's drafting cost present and positive, in the
-    table too, and the two greedy outputs equal."""
+    drafters of examples/bench-model-free.yaml: bench.yaml's and the model-free ones) on two short prompts: each row's
+    drafting cost present and positive, in the table too, and the two greedy outputs equal. Then ours on two
+    repeated-context prompts: its model-free drafters remember a run's outputs and forget them when told, and the
+    output stays the target's greedy output (one worker for both: each costs the suite half a minute to start)."""
     from model_family.bench_target import ensure_bench_target
     from model_family.paths import models_dir
 
@@ -204,18 +206,20 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
     prompts = [tokenizer(heldout[d][0], add_special_tokens=False).input_ids[:24] for d in ("code", "legal")]
     # with the sampling fix a sampled run applies (greedy never meets the bugs it fixes): applied in the worker
     systems = {"vLLM draft_model, generic drafter": {"kind": "vllm", "draft": "generic", "fix_sampling": True},
-               anchors.OURS: {"kind": "ours", "config": str(BENCH)}}
-    runs, temps = {}, []
+               anchors.OURS_MF: {"kind": "ours", "config": str(MODEL_FREE)}}
+    runs, temps, repeats = {}, [], []
     for i, (name, spec) in enumerate(systems.items()):
         worker = Worker(dict(spec, max_batch=2, k=3), tmp_path / f"{i}.log")
         temps.append(Path(worker.tmp))
         try:
             worker.run(prompts[:1], 1, 4, ["code"], greedy.for_requests(1, 0))  # warm-up
             runs[name] = worker.run(prompts, 2, 16, ["code", "legal"], greedy.for_requests(2, 1))
+            if name == anchors.OURS_MF:
+                repeats = _forgetting_runs(worker, tokenizer)
         finally:
             worker.stop()
     assert not any(t.exists() for t in temps)  # a worker's temp files (vLLM's rendezvous file) go with it
-    reference = runs[anchors.OURS]["outputs"]
+    reference = runs[anchors.OURS_MF]["outputs"]
     assert runs["vLLM draft_model, generic drafter"]["outputs"] == reference
     rows = []
     for name, res in runs.items():
@@ -233,16 +237,33 @@ def test_drafting_cost_columns_on_a_tiny_run(tmp_path, tokenizer, heldout):
     ours = rows[1]
     assert 0 < ours["drafted_step_share"][0] <= 1 and ours["guard_switched_off"] == [0]
     assert rows[0]["drafted_step_share"] is None
-    # a round's drafter forwards: at least one a round (k = 3 chains), within the round's time; none for vLLM's
-    assert ours["drafter_forwards_per_round"] >= 1
+    # a round's drafter forwards: some (the model drafters draft these prompts' rounds), within the round's time;
+    # none for vLLM's
+    assert ours["drafter_forwards_per_round"] > 0
     assert 0 < ours["draft_forward_ms_per_round"] < ours["draft_ms_per_round"]
     assert "draft_forward_ms_per_round" not in rows[0]
     assert f"{ours['drafter_forwards_per_round']:.2f} drafter forwards" in table
-    assert f"{anchors.OURS}, concurrency 2: steps with drafts per run" in table
+    assert f"{anchors.OURS_MF}, concurrency 2: steps with drafts per run" in table
     shares = ours["by_drafter"]  # which drafters the router chose, with each one's acceptance
     assert shares and sum(d["drafted_share"] for d in shares.values()) == pytest.approx(1, abs=0.01)
     assert all(0 <= d["accepted_rate"] <= 1 for d in shares.values())
-    assert f"{anchors.OURS}, concurrency 2: drafted tokens by drafter: " in table
+    assert f"{anchors.OURS_MF}, concurrency 2: drafted tokens by drafter: " in table
+    # forgetting: the same output in every run, each the full length
+    assert repeats[0]["outputs"] == repeats[1]["outputs"] == repeats[2]["outputs"]
+    assert all(len(o) == 24 for o in repeats[0]["outputs"])
+
+
+def _forgetting_runs(worker: Worker, tokenizer) -> list[dict]:
+    """Three greedy runs of two repeated-context prompts: the first, one after the worker forgot the first's outputs
+    (two requests' worth; nothing left to forget after), and one that remembers the second's."""
+    prompts = [ids for _, ids in repeated_prompts(tokenizer, 1, quote_len=24)][:2]
+    greedy = Sampling().for_requests(2, 0)
+    worker.forget_outputs()  # the drafting-cost runs' outputs
+    runs = [worker.run(prompts, 1, 24, ["code", "legal"], greedy)]
+    assert worker.forget_outputs() == 2 and worker.forget_outputs() == 0
+    runs.append(worker.run(prompts, 1, 24, ["code", "legal"], greedy))
+    runs.append(worker.run(prompts, 1, 24, ["code", "legal"], greedy))  # the outputs above remembered
+    return runs
 
 
 def test_sampled_rows_report_a_p_value_text_statistics_and_a_warning():
@@ -291,34 +312,27 @@ def test_a_served_row_reports_the_guard_from_the_servers_statistics_around_each_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("system", [anchors.SUFFIX, anchors.OURS_MF])
-def test_a_worker_forgets_the_outputs_it_drafts_from_between_repeats(tmp_path, tokenizer, system, monkeypatch):
-    """The real workers on two repeated-context prompts, greedy: vLLM suffix (arctic-inference from
-    `make vllm-suffix`) and ours in process with the model-free drafters remember a run's outputs, and forget them
-    when told; vLLM suffix then drafts as in its first run, and both write the target's greedy output. The
-    arctic-inference plugin is enabled, and would refuse this vLLM version if it were loaded: it is not."""
+def test_vllm_suffix_forgets_the_outputs_it_drafts_from_between_repeats(tmp_path, tokenizer, monkeypatch):
+    """The real vLLM suffix worker (arctic-inference from `make vllm-suffix`) on two repeated-context prompts, greedy:
+    it remembers a run's outputs, forgets them when told, then drafts as in its first run, and writes the target's
+    greedy output. The arctic-inference plugin is enabled, and would refuse this vLLM version if it were loaded: it
+    is not. (Ours with the model-free drafters: the drafting-cost test above.)"""
     from model_family.bench_target import ensure_bench_target
     from model_family.paths import models_dir
 
-    if system == anchors.SUFFIX and suffix_unavailable():
+    if suffix_unavailable():
         pytest.skip(suffix_unavailable())
     monkeypatch.setenv("ARCTIC_INFERENCE_ENABLED", "1")
     ensure_bench_target(models_dir())
-    prompts = [ids for _, ids in repeated_prompts(tokenizer, 1, quote_len=24)][:2]
-    greedy = Sampling().for_requests(2, 0)
-    spec = anchors._systems(False, str(BENCH), str(MODEL_FREE))[system]
+    spec = anchors._systems(False, str(BENCH), str(MODEL_FREE))[anchors.SUFFIX]
     worker = Worker(dict(spec, max_batch=2, k=4), tmp_path / "worker.log")
     try:
-        runs = [worker.run(prompts, 1, 24, ["code", "legal"], greedy)]
-        assert worker.forget_outputs() == 2 and worker.forget_outputs() == 0
-        runs.append(worker.run(prompts, 1, 24, ["code", "legal"], greedy))
-        runs.append(worker.run(prompts, 1, 24, ["code", "legal"], greedy))  # the outputs above remembered
+        runs = _forgetting_runs(worker, tokenizer)
     finally:
         worker.stop()
     assert runs[0]["outputs"] == runs[1]["outputs"] == runs[2]["outputs"]
     assert all(len(o) == 24 for o in runs[0]["outputs"])
-    if system == anchors.SUFFIX:
-        assert runs[1]["accepted"] == runs[0]["accepted"] < runs[2]["accepted"]
+    assert runs[1]["accepted"] == runs[0]["accepted"] < runs[2]["accepted"]
 
 
 def test_the_drafters_line_says_how_the_model_free_confidences_were_scaled():
