@@ -43,9 +43,10 @@ class Layout:
 
 # the ramp: one replica each at rest, two under load; the layout the redeploy changes to swaps a drafter for
 # another, lowers k and lets drafters go to zero (routed rounds only: rounds the controller put on the generalist
-# would keep the domain drafters at zero). Three drafters each: every replica started costs seconds of both cores
-RAMP = Layout(("code", "legal", "generic"), low=1, high=2, k=4, adaptive_drafters=True)
-ZERO = Layout(("code", "biomedical", "generic"), low=0, high=1, k=2, adaptive_drafters=False)
+# would keep the domain drafters at zero). Two drafters each (both draft every request: drafters_per_request 2):
+# every replica started costs seconds of both cores
+RAMP = Layout(("code", "generic"), low=1, high=2, k=4, adaptive_drafters=True)
+ZERO = Layout(("biomedical", "generic"), low=0, high=1, k=2, adaptive_drafters=False)
 
 
 def serve_config(port: int, layout: Layout) -> dict:

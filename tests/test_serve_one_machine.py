@@ -47,12 +47,12 @@ pytestmark = pytest.mark.slow
 
 MODEL, KEY = "cosine-keyed", "s3cret"
 AUTH = {"authorization": f"Bearer {KEY}"}
-DOMAINS_SERVED = ("code", "legal", "biomedical")
+DOMAINS_SERVED = ("code", "legal")
 
 
 def _config(path: Path) -> Path:
     """examples/local.yaml as a site would change it: the small target (the tests compare with its greedy output),
-    three domain drafters and the generalist, an API key and a model name; its autoscaling as shipped."""
+    two domain drafters and the generalist, an API key and a model name; its autoscaling as shipped."""
     from model_family.paths import REPO_ROOT
 
     cfg = yaml.safe_load((REPO_ROOT / "examples" / "local.yaml").read_text())
