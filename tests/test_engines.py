@@ -81,9 +81,9 @@ def _accepted_share(out) -> float:
 
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_chain_equals_target_for_every_draft_length(target, drafter_models, mixed_prompts, reference, k):
-    prompts = mixed_prompts[::2]  # nine prompts, all domains, batch of four with joins and leaves
+    prompts = mixed_prompts[::4]  # five prompts of five domains, every length, batch of four with joins and leaves
     out, _ = _run(target, [drafter_models["generic"]], prompts, k, batch=4)
-    assert [o.token_ids for o in out] == reference[::2]
+    assert [o.token_ids for o in out] == reference[::4]
     assert _accepted_share(out) > 0.2 * k / (k + 1)  # the generic drafter's acceptance is ~0.6-0.8 per token
 
 
