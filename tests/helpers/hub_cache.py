@@ -37,9 +37,3 @@ def publish(cache: Path, repo_id: str, src: Path, revision: str = "main", files:
 def offline_env(cache: Path) -> dict[str, str]:
     """The environment of a node that has `cache` and no network."""
     return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-
-
-def snapshot(cache: Path, repo_id: str, revision: str = "main") -> Path:
-    """The snapshot directory `revision` of `repo_id` points to."""
-    repo = Path(cache) / f"models--{repo_id.replace('/', '--')}"
-    return repo / "snapshots" / (repo / "refs" / revision).read_text()
