@@ -15,7 +15,9 @@ draft's depth and the tokens accepted), pooled over the timed runs, and need no 
 share of drafts at k, tokens committed per drafted round, the conditional acceptance by depth of the rounds drafted
 to k (the share of drafts accepted at depth d among those accepted up to d - 1: where a longer draft still pays),
 and the correlation of a request's accepted share between consecutive rounds (how much a bad round predicts the
-next: what a per-request draft length can exploit).
+next: what a per-request draft length can exploit). From the trace's verify steps: the engine's time per step and the
+wait for drafts before it, with the wait's share of the two (what drafting costs the loop, where no cheaper drafting
+could buy more than that share).
 """
 
 from __future__ import annotations
@@ -70,13 +72,24 @@ def _config(config: str, k: int, overrides: dict, trace: Path, work: Path, name:
     return str(path), k
 
 
-def _records(trace: Path, offset: int) -> list[dict]:
-    """The `verified` records `trace` holds after byte `offset` (request ids are unique, so the timed runs pool)."""
+def _records(trace: Path, offset: int) -> Trace:
+    """The records `trace` holds after byte `offset` (request ids are unique, so the timed runs pool)."""
     with open(trace, "rb") as f:
         f.seek(offset)
         t = Trace()
         t.add(f.read().decode())
-    return t.verified
+    return t
+
+
+def step_stats(steps: list[dict]) -> dict:
+    """Where a verify step's time goes (`step` trace records): the engine's verification, and the wait for drafts
+    before it (drafting that did not overlap verification). Means per step, and drafting's share of the two."""
+    if not steps:
+        return {"verify_ms_per_step": None, "draft_wait_ms_per_step": None, "draft_wait_share": None}
+    verify, wait = sum(s["verify_s"] for s in steps), sum(s["wait_s"] for s in steps)
+    return {"verify_ms_per_step": round(1000 * verify / len(steps), 2),
+            "draft_wait_ms_per_step": round(1000 * wait / len(steps), 2),
+            "draft_wait_share": round(wait / (verify + wait), 3) if verify + wait > 0 else None}
 
 
 def round_stats(records: list[dict], k: int) -> dict:
@@ -143,6 +156,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
         for w in workers.values():
             w.stop()
     reference = runs[names[0]][0]["outputs"]
+    trace = {name: _records(traces[name], timed_from[name]) for name in names}
     rows = []
     for name in names:
         per_run = [sum(len(o) for o in r["outputs"]) / r["wall"] for r in runs[name]]  # in run order
@@ -155,7 +169,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
                      "draft_ms_per_round": round(1000 * draft_s / rounds, 3) if rounds else None,
                      "tokens_per_s_min": round(tps[0], 1), "tokens_per_s_max": round(tps[-1], 1),
                      "tokens_per_s_by_repeat": [round(t, 1) for t in per_run],
-                     "runs": len(tps), **round_stats(_records(traces[name], timed_from[name]), ks[name]),
+                     "runs": len(tps), **round_stats(trace[name].verified, ks[name]), **step_stats(trace[name].steps),
                      "identical_to_controller": all(r["outputs"] == reference for r in runs[name])})
     return {"config": {"prompts": len(prompts), "new_tokens": new_tokens, "concurrency": concurrency, "k": k,
                        "repeats": repeats, "ours": config},
@@ -163,18 +177,29 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
 
 
 def format_table(result: dict) -> str:
+    # the step columns where the run measured them (files from before them render as they were published)
+    steps = any(r.get("verify_ms_per_step") is not None for r in result["rows"])
+    extra = "| verify ms per step | drafts waited for, ms per step (share) " if steps else ""
     lines = [("| system | tok/s median (min-max) | drafting ms per drafted token | drafting ms per round "
               "| mean draft depth | drafts at k | tokens per drafted round "
               "| conditional acceptance by depth, drafts at k | lag-1 correlation of accepted share "
-              "| output = the controller's |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+              f"{extra}| output = the controller's |"),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if steps else "")]
     for r in result["rows"]:
         cond = " ".join(cell(c) for c in r["conditional_acceptance_at_k"])
+        step_cells = f"| {cell(r.get('verify_ms_per_step'))} | {_wait_cell(r)} " if steps else ""
         lines.append(f"| {r['system']} | {tps_cell(r)} | {cell(r.get('draft_ms_per_drafted_token'))} "
                      f"| {cell(r.get('draft_ms_per_round'))} | {r['mean_draft_depth']:.2f} | {100 * r['share_at_k']:.0f}% "
                      f"| {r['tokens_per_drafted_round']:.2f} | {cond} | {cell(r['lag1_accepted_share_correlation'])} "
-                     f"| {'yes' if r['identical_to_controller'] else 'NO'} |")
+                     f"{step_cells}| {'yes' if r['identical_to_controller'] else 'NO'} |")
     return "\n".join(lines)
+
+
+def _wait_cell(row: dict) -> str:
+    """The wait for drafts per step with its share of the step's time (files from before it have neither)."""
+    if row.get("draft_wait_ms_per_step") is None:
+        return "-"
+    return f"{row['draft_wait_ms_per_step']:.2f} ({100 * row['draft_wait_share']:.0f}%)"
 
 
 def main(args) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.rounds import format_table, round_stats
+from benchmarks.rounds import format_table, round_stats, step_stats
 
 
 def _v(rid: str, depth: int, accepted: int) -> dict:
@@ -31,3 +31,16 @@ def test_a_system_that_never_drafted_still_renders():
     row = {"system": "off", "tokens_per_s": 1.0, "tokens_per_s_min": 1.0, "tokens_per_s_max": 1.0,
            "identical_to_controller": True, **empty}
     assert "| off | 1.0 (1.0-1.0) | - | - | 0.00 | 0% |" in format_table({"rows": [row]})
+
+
+def test_step_figures_split_verification_from_the_wait_for_drafts():
+    steps = [{"kind": "step", "verify_s": 0.10, "wait_s": 0.02}, {"kind": "step", "verify_s": 0.12, "wait_s": 0.0}]
+    s = step_stats(steps)
+    assert s == {"verify_ms_per_step": 110.0, "draft_wait_ms_per_step": 10.0, "draft_wait_share": 0.083}
+    assert step_stats([])["draft_wait_share"] is None
+    row = {"system": "c", "tokens_per_s": 1.0, "tokens_per_s_min": 1.0, "tokens_per_s_max": 1.0,
+           "identical_to_controller": True, **round_stats([_v("a", 4, 4)], 4), **s}
+    assert "| 110.00 | 10.00 (8%) | yes |" in format_table({"rows": [row]})
+    old = {k: v for k, v in row.items() if k not in s}  # a file from before these figures: as it was published
+    assert format_table({"rows": [old]}).splitlines()[0].endswith("| lag-1 correlation of accepted share "
+                                                                  "| output = the controller's |")
