@@ -13,7 +13,7 @@ from engines.build import check_models, set_thread_torch_threads
 from engines.drafter_pool import DrafterPool, pool_shape
 from speculation.coordinator import SpeculationCoordinator
 from speculation.loop import VerifyLoop
-from speculation.messages import Draft, DrafterCall, DrafterReply, DraftRequest, Proposal
+from speculation.messages import DrafterCall, DrafterReply, DraftRequest, DraftRound, Proposal
 
 
 class InProcessDraftingTier:
@@ -70,7 +70,7 @@ class InProcessDraftingTier:
         async with self.locks[name]:
             return (await self.servers[name].run(calls)).chains
 
-    async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]:
+    async def draft(self, batch: list[DraftRequest]) -> DraftRound:
         return await self.coordinator.draft(batch, self._step)
 
     async def stats(self) -> dict:

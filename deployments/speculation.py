@@ -13,7 +13,7 @@ from ray.serve import metrics
 
 from config import AppConfig
 from speculation.coordinator import SpeculationCoordinator
-from speculation.messages import Draft, DrafterCall, DraftRequest, Proposal
+from speculation.messages import DrafterCall, DraftRequest, DraftRound, Proposal
 
 logger = logging.getLogger("ray.serve")
 
@@ -108,14 +108,14 @@ class SpeculationDeployment:
         if self.may_park and self.watch is None:  # the loop's own context: not cancelled with the calling request
             self.watch = asyncio.get_running_loop().create_task(self._watch_replicas(), context=contextvars.Context())
 
-    async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]:
+    async def draft(self, batch: list[DraftRequest]) -> DraftRound:
         self._ensure_watch()
         t = time.perf_counter()
-        drafts = await self.coordinator.draft(batch, self._step)
+        got = await self.coordinator.draft(batch, self._step)
         self.timing["rounds"] += 1
         self.timing["round_ms"] += (time.perf_counter() - t) * 1000
         self.timing["lockstep_depths"] += max((d.k for d in batch), default=0)
-        return drafts
+        return got
 
     def stats(self) -> dict:
         """Where a speculation round's time goes: drafter compute vs. the hops around it."""

@@ -23,7 +23,7 @@ from assembly.drafting_tier import InProcessDraftingTier, step_on_verifier_threa
 from assembly.loop import freeze_startup_heap
 from speculation.loop import VerifyLoop
 from speculation.loop_stats import LoopStats
-from speculation.messages import Draft, DraftRequest, SpeculationOverrides, TokenChunk
+from speculation.messages import DraftRequest, DraftRound, SpeculationOverrides, TokenChunk
 from speculation.signals import VERIFIER_RETIRED, IntervalMeter, verifier_signals
 from speculation.tiers import VERIFIER_REMOTE, AutoDraftingTier, resolve
 
@@ -36,7 +36,7 @@ class HandleDraftingTier:
     def __init__(self, handle):
         self.handle = handle
 
-    async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]:
+    async def draft(self, batch: list[DraftRequest]) -> DraftRound:
         return await self.handle.draft.remote(batch)
 
     def release(self, request_ids: list[str]) -> None:

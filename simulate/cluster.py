@@ -224,7 +224,8 @@ class Simulation:
         if not batch:
             return {}, batch, participations
         self.replayer.start_round(batch)
-        return self.aio.run_until_complete(self.coordinator.draft(batch, self.replayer.step_fn)), batch, participations
+        got = self.aio.run_until_complete(self.coordinator.draft(batch, self.replayer.step_fn))
+        return got.drafts, batch, participations
 
     def _round(self, contexts: dict[str, list[int]], overlap: float, ahead: bool = False):
         """A drafting round in simulated time: its drafts, or none if they come later than draft_timeout_ms (the

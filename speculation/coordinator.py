@@ -36,7 +36,7 @@ from config import AppConfig, RoutingSpec, SpeculationSpec
 from engines.build import target_input_embeddings
 from speculation.fusion import FusionTree
 from speculation.health import DrafterHealth
-from speculation.messages import Draft, DrafterCall, DraftRequest, Proposal
+from speculation.messages import Draft, DrafterCall, DraftRequest, DraftRound, Proposal
 from speculation.routing import Router
 from speculation.strategies import strategies
 from speculation.strategies.base import DraftingStrategy, Roster, RoundRecord, Setup
@@ -75,6 +75,7 @@ class _Drafting:
     alive: set[str] = field(default_factory=set)  # drafters still in the round
     factors: dict[str, float] = field(default_factory=dict)  # model-free drafter -> its confidences' calibration
     raw: dict[str, dict[int, float]] = field(default_factory=dict)  # model-free drafter -> depth -> raw confidence
+    faulted: bool = False  # a drafter's call for the request failed or came late (`DraftRound.faulted`)
 
     def __post_init__(self):
         for n in self.chosen:
@@ -261,7 +262,8 @@ class SpeculationCoordinator:
                          prefix=prefix)
 
     async def _call(self, step_fn: StepFn, name: str, calls: list[DrafterCall],
-                    timeout_s: float) -> dict[str, list[Proposal]]:
+                    timeout_s: float) -> dict[str, list[Proposal]] | None:
+        """The drafter's chains, or None where its call failed or came late."""
         t0 = time.perf_counter()
         try:
             got = await asyncio.wait_for(step_fn(name, calls), timeout_s)
@@ -271,7 +273,7 @@ class SpeculationCoordinator:
                                else f"call failed ({type(e).__name__})")
             if self.on_failure is not None:
                 self.on_failure(name)
-            return {}
+            return None
         self.health.succeeded(name)
         if not any(c.score_context for c in calls):  # a prompt's prefill is no measure of the drafter's speed
             for s in self.strategies:
@@ -294,7 +296,9 @@ class SpeculationCoordinator:
         free = self.router.model_free
         for name, got in zip(names, answers):
             for call in per_drafter[name]:
-                if call.request_id in got:
+                if got is None:
+                    rounds[call.request_id].faulted = True
+                elif call.request_id in got:
                     chain, r = got[call.request_id], rounds[call.request_id]
                     if name in free:  # a match's frequency, scaled by what the target accepted of this drafter's
                         r.raw.setdefault(name, {}).update((depth + i, p.prob) for i, p in enumerate(chain))
@@ -355,7 +359,7 @@ class SpeculationCoordinator:
         wait = max(0.0, phase_s - verify_s) if any(r.req.ahead for r in rounds) else phase_s
         return (alone + gain) / (verify_s + wait) > alone / verify_s
 
-    async def draft(self, batch: list[DraftRequest], step_fn: StepFn) -> dict[str, Draft]:
+    async def draft(self, batch: list[DraftRequest], step_fn: StepFn) -> DraftRound:
         t0 = time.perf_counter()
         waits = [d.wait_s for d in batch if d.wait_s is not None]
         budgets = ([self.round_budget_s] if self.round_budget_s is not None else []) + [ROUND_SHARE * w for w in waits]
@@ -363,7 +367,7 @@ class SpeculationCoordinator:
         deadline = t0 + budget if budget is not None else float("inf")
         rounds = {req.request_id: self._start(req) for req in batch if req.k > 0}
         if not rounds:
-            return {}
+            return DraftRound()
         await self._score_prefixes(rounds, step_fn, deadline)
         await self._model_free_first(rounds, step_fn, deadline)
         free, t_models = self.router.model_free, time.perf_counter()
@@ -375,7 +379,9 @@ class SpeculationCoordinator:
             await self._ask(rounds, rounds.values(), depth, step_fn, min(self.step_timeout_s, left))
             for r in rounds.values():
                 r.advance(depth, self.router)
-        if with_models and not any(r.scoring for r in rounds.values()):  # a prompt's scoring is not a round's cost
+        faulted = any(r.faulted for r in rounds.values())
+        # a prompt's scoring is not a round's cost, nor a fault's wait
+        if with_models and not faulted and not any(r.scoring for r in rounds.values()):
             key, seconds = with_models.bit_length(), time.perf_counter() - t_models
             last = self.model_phase_s.get(key)
             self.model_phase_s[key] = seconds if last is None else 0.8 * last + 0.2 * seconds
@@ -393,5 +399,5 @@ class SpeculationCoordinator:
                 s.ended(rid)
         self.stats["rounds"] += 1
         self.stats["step_seconds"] += time.perf_counter() - t0
-        return drafts
+        return DraftRound(drafts, faulted)
 

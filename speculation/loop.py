@@ -33,7 +33,7 @@ from engines.build import set_thread_torch_threads
 from engines.device_work import WORK
 from engines.interface import VerifierEngine
 from engines.sampling import SamplingParams
-from speculation.messages import Draft, DraftRequest, Participation, SpeculationOverrides, TokenChunk
+from speculation.messages import Draft, DraftRequest, DraftRound, Participation, SpeculationOverrides, TokenChunk
 from speculation.plain_steps import PlainSteps
 from speculation.planner import DraftPlanner, draft_timeout_s
 from speculation.stepping import StepGrouping, carried
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 class DraftingTier(Protocol):
-    async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]: ...
+    async def draft(self, batch: list[DraftRequest]) -> DraftRound: ...
 
     def release(self, request_ids: list[str]) -> None:
         """Forget finished or aborted requests (drafters free their caches); must not block."""
@@ -229,18 +229,18 @@ class VerifyLoop:
             verify_s = statistics.median(recent) if recent else None
             for d in batch:  # the coordinator ends its round in time for it, and prices its wait by the step's
                 d.wait_s, d.verify_s = timeout, verify_s
-            drafts = await asyncio.wait_for(self.drafting.draft(batch), timeout)
+            got = await asyncio.wait_for(self.drafting.draft(batch), timeout)
         except Exception as e:  # noqa: BLE001 - late or failed drafts: decode without them
             self.stats.draft_round(None)
             logger.warning("drafts unavailable this step (%r); decoding without them", e)
             return {}
-        seconds = time.perf_counter() - t
+        seconds, drafts = time.perf_counter() - t, got.drafts
         self.stats.draft_round(seconds)
         # the depth drafted, not asked for: a fused tree that reaches its node budget ends the round earlier
         self.stats.device_round(max((d.depth for d in drafts.values()), default=0), WORK.since(work))
         if self.trace:
             self.trace.draft(len(batch), max(d.k for d in batch), scored, seconds)
-        self.planner.observe_round(batch, participations, seconds)
+        self.planner.observe_round(batch, participations, seconds, got.faulted)
         return drafts
 
     def _draft_ahead(self, drafts: dict[str, Draft]) -> tuple[dict[str, list[int]], asyncio.Task] | None:

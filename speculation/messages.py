@@ -82,6 +82,17 @@ class DraftRequest:
 
 
 @dataclass
+class DraftRound:
+    """Speculation cluster -> verifier: a round's drafts, by request id (a request left without one decodes a plain
+    step), and whether a drafter's call in it failed or came late. A faulted round's time is the fault's (it waited
+    for the call's deadline), not drafting's: the drafter sits out its next rounds (`DrafterHealth`), so the round
+    prices nothing (one 5 s wait among 40 ms rounds fitted a participation's round time that kept it at k = 0)."""
+
+    drafts: dict[str, Draft] = field(default_factory=dict)
+    faulted: bool = False
+
+
+@dataclass
 class DrafterCall:
     """Speculation cluster -> one drafter: continue `context` for `steps` tokens, each fed back as the next input
     (the drafter's whole chain from one call). `score_context` asks for the context's mean log-likelihood too

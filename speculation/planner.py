@@ -100,12 +100,13 @@ class DraftPlanner:
         return Participation(n, lockstep and _routed(spec.mode))
 
     def observe_round(self, batch: list[DraftRequest], participations: set[Participation | None],
-                      seconds: float) -> None:
+                      seconds: float, faulted: bool = False) -> None:
         """Price a drafting round: per lockstep depth by the number of requests drafting, or, choosing the
         participation, per participation in the round's depth and requests (only a round of one participation
         without prompt scoring, marked None in `participations`, says what it costs; a round a drafting tier did not
-        price, on a tier the plans do not draft on, says nothing)."""
-        if self.controller is not None and all(d.priced for d in batch):
+        price, on a tier the plans do not draft on, says nothing, nor does a round `faulted` by a drafter's failed
+        or late call: `DraftRound.faulted`)."""
+        if self.controller is not None and not faulted and all(d.priced for d in batch):
             self.controller.observe_round(len(batch), max(d.k for d in batch), participations, seconds)
 
     def observe_step(self, tokens: int, seconds: float, wall_s: float) -> None:

@@ -37,7 +37,7 @@ from typing import Literal
 
 from config import AppConfig
 from speculation.goodput import RoundLatency, GoodputController, expected_tokens
-from speculation.messages import Draft, DraftRequest
+from speculation.messages import DraftRequest, DraftRound
 
 COLOCATED, REMOTE = "colocated", "deployments"
 TIERS = (COLOCATED, REMOTE)
@@ -237,7 +237,7 @@ class AutoDraftingTier:
             raise TypeError("drafting_tier auto needs the goodput controller")
         return c.verify, c.pool_acceptance if c.pool_acceptance is not None else c.prior_acceptance
 
-    async def draft(self, batch: list[DraftRequest]) -> dict[str, Draft]:
+    async def draft(self, batch: list[DraftRequest]) -> DraftRound:
         verify_s, acceptance = self._model()
         load = len(self.loop.requests) if self.loop is not None else len(batch)
         tier = self.chooser.pick(load, verify_s, acceptance, ahead=any(d.ahead for d in batch))
@@ -245,27 +245,26 @@ class AutoDraftingTier:
         if tier != self.chooser.held:  # warm-up or a probe: the goodput controller prices the tier in use only
             for d in batch:
                 d.priced = False
-        drafts = await self._measured(tier, batch)
-        if tier == REMOTE and not drafts:
-            drafts = await self._measured(COLOCATED, batch)
+        got = await self._measured(tier, batch)
+        if tier == REMOTE and not got.drafts:
+            got = await self._measured(COLOCATED, batch)
         self._follow(self.chooser.held or COLOCATED)
-        return drafts
+        return got
 
-    async def _measured(self, tier: str, batch: list[DraftRequest]) -> dict[str, Draft]:
+    async def _measured(self, tier: str, batch: list[DraftRequest]) -> DraftRound:
         """A round on `tier`, its time observed (also when the loop stops waiting for it: then at least that long);
-        a round that scored a prompt, or drafted nothing, is not the tier's steady cost."""
+        a round that scored a prompt, drafted nothing or waited for a fault is not the tier's steady cost."""
         scored = any(d.request_id not in self.seen[tier] for d in batch)
         self.seen[tier].update(d.request_id for d in batch)
         t = time.perf_counter()
-        drafts = {}
         try:
-            drafts = await self.tiers[tier].draft(batch)
+            got = await self.tiers[tier].draft(batch)
         except asyncio.CancelledError:
             self.chooser.observe(tier, max(d.k for d in batch), len(batch), time.perf_counter() - t)
             raise
-        if drafts and not scored:
+        if got.drafts and not scored and not got.faulted:
             self.chooser.observe(tier, max(d.k for d in batch), len(batch), time.perf_counter() - t)
-        return drafts
+        return got
 
     def release(self, request_ids: list[str]) -> None:
         for tier, t in self.tiers.items():

@@ -86,7 +86,7 @@ def test_the_coordinator_drafts_with_the_cheapest_chain_per_accepted_token():
     used = []
     for _ in range(16):
         time.sleep(0.01)  # the verify cycle
-        drafts = asyncio.run(coord.draft([DraftRequest("r", list(context), 4, 8)], step))
+        drafts = asyncio.run(coord.draft([DraftRequest("r", list(context), 4, 8)], step)).drafts
         d = drafts["r"]
         used.append(d.drafters[0])
         context += truth[len(context) - 3:len(context) - 3 + len(d) + 1]  # all accepted, plus the bonus

@@ -53,15 +53,17 @@ async def _run(target, servers, prompts, lockstep, fixed=None, fail=(), new_toke
     verifier = TorchVerifierEngine(target, max_batch=8, max_len=512)
     rids = [verifier.add_request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
     out = {r: [] for r in rids}
-    coord.round_calls = []  # the drafters called in each round
+    coord.round_calls, coord.faulted = [], []  # the drafters called in each round; was the round faulted
     while verifier.has_unfinished():
         verifier.admit()
         mode = participation(len(coord.round_calls)) if callable(participation) else participation
         batch = [DraftRequest(r, verifier.context(r), 4, budget=8, participation=mode or Participation(2, lockstep))
                  for r in verifier.running]
         before = len(coord.calls)
-        drafts = await coord.draft(batch, step_fn)
+        got = await coord.draft(batch, step_fn)
+        drafts = got.drafts
         coord.round_calls.append(coord.calls[before:])
+        coord.faulted.append(got.faulted)
         for o in verifier.step(drafts):
             out[o.request_id] += o.new_token_ids
             coord.accepted = getattr(coord, "accepted", 0) + o.num_accepted_tokens
@@ -121,6 +123,7 @@ def test_a_failing_drafter_loses_nothing(target, servers, prompts):
     got, coord, _ = asyncio.run(_run(target, servers, prompts[:3], True, fail=("code", "generic", "legal")))
     want = [greedy_continue(target, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts[:3]]
     assert got == want and coord.stats["drafter_failures"] > 0
+    assert coord.faulted == [bool(set(called) & {"code", "generic", "legal"}) for called in coord.round_calls]
     # who failed is reported (the deployments export it as cosine_drafter_failures{drafter}), and no one else
     assert set(coord.failed_calls) <= {"code", "generic", "legal"} and len(coord.failed_calls) == \
         coord.stats["drafter_failures"]
@@ -139,6 +142,8 @@ def test_a_hung_drafter_sits_out_and_the_others_still_draft(target, models, prom
     assert sorted(coord.failed_calls) == sorted(hung) and [coord.calls.count(n) for n in hung] == [1, 1]
     assert coord.state()["drafters_sitting_out"] == sorted(hung)
     assert coord.accepted > 0
+    # the rounds that waited for them are marked faulted (their time prices nothing), and only those
+    assert coord.faulted == [bool(set(called) & set(hung)) for called in coord.round_calls] and any(coord.faulted)
 
 
 def test_drafters_at_zero_replicas_are_not_called_and_the_others_draft(target, models, prompts):
@@ -210,7 +215,7 @@ def test_a_long_context_is_scored_over_its_first_tokens_and_drafted_from_whole_b
     coord = SpeculationCoordinator(NAMES, RoutingSpec(score_tokens=cap), None, generalists={"generic"})
     ctx = prompts[0]
     drafts = asyncio.run(coord.draft([DraftRequest("long", ctx, 3, budget=8, participation=Participation(1))],
-                                     step_fn))
+                                     step_fn)).drafts
     assert sorted(n for n, _ in calls[:len(NAMES)]) == sorted(NAMES)
     assert all(c == [(cap, True)] for _, c in calls[:len(NAMES)])  # every drafter reads the first tokens only
     drafting = calls[len(NAMES):]
@@ -240,19 +245,19 @@ def test_participation_sets_how_many_routed_drafters_draft(servers, prompts):
         return DraftRequest("x", context, k, budget=8, participation=Participation(n, lockstep))
 
     ctx = prompts[0]
-    drafts = asyncio.run(coord.draft([request(ctx, 2, 1)], step_fn))
+    drafts = asyncio.run(coord.draft([request(ctx, 2, 1)], step_fn)).drafts
     assert len(set(calls)) == len(NAMES) and len(set(calls[len(NAMES):])) == 1  # all score the prompt, one drafts on
     assert len(drafts["x"]) >= 2
     for n, extra in ((1, [5]), (3, [5, 6])):
         calls.clear()
-        drafts = asyncio.run(coord.draft([request(ctx + extra, 2, n)], step_fn))
+        drafts = asyncio.run(coord.draft([request(ctx + extra, 2, n)], step_fn)).drafts
         assert len(set(calls)) == n and len(drafts["x"]) >= 2
         # a lone drafter is only ever fed its own tokens: its whole chain comes from one call (one hop); fused
         # drafters answer with chains too, and are called again only where fusion chose another drafter's token
         assert len(calls) == 1 if n == 1 else n <= len(calls) <= 2 * n
     # one-shot fusion: every drafter drafts its chain in one call, the chains are fused afterwards
     calls.clear()
-    drafts = asyncio.run(coord.draft([request(ctx + [5, 6, 7], 3, 2, lockstep=False)], step_fn))
+    drafts = asyncio.run(coord.draft([request(ctx + [5, 6, 7], 3, 2, lockstep=False)], step_fn)).drafts
     assert len(calls) == 2 and len(set(calls)) == 2 and len(drafts["x"]) >= 3
     for n in coord.release("x"):
         servers[n].release(["x"])
@@ -274,7 +279,7 @@ def test_lockstep_fusion_calls_a_drafter_again_only_where_its_token_lost(servers
         calls.clear()
         rid, ref_id = f"lazy-{i}", f"eager-{i}"
         req = DraftRequest(rid, ctx, k, budget=3 * k, participation=Participation(2, lockstep=True))
-        draft = asyncio.run(coord.draft([req], step_fn))[rid]
+        draft = asyncio.run(coord.draft([req], step_fn)).drafts[rid]
         # the reference: every drafter fed the fused token at every depth, one call per drafter and depth
         ref, losers, fused = FusionTree(budget=3 * k), 0, []
         for depth in range(k):

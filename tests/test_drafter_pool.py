@@ -191,7 +191,7 @@ def test_a_round_costs_one_forward_per_drafter_shape_and_depth(drafter_models, t
                                   + (["big"] if other else [names[(i + 2) % 4]])) for i, (r, c) in
                      enumerate(contexts.items())]
             before = WORK.snapshot()
-            drafts = asyncio.run(tier.draft(batch))
+            drafts = asyncio.run(tier.draft(batch)).drafts
             return WORK.since(before), drafts
 
         first, _ = round_()
@@ -217,7 +217,7 @@ def test_a_round_costs_one_forward_per_drafter_shape_and_depth(drafter_models, t
         before = WORK.snapshot()
         drafts = asyncio.run(both())
         assert WORK.since(before).drafter_forwards == k
-        assert [sorted(d) for d in drafts] == [sorted(h) for h in halves]
+        assert [sorted(d.drafts) for d in drafts] == [sorted(h) for h in halves]
         for s in servers.values():
             s.executor.shutdown(wait=True)
 
@@ -251,7 +251,7 @@ def test_a_tier_stepped_on_the_verifiers_thread_drafts_as_on_its_own(drafter_mod
                     e.submit(int)
         batch = [DraftRequest(r, c, k, budget=2 * k, drafters=[names[i % 4], names[(i + 1) % 4]])
                  for i, (r, c) in enumerate(contexts.items())]
-        drafts[setting] = {r: d.tokens for r, d in asyncio.run(tier.draft(batch)).items()}
+        drafts[setting] = {r: d.tokens for r, d in asyncio.run(tier.draft(batch)).drafts.items()}
         for e in own:
             e.shutdown(wait=True)
     verifier_thread.shutdown(wait=True)

@@ -325,7 +325,8 @@ def test_a_strong_match_drafts_without_the_models_and_a_weak_one_with_them(model
     servers, coord, called, step_fn, text, contexts = _hybrid(models, tokenizer, heldout, alone)
     for _ in range(2):  # the first round scores the prompts with every drafter
         called.clear()
-        drafts = asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8) for r, c in contexts.items()], step_fn))
+        drafts = asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8) for r, c in contexts.items()],
+                                         step_fn)).drafts
     strong = expected_accepted(servers["ngram"].step([DrafterCall("probe", contexts["loop"], steps=4)]).chains["probe"])
     assert strong >= 2.0
     assert ("code", "free") in called and ("ngram", "loop") in called
@@ -345,7 +346,7 @@ def test_the_generalists_rounds_take_the_model_free_drafters_and_a_strong_match_
     for _ in range(2):
         called.clear()
         drafts = asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8, participation=together)
-                                          for r, c in contexts.items()], step_fn))
+                                          for r, c in contexts.items()], step_fn)).drafts
     assert ("ngram", "loop") in called and ("code", "free") in called and ("code", "loop") not in called
     assert drafts["loop"].tokens[:4] == text[20:24]
 
@@ -364,7 +365,7 @@ def test_a_round_goes_without_the_models_where_their_tokens_are_worth_less_than_
     def round_():
         called.clear()
         return asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8, verify_s=0.05) for r, c in contexts.items()],
-                                       step_fn))
+                                       step_fn)).drafts
 
     round_()  # the first round scores the prompts with every drafter
     coord.model_phase_s.clear()
@@ -423,7 +424,7 @@ def test_a_strong_match_the_target_keeps_rejecting_loses_its_round_to_the_models
 
     def round_(ctx):
         called.clear()
-        return asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8) for r, c in ctx.items()], step_fn))
+        return asyncio.run(coord.draft([DraftRequest(r, c, 4, budget=8) for r, c in ctx.items()], step_fn)).drafts
 
     round_(contexts)  # the first round scores the prompts with every drafter
     drafts = round_(contexts)

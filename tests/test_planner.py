@@ -197,3 +197,29 @@ def test_a_routed_probe_waits_for_a_round_without_prompts_to_score():
         batch = planner.plan(contexts, overrides)
         probes += {d.participation for d in batch} == {Participation(1)}
     assert probes >= 1
+
+
+def test_a_round_that_waited_for_a_failed_drafter_prices_nothing():
+    """A round with a drafter's failed or late call (`DraftRound.faulted`) waited for that call's deadline: its
+    time is the fault's, and the drafter sits out its next rounds. Priced, one 5 s round among rounds of 2 ms a
+    depth fits the participation's round time so high that no request drafts again (the served fault test's routed
+    request, held at k = 0 after a stopped drafter's round); unpriced, the plans go on as before it."""
+    contexts = {r: [1, 2, 3] for r in ("a", "b")}
+    overrides = {r: SpeculationOverrides() for r in contexts}
+
+    def plans_after_a_stall(faulted: bool) -> list[int]:
+        planner = DraftPlanner(_cfg(adaptive=True))
+        planner.controller.verify.a, planner.controller.verify.b = 0.030, 0.001
+        for i in range(24):
+            batch = planner.plan(contexts, overrides)
+            assert batch, f"round {i}: no request drafts"
+            stall = i == 20
+            seconds = 5.0 if stall else 0.002 * max(d.k for d in batch) * batch[0].participation.drafters_per_request
+            planner.observe_round(batch, {d.participation for d in batch}, seconds, faulted=stall and faulted)
+            for d in batch:  # half of every draft accepted
+                planner.observe_acceptance(d.request_id, d.k, d.k // 2, d.participation)
+        return [d.k for d in planner.plan(contexts, overrides)]
+
+    assert plans_after_a_stall(faulted=False) == []  # priced: every request held at k = 0
+    ks = plans_after_a_stall(faulted=True)
+    assert len(ks) == 2 and min(ks) > 0

@@ -36,7 +36,7 @@ def test_the_single_drafter_drafts_every_round_in_one_call_and_the_output_is_the
     while verifier.has_unfinished():
         verifier.admit()
         drafts = asyncio.run(coord.draft([DraftRequest(r, verifier.context(r), 4, budget=8)
-                                          for r in verifier.running], step_fn))
+                                          for r in verifier.running], step_fn)).drafts
         rounds += 1
         for o in verifier.step(drafts):
             out[o.request_id] += o.new_token_ids
