@@ -114,9 +114,11 @@ def test_a_stopped_drafter_sits_out_and_requests_finish_unchanged(server, tokeni
     # may plan no draft for a request whose drafter sits out, so rounds can be fewer.)
     calls, steps = after["drafter_failures"] - before["drafter_failures"], rs[0].json()["usage"]["verify_steps"]
     assert 1 <= calls <= 4 and steps >= 13, (calls, steps)
-    # the routed request drafted with the others (the rounds that waited for the stopped drafter price nothing:
-    # priced, one fitted its participation's rounds so slow that the request was held at k = 0)
-    assert rs[1].json()["usage"]["num_accepted_tokens"] > 0, rs[1].json()["usage"]
+    # the routed request was drafted for by the others while the stopped drafter sat out. How often is the
+    # controller's call, not this test's: on a quiet machine the tiny target's 9 ms step leaves speculation to the
+    # controller's probes (k = 2 every 8 rounds; seen: 7 drafts, 16 tokens, none accepted), on a busy one it pays.
+    # (A round that waited for the stopped drafter prices nothing: priced, it held every request at k = 0.)
+    assert rs[1].json()["usage"]["num_drafts"] > 0, rs[1].json()["usage"]
 
     def code_drafts() -> bool:
         u = httpx.post(f"{server}/v1/completions", json=bodies[0], timeout=300).json()["usage"]
