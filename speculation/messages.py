@@ -86,7 +86,7 @@ class DraftRound:
     """Speculation cluster -> verifier: a round's drafts, by request id (a request left without one decodes a plain
     step), and whether a drafter's call in it failed or came late. A faulted round's time is the fault's (it waited
     for the call's deadline), not drafting's: the drafter sits out its next rounds (`DrafterHealth`), so the round
-    prices nothing (one 5 s wait among 40 ms rounds fitted a participation's round time that kept it at k = 0)."""
+    prices nothing (one 5 s wait among rounds of a few ms fitted its participation so slow that no request drafted)."""
 
     drafts: dict[str, Draft] = field(default_factory=dict)
     faulted: bool = False
