@@ -136,6 +136,9 @@ class GuardSpec(Strict):
     off_steps_max: int = Field(512, ge=1, description="the longest such wait")
     refresh_steps: int = Field(256, ge=1, description="a plain measurement older than this many steps is taken "
                                "again")
+    noise: float = Field(1.0, ge=0, description="a verdict before a full window (clear, severe, on trial) needs "
+                         "its loss beyond this many standard errors of the window's per-step ratios (0: the ratio "
+                         "alone)")
 
     @model_validator(mode="after")
     def _ordered(self) -> GuardSpec:

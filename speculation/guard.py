@@ -8,7 +8,8 @@ time over a window of `window` speculating steps (drafting waits, verify and the
 what plain decoding gives at the same batch sizes, measured on steps without drafts. Where speculation was more than
 `margin` slower in `patience` windows in a row (one noisy window on a busy machine is not a verdict; a loss below
 `clear` of plain decoding's speed is one after half a window (a full one where the load's last window paid), below
-`severe` after a quarter, once plain steps are measured: a batch-16 run of a few dozen steps gets its verdict within
+`severe` after a quarter, once plain steps are measured, each such early verdict only where its loss is beyond
+`noise` standard errors of the steps' own ratios: a batch-16 run of a few dozen steps gets its verdict within
 the run), it is switched off (k = 0 for every request) for `off_steps` steps, then tried again: a trial that loses
 clearly is a verdict after a quarter window (any loss beyond the margin after half) and switches it off again, for
 twice as long (up to `off_steps_max`); a window that pays resets the wait. A verdict also waits long enough that a
@@ -81,6 +82,7 @@ class SpeculationGuard:
     off_steps: int = 32
     off_steps_max: int = 512
     refresh_steps: int = 256
+    noise: float = 1.0
     plain: dict[int, deque] = field(default_factory=dict)  # batch size -> recent plain step wall seconds
     plain_age: dict[int, int] = field(default_factory=dict)  # steps since each size's last plain measurement
     regimes: dict[int, Regime] = field(default_factory=dict)  # by `regime`
@@ -95,7 +97,7 @@ class SpeculationGuard:
         return cls(window=spec.window, margin=spec.margin, patience=spec.patience, severe=spec.severe,
                    clear=spec.clear, probe_steps=spec.probe_steps,
                    off_steps=spec.off_steps,
-                   off_steps_max=spec.off_steps_max, refresh_steps=spec.refresh_steps)
+                   off_steps_max=spec.off_steps_max, refresh_steps=spec.refresh_steps, noise=spec.noise)
 
     def at(self, requests: int) -> Regime:
         """The verdict state of the load of `requests` requests."""
@@ -172,14 +174,19 @@ class SpeculationGuard:
             # plain were switched off by it. On trial (it lost before) a clear loss is one after a quarter window,
             # any loss beyond the margin after half: sampled text at batch 1 lost trials of 4 steps at 0.90-0.96x
             # plain, between full windows that paid 1.0-1.8x (the 2-core CPU, examples/bench.yaml, k = 4)
+            # Each early verdict needs its loss beyond the window's own noise (`noise` standard errors of the steps'
+            # ratios): at batch 1 on sampled text a step commits 1-3 tokens, and 4-8 such steps of speculation that
+            # paid read as a loss often enough that the served graph, where speculation pays less, ran with it off
+            # more than on (a full window's verdict still counts any loss: `patience` is its noise allowance)
             n = len(g.spec)
             early = n >= max(2, self.window // 4) and self._measured_near(requests)
             half = n >= max(2, self.window // 2)
             paid = g.last_ratio is not None and g.last_ratio >= 1 - self.margin
-            if early and (ratio := self._ratio(g.spec)) is not None and (
-                    ratio < self.severe or (g.trial and ratio < (1 - self.margin if half else self.clear))
-                    or (half and ratio < self.clear and not paid)):
-                self._verdict(g)
+            if early and (ratio := self._ratio(g.spec)) is not None:
+                bound = ratio + self.noise * self._standard_error(g.spec)
+                if bound < self.severe or (g.trial and bound < (1 - self.margin if half else self.clear)) \
+                        or (half and bound < self.clear and not paid):
+                    self._verdict(g)
             return
         typical = int(statistics.median(n for n, _, _ in g.spec))
         if not self._measured_near(typical) and not g.probed:
@@ -195,6 +202,11 @@ class SpeculationGuard:
         if plain_time <= 0 or spec_time <= 0:
             return None
         return (sum(c for _, c, _ in window) / spec_time) / (sum(n for n, _, _ in window) / plain_time)
+
+    def _standard_error(self, window: list[tuple[int, int, float]]) -> float:
+        """The standard error of a window's ratio, from its steps' own ratios (0 for fewer than two steps)."""
+        steps = [(c / s) / (n / p) for n, c, s in window if s > 0 and (p := self.plain_seconds(n))]
+        return statistics.stdev(steps) / math.sqrt(len(steps)) if len(steps) > 1 else 0.0
 
     def _lost_steps(self, window: list[tuple[int, int, float]]) -> float:
         """A window's loss in plain steps of its typical size: its wall time less what plain decoding would have
