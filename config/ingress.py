@@ -26,4 +26,7 @@ class IngressSpec(Strict):
                                          "--reasoning-parser: qwen3, deepseek_r1, ...): the reply's reasoning comes "
                                          "back as reasoning_content. Checked at startup against vLLM and the "
                                          "tokenizer")
+    in_verifier: bool = Field(False, description="the OpenAI server runs in each verifier replica instead of "
+                              "replicas of its own: Serve's proxy routes HTTP to the verifier's replicas, and a streamed "
+                              "token crosses one replica boundary less (`deployment` is then unused)")
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")

@@ -187,8 +187,10 @@ class PrometheusStats(LoopStats):
         self.out.set(self.mal, sum(q) / len(q), tags=tags)
 
 
-@serve.deployment(name="Verifier")
-class VerifierDeployment:
+class VerifierServer:
+    """The verifier replica's methods, undecorated: `VerifierDeployment` serves them alone (behind the ingress),
+    serve_app/ingress.py's `VerifierIngress` with the OpenAI server in the same replica."""
+
     def __init__(self, config: AppConfig, speculation=None):
         v = config.verifier
         torch.set_num_threads(cpu_threads(v.threads, v.deployment.ray_actor_options.get("num_cpus")))
@@ -293,3 +295,6 @@ class VerifierDeployment:
             self.tiers.set_remote_overlaps(not shared)
         else:
             self.loop.drafting_overlaps_verification = not shared
+
+
+VerifierDeployment = serve.deployment(name="Verifier")(VerifierServer)

@@ -2,7 +2,8 @@
 
 Ingress -> Verifier -> Speculation (router + fusion) -> Drafter-<domain> (one deployment per domain); with
 `speculation.drafting_tier: colocated`, Ingress -> Verifier, the drafting tier inside the verifier's replica; with
-`auto`, both (speculation/tiers.py decides what each layout builds).
+`auto`, both (speculation/tiers.py decides what each layout builds). With `ingress.in_verifier` the OpenAI server
+runs in the verifier's replicas (`VerifierIngress`): no Ingress deployment, Serve's proxy -> Verifier.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from deployments.drafter import DrafterDeployment
 from engines.build import check_models
 from deployments.speculation import SpeculationDeployment
 from deployments.verifier import VerifierDeployment
-from serve_app.ingress import IngressDeployment
+from serve_app.ingress import IngressDeployment, VerifierIngress
 from speculation.tiers import resolve
 
 # a request's drafter calls go to the replica holding its KV cache
@@ -49,5 +50,7 @@ def build_app(args: dict) -> Application:
         drafters = {d.name: DrafterDeployment.options(**o).bind(d, vocab_limit)
                     for d, o in zip(cfg.drafters, drafter_opts)}
         speculation = SpeculationDeployment.options(**cfg.speculation.deployment.serve_options()).bind(cfg, drafters)
+    if cfg.ingress.in_verifier:
+        return VerifierIngress.options(**verifier_options(cfg, drafter_opts)).bind(cfg, speculation)
     verifier = VerifierDeployment.options(**verifier_options(cfg, drafter_opts)).bind(cfg, speculation)
     return IngressDeployment.options(**cfg.ingress.deployment.serve_options()).bind(cfg, verifier)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from ray import serve
 
+from config import AppConfig
+from deployments.verifier import VerifierServer
 from serve_app.app import configured_api_key, openai_app
+from serve_app.local_handle import LocalHandle
 from serve_app.server import OpenAIServer
 
 
@@ -18,3 +21,17 @@ from serve_app.server import OpenAIServer
 class IngressDeployment(OpenAIServer):
     def __serve_build_asgi_app__(self):
         return openai_app(self, api_key=configured_api_key(self.cfg))
+
+
+@serve.deployment(name="Verifier")
+@serve.ingress()
+class VerifierIngress(VerifierServer):
+    """The verifier replica with the OpenAI server in it (`ingress.in_verifier`): Serve's proxy sends HTTP straight
+    to the verifier's replicas, and a streamed chunk crosses no replica boundary before the proxy."""
+
+    def __init__(self, config: AppConfig, speculation=None):
+        super().__init__(config, speculation)
+        self.server = OpenAIServer(config, LocalHandle(self))
+
+    def __serve_build_asgi_app__(self):
+        return openai_app(self.server, api_key=configured_api_key(self.server.cfg))

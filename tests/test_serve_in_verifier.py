@@ -1,0 +1,95 @@
+"""The OpenAI server inside the verifier's replica (`ingress.in_verifier`): one deployment answers HTTP and verifies,
+streamed and whole answers are the target's, a client hanging up aborts its request there, and the graph has no
+Ingress deployment. The small target on the torch engine, one colocated drafter (the layout is what is tested)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+MODEL = "cosine-in-verifier"
+
+
+def app_args() -> dict:
+    return {"ingress": {"model_name": MODEL, "in_verifier": True},
+            "verifier": {"model": "target", "max_batch": 4, "max_len": 512},
+            # drafts every step (fixed k, no guard): the tiny target is cheap enough that the goodput controller would
+            # rightly leave speculation to its probes
+            "speculation": {"mode": "cosine", "k": 4, "adaptive": False, "drafting_tier": "colocated",
+                            "guard": {"enabled": False}},
+            "drafters": [{"name": "generic", "model": "drafter-generic", "generalist": True}]}
+
+
+@pytest.fixture(scope="module")
+def server():
+    from tests.conftest import local_serve
+
+    with local_serve(app_args()) as url:
+        yield url
+
+
+def _greedy(model, ids: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation (EOS not special: the requests ignore it)."""
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+def _verifier():
+    from ray import serve
+
+    return serve.get_deployment_handle("Verifier", app_name="cosine")
+
+
+def _until(pred, timeout: float = 60.0) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_one_deployment_answers_and_its_answers_are_the_targets(server, target, tokenizer, heldout):
+    from openai import OpenAI
+    from ray import serve
+
+    assert set(serve.status().applications["cosine"].deployments) == {"Verifier"}
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120)
+    for d in ("code", "legal"):
+        ids = tokenizer(heldout[d][3], add_special_tokens=False).input_ids[:40]
+        want = _greedy(target, ids, 32)
+        whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=32, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert whole.choices[0].model_extra["token_ids"] == want, d
+        assert whole.usage.model_extra["num_drafts"] > 0  # the colocated drafter drafted for it
+        streamed = client.completions.create(model=MODEL, prompt=ids, max_tokens=32, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert [t for c in streamed for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])] \
+            == want, d
+    assert httpx.get(f"{server}/health", timeout=30).json() == {"status": "ok"}
+    metrics = httpx.get(f"{server}/metrics", timeout=30)
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+
+
+def test_a_client_hanging_up_aborts_its_request_in_the_verifier(server):
+    before = _verifier().speculation_stats.remote().result()["requests_aborted"]
+    body = {"model": MODEL, "prompt": "The court held that", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks >= 3:
+                break  # hang up mid-generation
+    assert _until(lambda: _verifier().speculation_stats.remote().result()["requests_aborted"] == before + 1)
+    assert _verifier().running.remote().result() == 0
+    ok = httpx.post(f"{server}/v1/completions", json=dict(body, max_tokens=4, stream=False), timeout=120)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
