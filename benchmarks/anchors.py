@@ -76,6 +76,7 @@ ORACLE = "vLLM draft_model, domain drafter"
 SUFFIX = "vLLM suffix"
 OURS_MF = "ours + model-free drafters, in process"
 SERVED_MF = "ours + model-free drafters, served (Ray Serve, HTTP)"
+SERVED_IV = "ours: vLLM verifier + drafting tier, served, the OpenAI server in the verifier's replica (HTTP)"
 VLLM_SERVE = "vllm serve: vLLM target-only, served (its OpenAI server, HTTP)"
 WORKLOADS = {"heldout": "held-out prompts to continue", "repeated": "repeated context (benchmarks/repeated.py)"}
 
@@ -83,7 +84,8 @@ WORKLOADS = {"heldout": "held-out prompts to continue", "repeated": "repeated co
 # `--systems`: the short names of the rows to run (vLLM target-only, the baseline, always runs)
 SHORT = {"draft-generic": "vLLM draft_model, generic drafter", "draft-domain": ORACLE, "ngram": "vLLM ngram",
          "suffix": SUFFIX, "hf": HF, "ours": OURS, "served": SERVED, "ours-model-free": OURS_MF,
-         "served-model-free": SERVED_MF, "vllm-serve": VLLM_SERVE}
+         "served-model-free": SERVED_MF, "vllm-serve": VLLM_SERVE, "served-in-verifier": SERVED_IV}
+OPT_IN = {SERVED_IV}  # rows that run only where `--systems` names them (a layout's comparison, not an anchor)
 
 
 def _systems(served: bool, config: str, model_free_config: str) -> dict[str, dict]:
@@ -99,6 +101,7 @@ def _systems(served: bool, config: str, model_free_config: str) -> dict[str, dic
         out[VLLM_SERVE] = {"kind": "vllm-serve"}
         out[SERVED] = {"kind": "served", "config": config}
         out[SERVED_MF] = {"kind": "served", "config": model_free_config}
+        out[SERVED_IV] = {"kind": "served", "config": config, "in_verifier": True}
     return out
 
 
@@ -187,8 +190,8 @@ def _start(systems: dict[str, dict], runners: dict, port: int, max_batch: int, k
             continue
         log(f"[start {i + 1}/{len(systems)}] {name}")
         if spec["kind"] == "served":
-            runners[name] = ServedApp(_with_k(spec["config"], k, logs), port, port + 1)
-            port += 2  # two served graphs (with and without the model-free drafters) run side by side
+            runners[name] = ServedApp(_with_k(spec["config"], k, logs, spec.get("in_verifier", False)), port, port + 1)
+            port += 2  # served graphs (with and without the model-free drafters, ...) run side by side
         elif spec["kind"] == "vllm-serve":
             runners[name] = VllmServe(port, max_batch, 512, logs / "vllm-serve.log")  # 512: as the workers'
             port += 1
@@ -211,9 +214,8 @@ def _rotated(interleaved: list[tuple[str, int]], rep: int) -> list[tuple[str, in
 
 def _chosen(systems: dict[str, dict], only: tuple[str, ...] | None, log) -> tuple[dict, dict[str, str]]:
     """The systems to run (vLLM target-only and `only`'s, all by default) and those that cannot run here, with why."""
-    if only is not None:
-        keep = {TARGET_ONLY} | {SHORT[o] for o in only}
-        systems = {name: spec for name, spec in systems.items() if name in keep}
+    keep = {TARGET_ONLY} | {SHORT[o] for o in only} if only is not None else set(systems) - OPT_IN
+    systems = {name: spec for name, spec in systems.items() if name in keep}
     unavailable = {}
     if SUFFIX in systems and (why := suffix_unavailable()):
         unavailable[SUFFIX] = why
@@ -247,13 +249,17 @@ def _check_distributions(rows: list[dict], runs: dict, prompts: list[list[int]],
     return warnings
 
 
-def _with_k(config: str, k: int, work: Path) -> str:
-    """`config` with its first application's `speculation.k` set to `k` (a copy in `work`, named after it)."""
+def _with_k(config: str, k: int, work: Path, in_verifier: bool = False) -> str:
+    """`config` with its first application's `speculation.k` set to `k`, and `ingress.in_verifier` where asked (a
+    copy in `work`, named after it)."""
     import yaml
 
     cfg = yaml.safe_load(Path(config).read_text())
-    cfg["applications"][0]["args"].setdefault("speculation", {})["k"] = k
-    path = work / f"served-{Path(config).stem}-k{k}.yaml"
+    args = cfg["applications"][0]["args"]
+    args.setdefault("speculation", {})["k"] = k
+    if in_verifier:
+        args.setdefault("ingress", {})["in_verifier"] = True
+    path = work / f"served-{Path(config).stem}-k{k}{'-in-verifier' if in_verifier else ''}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
 
@@ -359,7 +365,7 @@ def _goals(rows: list[dict], concurrencies) -> dict:
     def tps(system, c):
         return next((r["tokens_per_s"] for r in rows if r["system"] == system and r["concurrency"] == c), None)
 
-    ours = [OURS, SERVED, OURS_MF, SERVED_MF]
+    ours = [OURS, SERVED, OURS_MF, SERVED_MF, SERVED_IV]
     # vLLM's methods in process (its server runs target-only: the served rows' baseline, not a method)
     builtin = [r["system"] for r in rows if r["system"].startswith("vLLM") and r["system"] != TARGET_ONLY]
     out = {}
@@ -371,7 +377,7 @@ def _goals(rows: list[dict], concurrencies) -> dict:
                 out[f"{s} / best built-in vLLM method, concurrency {c}"] = round(tps(s, c) / best, 3)
         if tps(s, hi) is not None:
             out[f"{s} / vLLM target-only, concurrency {hi}"] = round(tps(s, hi) / tps(TARGET_ONLY, hi), 3)
-    for s in (SERVED, SERVED_MF):  # served against served: what a user would run instead, through the same client
+    for s in (SERVED, SERVED_MF, SERVED_IV):  # served against served: what a user would run instead, through the same client
         for c in concurrencies:
             if tps(s, c) is not None and tps(VLLM_SERVE, c):
                 out[f"{s} / {VLLM_SERVE}, concurrency {c}"] = round(tps(s, c) / tps(VLLM_SERVE, c), 3)

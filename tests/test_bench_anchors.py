@@ -353,3 +353,17 @@ def test_a_rows_participations_are_summed_over_its_runs_and_said_as_shares():
     assert anchor_notes.summed([{}, {}]) is None
     line = anchor_notes.participation_line({"system": anchors.OURS, "concurrency": 8, "by_participation": counts})
     assert line.endswith("requests' rounds by participation: 1 generalist 38%, 1 38%, 2 lockstep 25%"), line
+
+
+def test_the_in_verifier_layout_runs_only_where_named_and_is_served_so(tmp_path):
+    import yaml
+
+    systems = anchors._systems(True, "examples/bench.yaml", "examples/bench-model-free.yaml")
+    by_default, _ = anchors._chosen(systems, None, print)
+    assert anchors.SERVED_IV not in by_default and anchors.SERVED in by_default
+    named, _ = anchors._chosen(systems, ("served", "served-in-verifier"), print)
+    assert set(named) == {anchors.TARGET_ONLY, anchors.SERVED, anchors.SERVED_IV}
+    plain, iv = (yaml.safe_load(open(anchors._with_k("examples/bench.yaml", 8, tmp_path, flag)))["applications"][0]
+                 ["args"] for flag in (False, True))
+    assert plain["speculation"]["k"] == iv["speculation"]["k"] == 8
+    assert not plain["ingress"].get("in_verifier") and iv["ingress"]["in_verifier"] is True
