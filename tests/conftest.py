@@ -57,6 +57,18 @@ from model_family import DOMAINS  # noqa: E402
 from model_family.paths import models_dir  # noqa: E402
 
 
+def wait_until(pred, timeout: float = 60.0, interval: float = 0.5) -> bool:
+    """Whether `pred()` became true within `timeout` seconds, asked every `interval` (tests wait on conditions)."""
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(interval)
+    return False
+
+
 def free_port() -> int:
     """A free loopback port outside the kernel's ephemeral range.
 

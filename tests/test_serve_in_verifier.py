@@ -4,11 +4,12 @@ Ingress deployment. The small target on the torch engine, one colocated drafter 
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 import torch
+
+from model_family.distill import greedy_continue
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,28 +34,10 @@ def server():
         yield url
 
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:
-    """The target's own greedy continuation (EOS not special: the requests ignore it)."""
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
-
-
 def _verifier():
     from ray import serve
 
     return serve.get_deployment_handle("Verifier", app_name="cosine")
-
-
-def _until(pred, timeout: float = 60.0) -> bool:
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return True
-        time.sleep(0.25)
-    return False
 
 
 def test_one_deployment_answers_and_its_answers_are_the_targets(server, target, tokenizer, heldout):
@@ -65,7 +48,7 @@ def test_one_deployment_answers_and_its_answers_are_the_targets(server, target, 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120)
     for d in ("code", "legal"):
         ids = tokenizer(heldout[d][3], add_special_tokens=False).input_ids[:40]
-        want = _greedy(target, ids, 32)
+        want = greedy_continue(target, torch.tensor([ids]), 32)[0, len(ids):].tolist()
         whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=32, temperature=0,
                                           extra_body={"ignore_eos": True, "return_token_ids": True})
         assert whole.choices[0].model_extra["token_ids"] == want, d
@@ -89,7 +72,7 @@ def test_a_client_hanging_up_aborts_its_request_in_the_verifier(server):
             chunks += line.startswith("data: ")
             if chunks >= 3:
                 break  # hang up mid-generation
-    assert _until(lambda: _verifier().speculation_stats.remote().result()["requests_aborted"] == before + 1)
+    assert wait_until(lambda: _verifier().speculation_stats.remote().result()["requests_aborted"] == before + 1)
     assert _verifier().running.remote().result() == 0
     ok = httpx.post(f"{server}/v1/completions", json=dict(body, max_tokens=4, stream=False), timeout=120)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4

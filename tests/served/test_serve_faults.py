@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from model_family.distill import greedy_continue
+from tests.conftest import wait_until
 from tests.served.conftest import MODEL
 
 pytestmark = pytest.mark.slow
@@ -20,15 +21,6 @@ def _handle(name):
     from ray import serve
 
     return serve.get_deployment_handle(name, app_name="cosine")
-
-
-def _wait(pred, timeout=60.0, interval=0.5):
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return True
-        time.sleep(interval)
-    return False
 
 
 def test_a_killed_drafter_does_not_break_the_request(server, tokenizer, target, heldout):
@@ -45,7 +37,7 @@ def test_a_killed_drafter_does_not_break_the_request(server, tokenizer, target, 
     t.start()
     # kill the replica once it holds the request's cache, i.e. mid-request (the state API needs the dashboard,
     # which the fixture does not start; named actors come from the GCS)
-    assert _wait(lambda: _handle("Drafter-code").num_requests.remote().result() > 0, 60, 0.05)
+    assert wait_until(lambda: _handle("Drafter-code").num_requests.remote().result() > 0, 60, 0.05)
     replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["name"].startswith("SERVE_REPLICA::cosine#Drafter-code#")]
     assert len(replicas) == 1
@@ -60,7 +52,7 @@ def test_a_killed_drafter_does_not_break_the_request(server, tokenizer, target, 
     def speculates():
         u = httpx.post(f"{server}/v1/completions", json=body, timeout=300).json()["usage"]
         return u["num_accepted_tokens"] > 0
-    assert _wait(speculates, timeout=120)
+    assert wait_until(speculates, timeout=120)
 
 
 def test_a_stopped_drafter_sits_out_and_requests_finish_unchanged(server, tokenizer, target, heldout):
@@ -123,7 +115,7 @@ def test_a_stopped_drafter_sits_out_and_requests_finish_unchanged(server, tokeni
     def code_drafts() -> bool:
         u = httpx.post(f"{server}/v1/completions", json=bodies[0], timeout=300).json()["usage"]
         return u["num_accepted_tokens"] > 0
-    assert _wait(code_drafts, timeout=120)
+    assert wait_until(code_drafts, timeout=120)
 
 
 def test_overload_gets_429_with_retry_after(server):
@@ -182,5 +174,5 @@ def test_a_verifier_killed_mid_stream_ends_the_stream_cleanly_and_serving_resume
         except httpx.HTTPError:
             return False
 
-    assert _wait(serves, timeout=240, interval=2)
+    assert wait_until(serves, timeout=240, interval=2)
     assert httpx.get(f"{server}/health", timeout=30).status_code == 200

@@ -12,6 +12,7 @@ import torch
 
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
+from tests.conftest import wait_until
 from tests.served.conftest import METRICS, MODEL, SERVED_DOMAINS
 
 pytestmark = pytest.mark.slow
@@ -216,17 +217,6 @@ def _handle(name):
     return serve.get_deployment_handle(name, app_name="cosine")
 
 
-def _wait(pred, timeout=60.0):
-    import time
-
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return True
-        time.sleep(0.5)
-    return False
-
-
 def _aborted() -> int:
     return _handle("Verifier").speculation_stats.remote().result()["requests_aborted"]
 
@@ -242,10 +232,10 @@ def test_client_disconnect_cancels_and_releases_caches(server):
                 chunks += 1
             if chunks >= 3:
                 break  # hang up mid-generation
-    assert _wait(lambda: _aborted() == before + 1)  # counted once the loop has aborted it in the engine
+    assert wait_until(lambda: _aborted() == before + 1)  # counted once the loop has aborted it in the engine
     assert _handle("Verifier").running.remote().result() == 0
     names = list(SERVED_DOMAINS) + ["generic"]
-    assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
+    assert wait_until(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
 
 
 def test_client_hanging_up_on_a_non_streamed_request_frees_it_everywhere(server):
@@ -265,12 +255,12 @@ def test_client_hanging_up_on_a_non_streamed_request_frees_it_everywhere(server)
     before = _aborted()
     with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
         sock.sendall(head + body)
-        assert _wait(lambda: _handle("Verifier").running.remote().result() == 1, timeout=30)  # generating
+        assert wait_until(lambda: _handle("Verifier").running.remote().result() == 1, timeout=30)  # generating
     # hung up before the 480 tokens are done: the loop aborts the request rather than finishing it
-    assert _wait(lambda: _aborted() == before + 1)  # counted once the loop has aborted it in the engine
+    assert wait_until(lambda: _aborted() == before + 1)  # counted once the loop has aborted it in the engine
     assert _handle("Verifier").running.remote().result() == 0
     names = list(SERVED_DOMAINS) + ["generic"]
-    assert _wait(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
+    assert wait_until(lambda: all(_handle(f"Drafter-{n}").num_requests.remote().result() == 0 for n in names))
     assert _chat(server, "still serving?").status_code == 200
 
 
@@ -289,7 +279,7 @@ def test_routing_ranks_the_prompts_own_domain_first(server, tokenizer, heldout):
             def released():  # the ranking is recorded when the coordinator releases the request, just after
                 history.update(_handle("Speculation").routing_history.remote().result())
                 return rid in history
-            assert _wait(released, timeout=30)
+            assert wait_until(released, timeout=30)
             total += 1
             hits += history[rid][0] == d
     assert hits >= 0.8 * total, f"{hits}/{total}"
