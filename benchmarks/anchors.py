@@ -377,7 +377,8 @@ def _goals(rows: list[dict], concurrencies) -> dict:
                 out[f"{s} / best built-in vLLM method, concurrency {c}"] = round(tps(s, c) / best, 3)
         if tps(s, hi) is not None:
             out[f"{s} / vLLM target-only, concurrency {hi}"] = round(tps(s, hi) / tps(TARGET_ONLY, hi), 3)
-    for s in (SERVED, SERVED_MF, SERVED_IV):  # served against served: what a user would run instead, through the same client
+    # served against served: what a user would run instead, through the same client
+    for s in (SERVED, SERVED_MF, SERVED_IV):
         for c in concurrencies:
             if tps(s, c) is not None and tps(VLLM_SERVE, c):
                 out[f"{s} / {VLLM_SERVE}, concurrency {c}"] = round(tps(s, c) / tps(VLLM_SERVE, c), 3)

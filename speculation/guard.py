@@ -182,11 +182,12 @@ class SpeculationGuard:
             early = n >= max(2, self.window // 4) and self._measured_near(requests)
             half = n >= max(2, self.window // 2)
             paid = g.last_ratio is not None and g.last_ratio >= 1 - self.margin
-            if early and (ratio := self._ratio(g.spec)) is not None:
-                bound = ratio + self.noise * self._standard_error(g.spec)
-                if bound < self.severe or (g.trial and bound < (1 - self.margin if half else self.clear)) \
-                        or (half and bound < self.clear and not paid):
-                    self._verdict(g)
+            # the share of plain's speed below which the window so far is a verdict (the highest rule that applies)
+            below = max(self.severe, (1 - self.margin if half else self.clear) if g.trial else 0.0,
+                        self.clear if half and not paid else 0.0)
+            if early and (ratio := self._ratio(g.spec)) is not None and ratio < below \
+                    and ratio + self.noise * self._standard_error(g.spec) < below:
+                self._verdict(g)
             return
         typical = int(statistics.median(n for n, _, _ in g.spec))
         if not self._measured_near(typical) and not g.probed:
