@@ -36,7 +36,7 @@ def paired_line(row: dict) -> str:
 
 def guard_line(row: dict) -> str:
     """What the guard let through in a row of ours (served: read from the server's statistics before and after each
-    run, `served_guard`): steps with drafts and its verdicts, per run."""
+    run, `served_speculation`): steps with drafts and its verdicts, per run."""
     share = ", ".join(f"{x:.0%}" for x in row["drafted_step_share"])
     offs = ", ".join(str(x) for x in row["guard_switched_off"] or [])
     loads = ", ".join(f"{n}: {'on' if g['speculating'] else 'off'}" for n, g in (row["guard_by_batch"] or {}).items())

@@ -37,8 +37,8 @@ equals vLLM target-only's; sampled, the chi-square p-value of the row's tokens (
 own distribution (benchmarks/sampled.py), with a warning below the table for a row under 0.001. Beside each row, the
 text statistics of its outputs (distinct tokens per output, the share of 4-grams that repeat an earlier one).
 
-Drafting cost, as figures of its own (in process only: the served row's drafting happens in the replica): ms per
-drafted token (vLLM's count: draft tokens sent to verification) and ms per round (one round drafts for the whole
+Drafting cost, as figures of its own (in process, and served where the verifier drafts in its own replica: read
+from its speculation statistics around each run, `served_speculation`): ms per drafted token (vLLM's count: draft tokens sent to verification) and ms per round (one round drafts for the whole
 batch, before one verify step). Ours: the drafting tier's time, `SpeculationCoordinator.draft` from call to drafts
 (routing, the drafters' steps, fusion). vLLM: measured in its worker, the wall time of the model runner's
 `propose_draft_token_ids` (the draft model's forwards for the batch with their input preparation and sampling, as
@@ -315,16 +315,17 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             "tpot_ms": round(1000 * tpot, 1), **_latency(mid),
             "mean_accepted_length": round(1 + mid["accepted"] / mid["drafts"], 3) if mid["drafts"] else None,
             "target_passes_per_token": round(mid["steps"] / mid["tokens"], 3) if mid["steps"] else None,
-            # the median run's drafting cost (None where the system does not report it: HF, served, target-only)
+            # the median run's drafting cost (None where the system does not report it: HF, target-only, vllm serve,
+            # ours served with the drafting tier in deployments of its own)
             "draft_ms_per_drafted_token": round(1000 * mid["draft_s"] / mid["draft_tokens"], 3)
-            if mid.get("draft_tokens") else None,
+            if mid.get("draft_tokens") and "draft_s" in mid else None,
             "draft_ms_per_round": round(1000 * mid["draft_s"] / mid["draft_rounds"], 3)
             if mid.get("draft_rounds") else None,
-            # ours in process: of a round, the drafter models' forwards (their count and time); the rest is host work
+            # ours: of a round, the drafter models' forwards (their count and time); the rest is host work
             **({"drafter_forwards_per_round": round(mid["drafter_forwards"] / mid["draft_rounds"], 2),
                 "draft_forward_ms_per_round": round(1000 * mid["draft_forward_s"] / mid["draft_rounds"], 3)}
                if mid.get("draft_rounds") and "drafter_forwards" in mid else {}),
-            # ours in process: the share of verify steps with drafts in each run, the guard's verdicts against
+            # ours: the share of verify steps with drafts in each run, the guard's verdicts against
             # speculation in each run, and each load's verdict after the last run
             "drafted_step_share": [round(r["drafted_step_share"], 3) for r in runs]
             if "drafted_step_share" in mid else None,
@@ -332,7 +333,7 @@ def _row(name: str, concurrency: int, runs: list[dict], reference: list[list[int
             "guard_by_batch": runs[-1].get("guard_by_batch"),
             # ours in process, over its runs: each drafter's tokens in the verified chains, and those accepted
             "by_drafter": by_drafter(runs),
-            # ours in process, over its runs: requests' rounds by the participation they drafted in
+            # ours, over its runs: requests' rounds by the participation they drafted in
             "by_participation": summed([r.get("by_participation") or {} for r in runs]),
             "model_free_calibration": runs[-1].get("model_free_calibration"),
             # greedy: token for token; sampled: None (the distribution test's p-value is added instead)

@@ -225,10 +225,10 @@ class ServedApp:
 
     def run(self, prompts, concurrency, max_tokens, domains, sampling: dict | None = None) -> dict:
         """`stream_completions` of `prompts` against this server (`domains`: unused, the server routes), with what
-        the in-process rows report of the guard (`served_guard`)."""
+        the in-process rows report of the guard and the drafting rounds (`served_speculation`)."""
         before = self.speculation_stats()
         out = stream_completions(self.url, self.model, prompts, concurrency, max_tokens, sampling)
-        return out | served_guard(before, self.speculation_stats())
+        return out | served_speculation(before, self.speculation_stats())
 
     def speculation_stats(self) -> dict:
         return httpx.get(f"{self.url}/v1/internal/speculation_stats", timeout=30).json()
@@ -238,17 +238,28 @@ class ServedApp:
         reap(self.proc, 120)
 
 
-def served_guard(before: dict, after: dict) -> dict:
-    """A served run's share of verify steps with drafts and the guard's verdicts against speculation, from the
-    server's speculation statistics read before and after it (the keys the in-process workers return); {} where the
-    server has no guard."""
+def served_speculation(before: dict, after: dict) -> dict:
+    """What the in-process rows report of a run, from the served graph's speculation statistics read before and
+    after it (its counts since start differenced): the share of verify steps with drafts and the guard's verdicts
+    against speculation (where it has a guard), and the drafting tier's rounds in this replica: their seconds, the
+    drafter models' forwards and seconds, the requests' rounds by participation (where the verifier drafts in its
+    own process, `drafting_tier: colocated`)."""
+    out = {}
     guard, was = (after.get("controller") or {}).get("guard"), (before.get("controller") or {}).get("guard")
-    if guard is None or was is None:
-        return {}
-    steps = after["steps_since_start"] - before["steps_since_start"]
-    return {"drafted_step_share": (after["drafted_steps_since_start"] - before["drafted_steps_since_start"])
-            / max(1, steps), "guard_switched_off": guard["switched_off"] - was["switched_off"],
-            "guard_by_batch": guard["by_batch"]}
+    if guard is not None and was is not None:
+        steps = after["steps_since_start"] - before["steps_since_start"]
+        out |= {"drafted_step_share": (after["drafted_steps_since_start"] - before["drafted_steps_since_start"])
+                / max(1, steps), "guard_switched_off": guard["switched_off"] - was["switched_off"],
+                "guard_by_batch": guard["by_batch"]}
+    if "drafter_forwards_since_start" in after and "rounds" in after:
+        parts, parts_was = after["by_participation_since_start"], before["by_participation_since_start"]
+        out |= {"draft_s": after["step_seconds"] - before["step_seconds"],
+                "draft_rounds": after["rounds"] - before["rounds"],
+                "drafter_forwards": after["drafter_forwards_since_start"] - before["drafter_forwards_since_start"],
+                "draft_forward_s": after["drafter_forward_s_since_start"] - before["drafter_forward_s_since_start"],
+                "by_participation": {p: n - parts_was.get(p, 0) for p, n in parts.items()
+                                     if n > parts_was.get(p, 0)}}
+    return out
 
 
 class VllmServe:
@@ -339,4 +350,5 @@ def stream_completions(url: str, model: str, prompts: list[list[int]], concurren
             "arrivals": [r["arrivals"] for r in res], "wall": wall,
             "drafts": sum(r["usage"].get("num_drafts", 0) for r in res),
             "accepted": sum(r["usage"].get("num_accepted_tokens", 0) for r in res),
+            "draft_tokens": sum(r["usage"].get("num_draft_tokens", 0) for r in res),
             "steps": sum(r["usage"].get("verify_steps", 0) for r in res)}

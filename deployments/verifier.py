@@ -250,6 +250,11 @@ class VerifierServer:
         """Timings of the draft/verify loop and of the speculation rounds (for `cosine bench serve`)."""
         out = self.loop.stats.summary()
         out["requests_in_flight"] = len(self.loop.requests)
+        # since start, as the benchmarks' in-process rows read them: rounds by participation, drafter forwards
+        out["by_participation_since_start"] = {str(p): n for p, n in self.loop.stats.by_participation.items()}
+        if isinstance(self.loop.drafting, InProcessDraftingTier):
+            forwards, seconds = self.loop.drafting.forward_work()
+            out["drafter_forwards_since_start"], out["drafter_forward_s_since_start"] = forwards, seconds
         controller = self.loop.controller_state()
         if controller is not None:
             out["controller"] = controller

@@ -289,7 +289,7 @@ def test_sampled_rows_report_a_p_value_text_statistics_and_a_warning():
 
 
 def test_a_served_row_reports_the_guard_from_the_servers_statistics_around_each_run():
-    """`served_guard`: what the in-process rows report of the guard, read from the served graph's speculation
+    """`served_speculation`: what the in-process rows report of the guard, read from the served graph's speculation
     statistics before and after a run (the counts since start differenced, the verdicts by load as left)."""
     def stats(steps, drafted, off, by_batch):
         return {"steps_since_start": steps, "drafted_steps_since_start": drafted,
@@ -300,15 +300,37 @@ def test_a_served_row_reports_the_guard_from_the_servers_statistics_around_each_
     for a, b in ((stats(10, 9, 0, {"1": on}), stats(110, 59, 1, {"1": on, "5-8": off})),
                  (stats(110, 59, 1, {"1": on, "5-8": off}), stats(310, 79, 3, {"1": off, "5-8": off}))):
         runs.append({"outputs": [[1] * 40], "tokens": 40, "wall": 1.0, "seconds": [1.0], "accepted": 0,
-                     "drafts": 0, "steps": None} | common.served_guard(a, b))
+                     "drafts": 0, "steps": None} | common.served_speculation(a, b))
     row = anchors._row(anchors.SERVED, 8, runs, [[1] * 40], None, greedy=False)
     assert row["drafted_step_share"] == [0.5, 0.1] and row["guard_switched_off"] == [1, 2]
     assert anchor_notes.guard_line(row).endswith("steps with drafts per run 50%, 10%; speculation switched off 1, 2 "
                                                  "times per run by the guard; after the last run, by load: 1: off, "
                                                  "5-8: off")
     # no guard (configured off, or speculation off): nothing to report
-    assert common.served_guard({"controller": None}, {"controller": None}) == {}
-    assert common.served_guard(stats(1, 1, 0, {}) | {"controller": {}}, stats(2, 2, 0, {})) == {}
+    assert common.served_speculation({"controller": None}, {"controller": None}) == {}
+    assert common.served_speculation(stats(1, 1, 0, {}) | {"controller": {}}, stats(2, 2, 0, {})) == {}
+
+
+def test_a_served_row_reports_its_drafting_rounds_where_the_verifier_drafts_in_its_replica():
+    """Colocated drafting: the rounds' seconds, forwards and participations, differenced around each run, give the
+    served row the in-process rows' drafting figures; drafting in deployments of its own: none, and no error."""
+    def stats(rounds, seconds, forwards, forward_s, parts):
+        return {"rounds": rounds, "step_seconds": seconds, "drafter_forwards_since_start": forwards,
+                "drafter_forward_s_since_start": forward_s, "by_participation_since_start": parts}
+
+    got = common.served_speculation(stats(5, 0.5, 10, 0.25, {"1": 4, "2 fused": 1}),
+                                    stats(105, 2.5, 310, 1.75, {"1": 84, "2 fused": 1, "1 generalist": 20}))
+    assert got == {"draft_s": 2.0, "draft_rounds": 100, "drafter_forwards": 300, "draft_forward_s": 1.5,
+                   "by_participation": {"1": 80, "1 generalist": 20}}
+    run = {"outputs": [[1] * 40], "tokens": 40, "wall": 1.0, "seconds": [1.0], "accepted": 30, "drafts": 10,
+           "draft_tokens": 40, "steps": 12}
+    row = anchors._row(anchors.SERVED, 8, [run | got], [[1] * 40], None)
+    assert (row["draft_ms_per_round"], row["draft_ms_per_drafted_token"]) == (20.0, 50.0)
+    assert anchor_notes.rounds_line(row).endswith("a drafting round 20.00 ms: 3.00 drafter forwards taking 15.00 ms, "
+                                                  "host work 5.00 ms")
+    assert anchor_notes.participation_line(row).endswith("requests' rounds by participation: 1 80%, 1 generalist 20%")
+    remote = anchors._row(anchors.SERVED, 8, [run], [[1] * 40], None)  # drafting tier: deployments
+    assert remote["draft_ms_per_round"] is None and remote["draft_ms_per_drafted_token"] is None
 
 
 @pytest.mark.slow

@@ -77,3 +77,20 @@ def test_a_client_hanging_up_aborts_its_request_in_the_verifier(server):
     assert _verifier().running.remote().result() == 0
     ok = httpx.post(f"{server}/v1/completions", json=dict(body, max_tokens=4, stream=False), timeout=120)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_the_benchmarks_read_the_served_drafting_rounds_as_the_in_process_rows_do(server, tokenizer, heldout):
+    """`cosine bench anchors`' served rows: the drafting tier's rounds in the verifier's replica (colocated), their
+    seconds, the drafter forwards and the requests' participations, differenced around the run."""
+    from benchmarks.common import served_speculation, stream_completions
+
+    prompts = [tokenizer(heldout[d][5], add_special_tokens=False).input_ids[:40] for d in ("code", "dialogue")]
+    before = _verifier().speculation_stats.remote().result()
+    run = stream_completions(server, MODEL, prompts, 2, 24)
+    got = served_speculation(before, _verifier().speculation_stats.remote().result())
+    assert run["draft_tokens"] > 0 and got["draft_rounds"] > 0 and 0 < got["draft_forward_s"] <= got["draft_s"]
+    # one drafter: a forward per depth of a round (k = 4, batched over the requests), with the prompts' prefills
+    # and the catch-ups of committed tokens
+    assert got["draft_rounds"] <= got["drafter_forwards"] <= 5 * got["draft_rounds"] + len(prompts)
+    assert sum(got["by_participation"].values()) >= got["draft_rounds"]  # each round drafts for 1-2 requests
+    assert "drafted_step_share" not in got  # no guard in this graph
