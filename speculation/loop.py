@@ -89,6 +89,7 @@ class VerifyLoop:
         # up on the tokens committed while steps were plain): the guard leaves it out, as it leaves out prefills
         self._catching_up = False
         self._asked: set[str] = set()  # requests a drafting round was asked for since their last step
+        self._held: list = []  # a verify step's outputs kept from their requests while the next round drafts
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.ids = itertools.count()
         self.task: asyncio.Task | None = None
@@ -153,6 +154,8 @@ class VerifyLoop:
             self.task = asyncio.get_running_loop().create_task(self._run(), context=contextvars.Context())
 
     async def _drain_inbox(self, block: bool) -> None:
+        if block:
+            self.deliver([])  # nothing to draft for: what was held reaches its requests
         released = []
         while block or not self.inbox.empty():
             kind, rid, prompt, params = await self.inbox.get()
@@ -331,6 +334,7 @@ class VerifyLoop:
                     ahead = None
                 drafts.update(await self._drafts([r for r in self.engine.draftable() if r not in drafts]))
             drafts = {r: d for r, d in drafts.items() if r in self.engine.running}
+            self.deliver([])  # the last step's tokens reach their clients while this step verifies
             wait = time.perf_counter() - t
             self.stats.draft_wait(wait)
             t = time.perf_counter()
@@ -389,11 +393,19 @@ class VerifyLoop:
                                             req.participation if req else None)
             if self.trace:
                 self.trace.verified(o.request_id, o.draft_depth, o.num_accepted_tokens)
-        self.deliver(outs)
+        if self.drafting is not None and not self.drafting_overlaps_verification:
+            # drafters share this CPU: the next round drafts before the requests' readers (a server's streaming,
+            # detokenizing, HTTP) wake, so that they run beside the verify step after it and not beside the
+            # drafters' small forwards, which stall on every core taken from them (served on the 2-core CPU, a
+            # drafting round's forwards took 1.6-1.9x their in-process time)
+            self._held += outs
+        else:
+            self.deliver(outs)
 
     def deliver(self, outs) -> None:
-        """A verify step's outputs to their requests' queues; finished requests released."""
-        finished = []
+        """A verify step's outputs, after those held back (`_dispatch`), to their requests' queues; finished requests
+        released."""
+        outs, self._held, finished = self._held + list(outs), [], []
         for o in outs:
             req = self.requests.get(o.request_id)
             chunk = TokenChunk(o.new_token_ids, o.finished, o.finish_reason, o.num_draft_tokens,
