@@ -389,3 +389,42 @@ def test_a_syncs_common_prefix_is_the_walked_one_wherever_the_two_differ():
         for limit in (0, 3, cut, min(300, cut + 40), 300):
             assert common_prefix(base, other, limit) == walked(base, other, limit), (cut, limit)
     assert common_prefix([], [1, 2], 0) == 0
+
+
+def test_a_steps_tokens_reach_their_request_after_the_next_round_where_drafters_share_the_cpu(
+        target, drafter_models, mixed_prompts, reference):
+    """Drafters on the verifier's CPU: a step's tokens wait until the next round has drafted, so that their reader
+    (a server's streaming) runs beside the verify step, not beside the drafters' forwards; a request's first tokens
+    go at once (its first round scores the prompt for routing). Every token arrives, in order, the target's own."""
+    cfg = AppConfig(verifier={"model": "target", "max_batch": 1, "max_len": 512},
+                    drafters=[{"name": "d0", "model": "d0"}],
+                    speculation={"mode": "cosine", "k": 4, "adaptive": False, "guard": {"enabled": False},
+                                 "draft_timeout_ms": 600_000})
+    loop = build_loop(cfg, TorchVerifierEngine(target, max_batch=1, max_len=512), {"d0": drafter_models["generic"]})
+    loop.drafting_overlaps_verification = False
+    events, draft = [], loop.drafting.draft
+
+    async def recorded(batch):
+        events.append("round")
+        try:
+            return await draft(batch)
+        finally:
+            events.append("drafted")
+
+    loop.drafting.draft = recorded
+
+    async def read():
+        out = []
+        async for chunk in loop.generate(mixed_prompts[1], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)):
+            events.append("tokens")
+            out += chunk.token_ids
+        return out
+
+    assert asyncio.run(read()) == reference[1]
+    drafting, read_while_drafting = False, []
+    for e in events:
+        drafting = {"round": True, "drafted": False}.get(e, drafting)
+        read_while_drafting += [drafting] if e == "tokens" else []
+    assert events.count("round") >= 3 and not any(read_while_drafting), events
+    # the first step's tokens go before the next round; the second step's wait for the round after it
+    assert events[:6] == ["round", "drafted", "tokens", "round", "drafted", "round"], events
