@@ -109,6 +109,8 @@ HISTORY_C1 = "history/anchors-k8-c1-per-domain-1.json"
 PRINTED = [("docs/benchmarks.md", "anchors-k4-t07-1201d.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-in-verifier-1201.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-t07-in-verifier-1201.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "anchors-k4-served-rounds-1201.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "anchors-k4-served-rounds-held-1201.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-1201d.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-1201d.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-t07-1201c.json", "benchmarks.anchors:format_table"),
