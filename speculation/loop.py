@@ -424,7 +424,7 @@ class VerifyLoop:
                 finished.append(o.request_id)
                 chunk.usage = self.engine.finished_stats(o.request_id) or {}
             if req is not None:
-                req.answered = True
+                req.answered |= bool(o.new_token_ids)
                 req.queue.put_nowait(chunk)
                 if o.finished:
                     self.requests.pop(o.request_id, None)
