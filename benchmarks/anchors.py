@@ -37,14 +37,15 @@ equals vLLM target-only's; sampled, the chi-square p-value of the row's tokens (
 own distribution (benchmarks/sampled.py), with a warning below the table for a row under 0.001. Beside each row, the
 text statistics of its outputs (distinct tokens per output, the share of 4-grams that repeat an earlier one).
 
-Drafting cost, as figures of its own (in process, and served where the verifier drafts in its own replica: read
-from its speculation statistics around each run, `served_speculation`): ms per drafted token (vLLM's count: draft tokens sent to verification) and ms per round (one round drafts for the whole
-batch, before one verify step). Ours: the drafting tier's time, `SpeculationCoordinator.draft` from call to drafts
-(routing, the drafters' steps, fusion). vLLM: measured in its worker, the wall time of the model runner's
-`propose_draft_token_ids` (the draft model's forwards for the batch with their input preparation and sampling, as
-vLLM runs them after each target step; the `ngram` row times its n-gram lookup the same way). vLLM has no timing of
-its own for this, and the draft model's decode step times the tokens per round would leave out the preparation its
-round pays; on a GPU the wrapper synchronises the device around the call.
+Drafting cost, as figures of its own (in process, and served where the verifier drafts in its own replica: read from
+its speculation statistics around each run, `served_speculation`): ms per drafted token (vLLM's count: draft tokens
+sent to verification) and ms per round (one round drafts for the whole batch, before one verify step). Ours: the
+drafting tier's time, `SpeculationCoordinator.draft` from call to drafts (routing, the drafters' steps, fusion).
+vLLM: measured in its worker, the wall time of the model runner's `propose_draft_token_ids` (the draft model's
+forwards for the batch with their input preparation and sampling, as vLLM runs them after each target step; the
+`ngram` row times its n-gram lookup the same way). vLLM has no timing of its own for this, and the draft model's
+decode step times the tokens per round would leave out the preparation its round pays; on a GPU the wrapper
+synchronises the device around the call.
 """
 
 from __future__ import annotations

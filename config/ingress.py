@@ -27,6 +27,6 @@ class IngressSpec(Strict):
                                          "back as reasoning_content. Checked at startup against vLLM and the "
                                          "tokenizer")
     in_verifier: bool = Field(False, description="the OpenAI server runs in each verifier replica instead of "
-                              "replicas of its own: Serve's proxy routes HTTP to the verifier's replicas, and a streamed "
-                              "token crosses one replica boundary less (`deployment` is then unused)")
+                              "replicas of its own: Serve's proxy routes HTTP to the verifier's replicas, and a "
+                              "streamed token crosses one replica boundary less (`deployment` is then unused)")
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options")
