@@ -226,11 +226,6 @@ class SpeculationSpec(Strict):
         "(the drafters' host work and kernels while the target's kernels run); off: the two take turns (on a CPU the "
         "drafters step on the verifier's thread); auto: on where the verifier runs on a GPU, off on a CPU, where "
         "drafters and verifier share the same cores")
-    confidence_cut: bool = Field(
-        True, description="with the goodput controller: before each verify step, every drafted chain is cut where "
-        "its next token's expected acceptance (the drafters' confidences, calibrated per drafter on what the target "
-        "accepted) no longer pays for the verify time it costs at the step's goodput (speculation/confidence_cut.py); "
-        "off: chains are verified as drafted")
     record_trace: str | None = Field(None, description="a JSON-lines file (absolute path on the verifier's node) "
                                      "the verify loop appends to: every finished request's prompt and output, "
                                      "every verify step's and drafting round's timing, each request's draft depth "

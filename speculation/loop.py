@@ -338,7 +338,6 @@ class VerifyLoop:
             self.deliver([])  # the last step's tokens reach their clients while this step verifies
             wait = time.perf_counter() - t
             self.stats.draft_wait(wait)
-            drafts = self.planner.cut(drafts, self.engine.chain_of, len(members), wait)
             t = time.perf_counter()
             if last_end is not None:
                 self.stats.step_intervals.append(t - last_end)

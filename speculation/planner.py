@@ -8,8 +8,6 @@ from collections import deque
 from collections.abc import Sequence
 
 from config import AppConfig, SpeculationSpec
-from engines.draft_tree import Draft
-from speculation.confidence_cut import ConfidenceCut
 from speculation.controller import DraftLengthController
 from speculation.goodput import GoodputController
 from speculation.guard import SpeculationGuard
@@ -25,10 +23,6 @@ def _routed(mode: str) -> bool:
     return cls is not None and cls.routed
 
 
-# verify steps the verify model is fitted on before it prices a chain's tokens (it refits every fourth)
-CUT_AFTER_STEPS = 8
-
-
 class DraftPlanner:
     def __init__(self, cfg: AppConfig):
         self.cfg = cfg
@@ -38,9 +32,6 @@ class DraftPlanner:
         guarded = spec.guard.enabled and spec.mode != "off"
         self.guard = SpeculationGuard.from_spec(spec.guard) if guarded else None
         self.retirement = DomainDrafterRetirement.from_config(cfg)
-        # the cut prices a chain's tokens by the goodput controller's verify model
-        self.cutter = ConfidenceCut() if spec.confidence_cut and isinstance(self.controller, GoodputController) \
-            else None
         self.recent_k: deque = deque(maxlen=128)  # the chosen depths of requests that may speculate
         self.chosen: list[int] = []  # the last round's
 
@@ -118,19 +109,6 @@ class DraftPlanner:
         if self.controller is not None and not faulted and all(d.priced for d in batch):
             self.controller.observe_round(len(batch), max(d.k for d in batch), participations, seconds)
 
-    def cut(self, drafts: dict[str, Draft], chain_of, requests: int, drafting_s: float) -> dict[str, Draft]:
-        """A verify step's drafts, each chain the engine verifies (`chain_of`) cut where its tail no longer pays
-        (speculation/confidence_cut.py), priced by the verify model once fitted; `requests` in the step, `drafting_s`
-        this round's wait for drafts. Trees an engine verifies whole, and every draft without the cut, as drafted."""
-        if self.cutter is None or not drafts:
-            return drafts
-        chains = {r: c for r, c in ((r, chain_of(d)) for r, d in drafts.items())
-                  if c.parents == list(range(-1, len(c) - 1))}
-        verify = self.controller.verify
-        per_token_s = verify.b if verify.seen >= CUT_AFTER_STEPS else 0.0
-        cut = self.cutter.cut(chains, requests, verify.a + drafting_s, per_token_s)
-        return {r: d for r, d in drafts.items() if r not in chains} | cut
-
     def observe_step(self, tokens: int, seconds: float, wall_s: float) -> None:
         """A verify step of `tokens` took `seconds`; `wall_s` since the previous step ended (drafting included)."""
         if self.controller is not None:
@@ -147,8 +125,6 @@ class DraftPlanner:
         """A verified round of `rid` (depth 0: it had no draft), drafted with `participation`."""
         if self.controller is not None:
             self.controller.observe_verified(rid, depth, accepted, participation)
-        if self.cutter is not None:
-            self.cutter.observe(rid, accepted)
 
     def state(self, drafting_overlaps_verification: bool) -> dict | None:
         """The controller's state for operators (`speculation_stats`)."""
@@ -163,8 +139,7 @@ class DraftPlanner:
                   "participation": str(c.participation) if c.participation else None}
         if self.retirement is not None:
             common |= {"domain_drafters_retired": self.retirement.retired, "routed_share": self.retirement.share()}
-        cut = {"confidence_cut": self.cutter.state()} if self.cutter is not None else {}
-        return common | guard | cut | c.state()
+        return common | guard | c.state()
 
 
 def make_controller(cfg: AppConfig) -> DraftLengthController | None:
