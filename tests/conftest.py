@@ -160,6 +160,7 @@ def stop_ray() -> None:
 # runs the suite on two pytest-xdist workers: these modules one after another on one worker, the others meanwhile on
 # the other, each module whole on one worker (its tests share its module-scoped engines and servers).
 CLUSTER_MODULES = ("tests/served/", "tests/test_autoscaling_e2e.py", "tests/test_cluster_placement.py",
+                   "tests/test_serve_haproxy.py",
                    "tests/test_serve_collaborative.py", "tests/test_serve_in_verifier.py",
                    "tests/test_serve_one_machine.py")
 

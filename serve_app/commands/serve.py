@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     s.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the first answer")
     s.add_argument("--api-key", help="require `Authorization: Bearer KEY` from clients (sets COSINE_API_KEY for "
                    "the ingress; default: that variable from this environment, else no authentication)")
+    s.add_argument("--haproxy", action="store_true", help="HAProxy answers on the HTTP port in place of Serve's "
+                   "proxy actor (Ray Serve's HAProxy ingress; needs `haproxy` on PATH; docs/operations.md)")
     s.set_defaults(func=serve)
 
     pr = sub.add_parser("profile", help="step latencies of a config's verifier and drafters on this machine: the "
@@ -39,7 +41,7 @@ def serve(args) -> int:
 
     if args.api_key:
         os.environ["COSINE_API_KEY"] = args.api_key  # inherited by the Ray processes serve_forever starts
-    return serve_forever(Path(args.config), args.port, args.dashboard_port, args.ready_timeout)
+    return serve_forever(Path(args.config), args.port, args.dashboard_port, args.ready_timeout, args.haproxy)
 
 
 def profile(args) -> int:

