@@ -78,6 +78,8 @@ SUFFIX = "vLLM suffix"
 OURS_MF = "ours + model-free drafters, in process"
 SERVED_MF = "ours + model-free drafters, served (Ray Serve, HTTP)"
 SERVED_IV = "ours: vLLM verifier + drafting tier, served, the OpenAI server in the verifier's replica (HTTP)"
+SERVED_HAP = ("ours: vLLM verifier + drafting tier, served through HAProxy, the OpenAI server in the verifier's "
+              "replica (HTTP)")
 VLLM_SERVE = "vllm serve: vLLM target-only, served (its OpenAI server, HTTP)"
 WORKLOADS = {"heldout": "held-out prompts to continue", "repeated": "repeated context (benchmarks/repeated.py)"}
 
@@ -85,8 +87,10 @@ WORKLOADS = {"heldout": "held-out prompts to continue", "repeated": "repeated co
 # `--systems`: the short names of the rows to run (vLLM target-only, the baseline, always runs)
 SHORT = {"draft-generic": "vLLM draft_model, generic drafter", "draft-domain": ORACLE, "ngram": "vLLM ngram",
          "suffix": SUFFIX, "hf": HF, "ours": OURS, "served": SERVED, "ours-model-free": OURS_MF,
-         "served-model-free": SERVED_MF, "vllm-serve": VLLM_SERVE, "served-in-verifier": SERVED_IV}
-OPT_IN = {SERVED_IV}  # rows that run only where `--systems` names them (a layout's comparison, not an anchor)
+         "served-model-free": SERVED_MF, "vllm-serve": VLLM_SERVE, "served-in-verifier": SERVED_IV,
+         "served-haproxy": SERVED_HAP}
+# rows that run only where `--systems` names them (a layout's comparison, not an anchor)
+OPT_IN = {SERVED_IV, SERVED_HAP}
 
 
 def _systems(served: bool, config: str, model_free_config: str) -> dict[str, dict]:
@@ -103,6 +107,8 @@ def _systems(served: bool, config: str, model_free_config: str) -> dict[str, dic
         out[SERVED] = {"kind": "served", "config": config}
         out[SERVED_MF] = {"kind": "served", "config": model_free_config}
         out[SERVED_IV] = {"kind": "served", "config": config, "in_verifier": True}
+        # `cosine serve --haproxy`: HAProxy in place of Serve's proxy actor, and the server in the verifier's replica
+        out[SERVED_HAP] = {"kind": "served", "config": config, "in_verifier": True, "haproxy": True}
     return out
 
 
@@ -191,7 +197,8 @@ def _start(systems: dict[str, dict], runners: dict, port: int, max_batch: int, k
             continue
         log(f"[start {i + 1}/{len(systems)}] {name}")
         if spec["kind"] == "served":
-            runners[name] = ServedApp(_with_k(spec["config"], k, logs, spec.get("in_verifier", False)), port, port + 1)
+            runners[name] = ServedApp(_with_k(spec["config"], k, logs, spec.get("in_verifier", False)), port, port + 1,
+                                      haproxy=spec.get("haproxy", False))
             port += 2  # served graphs (with and without the model-free drafters, ...) run side by side
         elif spec["kind"] == "vllm-serve":
             runners[name] = VllmServe(port, max_batch, 512, logs / "vllm-serve.log")  # 512: as the workers'
@@ -367,7 +374,7 @@ def _goals(rows: list[dict], concurrencies) -> dict:
     def tps(system, c):
         return next((r["tokens_per_s"] for r in rows if r["system"] == system and r["concurrency"] == c), None)
 
-    ours = [OURS, SERVED, OURS_MF, SERVED_MF, SERVED_IV]
+    ours = [OURS, SERVED, OURS_MF, SERVED_MF, SERVED_IV, SERVED_HAP]
     # vLLM's methods in process (its server runs target-only: the served rows' baseline, not a method)
     builtin = [r["system"] for r in rows if r["system"].startswith("vLLM") and r["system"] != TARGET_ONLY]
     out = {}
@@ -380,7 +387,7 @@ def _goals(rows: list[dict], concurrencies) -> dict:
         if tps(s, hi) is not None:
             out[f"{s} / vLLM target-only, concurrency {hi}"] = round(tps(s, hi) / tps(TARGET_ONLY, hi), 3)
     # served against served: what a user would run instead, through the same client
-    for s in (SERVED, SERVED_MF, SERVED_IV):
+    for s in (SERVED, SERVED_MF, SERVED_IV, SERVED_HAP):
         for c in concurrencies:
             if tps(s, c) is not None and tps(VLLM_SERVE, c):
                 out[f"{s} / {VLLM_SERVE}, concurrency {c}"] = round(tps(s, c) / tps(VLLM_SERVE, c), 3)

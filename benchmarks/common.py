@@ -213,13 +213,14 @@ def wait_until_serving(url: str, proc: subprocess.Popen, what: str, timeout_s: f
 
 
 class ServedApp:
-    """`cosine serve CONFIG` on loopback ports of its own, and a closed-loop HTTP client."""
+    """`cosine serve CONFIG` on loopback ports of its own (`haproxy`: `--haproxy`), and a closed-loop HTTP client."""
 
-    def __init__(self, config: str, port: int, dashboard_port: int):
+    def __init__(self, config: str, port: int, dashboard_port: int, haproxy: bool = False):
         self.url = f"http://127.0.0.1:{port}"
         cli = Path(sys.executable).with_name("cosine")
         self.proc = subprocess.Popen([str(cli), "serve", config, "--port", str(port), "--dashboard-port",
-                                      str(dashboard_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      str(dashboard_port)] + ["--haproxy"] * haproxy,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until_serving(self.url, self.proc, "cosine serve")
         self.model = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
 

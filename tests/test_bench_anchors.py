@@ -382,10 +382,12 @@ def test_the_in_verifier_layout_runs_only_where_named_and_is_served_so(tmp_path)
 
     systems = anchors._systems(True, "examples/bench.yaml", "examples/bench-model-free.yaml")
     by_default, _ = anchors._chosen(systems, None, print)
-    assert anchors.SERVED_IV not in by_default and anchors.SERVED in by_default
+    assert anchors.SERVED in by_default and not {anchors.SERVED_IV, anchors.SERVED_HAP} & set(by_default)
     named, _ = anchors._chosen(systems, ("served", "served-in-verifier"), print)
     assert set(named) == {anchors.TARGET_ONLY, anchors.SERVED, anchors.SERVED_IV}
     plain, iv = (yaml.safe_load(open(anchors._with_k("examples/bench.yaml", 8, tmp_path, flag)))["applications"][0]
                  ["args"] for flag in (False, True))
     assert plain["speculation"]["k"] == iv["speculation"]["k"] == 8
     assert not plain["ingress"].get("in_verifier") and iv["ingress"]["in_verifier"] is True
+    # served-haproxy: the same in-verifier layout, its server started with `--haproxy`
+    assert systems[anchors.SERVED_HAP] == {**systems[anchors.SERVED_IV], "haproxy": True}

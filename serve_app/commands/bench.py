@@ -121,9 +121,10 @@ def _anchors(bsub) -> None:
     an.add_argument("--k", type=int, default=4, help="draft tokens per step for every method (ours: the maximum)")
     an.add_argument("--systems", nargs="+", choices=["draft-generic", "draft-domain", "ngram", "suffix", "hf", "ours",
                                                      "served", "ours-model-free", "served-model-free", "vllm-serve",
-                                                     "served-in-verifier"],
+                                                     "served-in-verifier", "served-haproxy"],
                     help="run only these beside vLLM target-only (default: every system but served-in-verifier, "
-                         "ours served with ingress.in_verifier; suffix needs `make vllm-suffix`)")
+                         "ours served with ingress.in_verifier, and served-haproxy, the same through `cosine serve "
+                         "--haproxy`; suffix needs `make vllm-suffix`)")
     an.add_argument("--port", type=int, default=8011, help="loopback port of the first served graph (port + 1 "
                     "its dashboard; each next server the next free ports: the model-free graph's, vllm serve's)")
     add_sampling_arguments(an)
