@@ -89,8 +89,7 @@ SHORT = {"draft-generic": "vLLM draft_model, generic drafter", "draft-domain": O
          "suffix": SUFFIX, "hf": HF, "ours": OURS, "served": SERVED, "ours-model-free": OURS_MF,
          "served-model-free": SERVED_MF, "vllm-serve": VLLM_SERVE, "served-in-verifier": SERVED_IV,
          "served-haproxy": SERVED_HAP}
-# rows that run only where `--systems` names them (a layout's comparison, not an anchor)
-OPT_IN = {SERVED_IV, SERVED_HAP}
+OPT_IN = {SERVED_IV, SERVED_HAP}  # rows that run only where `--systems` names them (layouts compared, not anchors)
 
 
 def _systems(served: bool, config: str, model_free_config: str) -> dict[str, dict]:
@@ -107,8 +106,7 @@ def _systems(served: bool, config: str, model_free_config: str) -> dict[str, dic
         out[SERVED] = {"kind": "served", "config": config}
         out[SERVED_MF] = {"kind": "served", "config": model_free_config}
         out[SERVED_IV] = {"kind": "served", "config": config, "in_verifier": True}
-        # `cosine serve --haproxy`: HAProxy in place of Serve's proxy actor, and the server in the verifier's replica
-        out[SERVED_HAP] = {"kind": "served", "config": config, "in_verifier": True, "haproxy": True}
+        out[SERVED_HAP] = {"kind": "served", "config": config, "in_verifier": True, "haproxy": True}  # --haproxy
     return out
 
 
