@@ -132,6 +132,29 @@ def test_a_bad_request_gets_openais_error_json_through_haproxy(served):
 
 @pytest.mark.slow
 @needs_haproxy
+def test_pausing_the_control_plane_spares_the_data_path_and_resumes_it_all(served, tokenizer, heldout):
+    """`cosine bench control-plane` on this server, tiny: requests keep streaming while every process but the
+    replica and HAProxy is paused, and every one of them runs again afterwards."""
+    import httpx
+
+    from benchmarks.control_plane import measure, split_processes
+
+    control, data = split_processes(served["proc"].pid)
+    titles = [" ".join(p.cmdline()) for p in control]
+    assert {p.name() for p in data} >= {"haproxy"} and any(p.cmdline()[0].endswith("Verifier") for p in data)
+    for must in ("gcs_server", "raylet", "ServeController", "dashboard"):
+        assert any(must in t for t in titles), (must, titles)
+    prompts = [tokenizer(heldout["code"][i], add_special_tokens=False).input_ids[:24] for i in range(2)]
+    cell = measure(served["url"], MODEL, prompts, 2, {"temperature": 0}, control, rounds=1, window_s=1.5,
+                   max_tokens=16, warmup_s=1.0)
+    assert min(cell["running"]) > 0 and min(cell["paused"]) > 0, cell
+    assert all(p.status() != psutil.STATUS_STOPPED for p in control if p.is_running())
+    r = httpx.get(f"{served['url']}/v1/models", timeout=60)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+
+
+@pytest.mark.slow
+@needs_haproxy
 def test_ctrl_c_leaves_neither_haproxy_nor_its_files(served):
     _, cmdline = _listener(served["port"])
     files = Path(cmdline[cmdline.index("-f") + 1]).parent.parent  # the config is in Ray's node subdirectory

@@ -39,6 +39,7 @@ def add_parser(sub) -> None:
     _load(bsub)
     _soak(bsub)
     _breakdown(bsub)
+    _control_plane(bsub)
 
 
 def _engine(bsub) -> None:
@@ -195,3 +196,17 @@ def _breakdown(bsub) -> None:
     bd.add_argument("--top-p", type=float, default=0.95)
     bd.add_argument("--json", default="bench_results/breakdown.json")
     bd.set_defaults(func=_runs("breakdown"))
+
+
+def _control_plane(bsub) -> None:
+    cp = bsub.add_parser("control-plane", help="what Ray's own processes cost the served graph: tokens/s streamed "
+                         "with its control plane running against paused, in alternating windows")
+    cp.add_argument("--config", default="examples/bench.yaml", help="served with --haproxy and ingress.in_verifier")
+    cp.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    cp.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="0: greedy")
+    cp.add_argument("--top-p", type=float, default=0.95, help="with a temperature above 0")
+    cp.add_argument("--rounds", type=int, default=8, help="pairs of windows (running, paused) per cell")
+    cp.add_argument("--window", type=float, default=6.0, help="seconds per window")
+    cp.add_argument("--port", type=int, default=8051, help="loopback port of the served graph (+1: its dashboard)")
+    cp.add_argument("--json", default="bench_results/control-plane.json")
+    cp.set_defaults(func=_runs("control_plane"))
