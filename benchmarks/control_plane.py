@@ -51,6 +51,21 @@ def split_processes(root: int) -> tuple[list[psutil.Process], list[psutil.Proces
     return control, data
 
 
+def label(p: psutil.Process) -> str:
+    """A process as the JSON names it, without this machine's paths: its title (Ray's workers and dashboard modules
+    set one), else its program's and script's file names (`python dashboard.py`, `gcs_server`)."""
+    args = p.cmdline() or [p.name()]
+    if args[0].startswith(("ray::", "ray-dashboard-")):
+        return args[0].split(" (")[0].strip()
+    words = [Path(args[0]).name]
+    for i, a in enumerate(args[1:], 1):
+        if a == "-c" and i + 1 < len(args):
+            return " ".join(words + ["-c", args[i + 1].split(";")[0][:40]])
+        if not a.startswith("-"):
+            return " ".join(words + [Path(a).name])
+    return words[0]
+
+
 def _signal(processes: list[psutil.Process], sig: int) -> None:
     for p in processes:
         try:
@@ -151,7 +166,7 @@ def run(config: str, concurrencies: list[int], temperatures: list[float], top_p:
                     cells.append({"concurrency": c, **sampling} | cell)
                     log(f"  running {statistics.median(cell['running']):.1f} tok/s, paused "
                         f"{statistics.median(cell['paused']):.1f}: {cell['paired_median']:.3f}x")
-            names = sorted({" ".join(p.cmdline())[:60] or p.name() for p in control if p.is_running()})
+            names = sorted(label(p) for p in control if p.is_running())
         finally:
             served.stop()
     return {"config": {"base": config, "layout": "cosine serve --haproxy, ingress.in_verifier", "rounds": rounds,

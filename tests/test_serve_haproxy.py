@@ -137,13 +137,14 @@ def test_pausing_the_control_plane_spares_the_data_path_and_resumes_it_all(serve
     replica and HAProxy is paused, and every one of them runs again afterwards."""
     import httpx
 
-    from benchmarks.control_plane import measure, split_processes
+    from benchmarks.control_plane import label, measure, split_processes
 
     control, data = split_processes(served["proc"].pid)
     titles = [" ".join(p.cmdline()) for p in control]
     assert {p.name() for p in data} >= {"haproxy"} and any(p.cmdline()[0].endswith("Verifier") for p in data)
     for must in ("gcs_server", "raylet", "ServeController", "dashboard"):
         assert any(must in t for t in titles), (must, titles)
+    assert {"gcs_server", "raylet"} <= {label(p) for p in control} and not any("/" in label(p) for p in control)
     prompts = [tokenizer(heldout["code"][i], add_special_tokens=False).input_ids[:24] for i in range(2)]
     cell = measure(served["url"], MODEL, prompts, 2, {"temperature": 0}, control, rounds=1, window_s=1.5,
                    max_tokens=16, warmup_s=1.0)
