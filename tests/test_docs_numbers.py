@@ -173,6 +173,7 @@ PRINTED = [("docs/benchmarks.md", "anchors-k4-t07-1201e.json", "benchmarks.ancho
            ("docs/benchmarks-history.md", "rounds-c1.json", "benchmarks.rounds:format_table"),
            ("docs/benchmarks.md", "breakdown.json", "benchmarks.breakdown:table"),
            ("docs/benchmarks.md", "breakdown-calibrated.json", "benchmarks.breakdown:table"),
+           ("docs/benchmarks.md", "control-plane-1202.json", "benchmarks.control_plane:format_table"),
            ("docs/benchmarks.md", "rounds-c8-1201.json", "benchmarks.rounds:format_table"),
            ("docs/benchmarks.md", "rounds-c8-k4-1201.json", "benchmarks.rounds:format_table"),
            ("docs/benchmarks-history.md", "rounds-c8.json", "benchmarks.rounds:format_table"),
