@@ -21,6 +21,7 @@ import os
 import signal
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +67,10 @@ def label(p: psutil.Process) -> str:
     return words[0]
 
 
+def _exit_on_term(*_) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
+
+
 def _signal(processes: list[psutil.Process], sig: int) -> None:
     for p in processes:
         try:
@@ -79,7 +84,7 @@ def measure(url: str, model: str, prompts: list[list[int]], concurrency: int, sa
             warmup_s: float = 8.0) -> dict:
     """Tokens per second streamed by `concurrency` closed-loop clients (greedy, or `sampling` {"temperature",
     "top_p"}) in `rounds` pairs of windows of `window_s`, one with `control` running, one with it paused (the
-    order alternating by round); every process resumed before this returns, however it ends."""
+    order alternating by round); every process resumed before this returns, however it ends (SIGTERM included)."""
     arrivals: list[tuple[float, int]] = []
     done = asyncio.Event()
 
@@ -125,10 +130,15 @@ def measure(url: str, model: str, prompts: list[list[int]], concurrency: int, sa
                 await asyncio.gather(*tasks, return_exceptions=True)
         return out
 
+    # SIGTERM ends the run through the `finally`s (Python's default would exit leaving the control plane stopped)
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _exit_on_term) if main_thread else None
     try:
         out = asyncio.run(go())
     finally:
         _signal(control, signal.SIGCONT)
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
     pairs = [a / b for a, b in zip(out["running"], out["paused"]) if b > 0]
     return out | {"ratio_of_medians": statistics.median(out["running"]) / statistics.median(out["paused"]),
                   "paired_ratios": pairs, "paired_median": statistics.median(pairs)}

@@ -125,6 +125,34 @@ def test_pausing_the_control_plane_spares_the_data_path_and_resumes_it_all(serve
 
 @pytest.mark.slow
 @needs_haproxy
+def test_a_measurement_ended_by_sigterm_while_paused_resumes_what_it_paused(served, tokenizer, heldout):
+    """A bystander process stands in for the control plane (this server's own must keep running for the tests
+    after): the measurement, in a process of its own, is told to stop while the bystander is paused."""
+    import subprocess
+    import sys
+
+    ids = tokenizer(heldout["code"][0], add_special_tokens=False).input_ids[:24]
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    code = ("import psutil; from benchmarks.control_plane import measure; "
+            f"measure({served.url!r}, {MODEL!r}, [{ids!r}], 1, {{'temperature': 0}}, "
+            f"[psutil.Process({bystander.pid})], rounds=2, window_s=4, max_tokens=8, warmup_s=0.5)")
+    run = subprocess.Popen([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[1]))
+    try:
+        deadline = time.monotonic() + 120  # running 4 s, then paused for two windows in a row (the order alternates)
+        while psutil.Process(bystander.pid).status() != psutil.STATUS_STOPPED:
+            assert run.poll() is None and time.monotonic() < deadline, "the bystander was never paused"
+            time.sleep(0.2)
+        run.terminate()
+        assert run.wait(timeout=60) == 128 + signal.SIGTERM
+        assert psutil.Process(bystander.pid).status() != psutil.STATUS_STOPPED
+    finally:
+        for p in (run, bystander):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+@needs_haproxy
 def test_ctrl_c_leaves_neither_haproxy_nor_its_files(served):
     _, cmdline = _listener(served.port)
     files = Path(cmdline[cmdline.index("-f") + 1]).parent.parent  # the config is in Ray's node subdirectory
