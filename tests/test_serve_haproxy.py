@@ -6,6 +6,7 @@ error JSON through it, and Ctrl-C leaves neither HAProxy nor its files behind. r
 
 from __future__ import annotations
 
+import shutil
 import signal
 import tempfile
 import time
@@ -52,8 +53,13 @@ def _config(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with cosine_serve(_config(tmp_path_factory.mktemp("haproxy") / "haproxy.yaml"), "--haproxy") as s:
-        yield s
+    before = set(Path("/tmp").glob("hap-*"))
+    try:
+        with cosine_serve(_config(tmp_path_factory.mktemp("haproxy") / "haproxy.yaml"), "--haproxy") as s:
+            yield s
+    finally:  # a server killed rather than stopped (a test failed first) leaves its HAProxy directory behind
+        for d in set(Path("/tmp").glob("hap-*")) - before:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _listener(port: int, timeout_s: float = 60) -> tuple[str, list[str]]:
@@ -136,11 +142,13 @@ def test_a_measurement_ended_by_sigterm_while_paused_resumes_what_it_paused(serv
     code = ("import psutil; from benchmarks.control_plane import measure; "
             f"measure({served.url!r}, {MODEL!r}, [{ids!r}], 1, {{'temperature': 0}}, "
             f"[psutil.Process({bystander.pid})], rounds=2, window_s=4, max_tokens=8, warmup_s=0.5)")
-    run = subprocess.Popen([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[1]))
+    run = subprocess.Popen([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[1]),
+                           stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120  # running 4 s, then paused for two windows in a row (the order alternates)
         while psutil.Process(bystander.pid).status() != psutil.STATUS_STOPPED:
-            assert run.poll() is None and time.monotonic() < deadline, "the bystander was never paused"
+            assert run.poll() is None, f"the measurement ended first:\n{run.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the bystander was never paused"
             time.sleep(0.2)
         run.terminate()
         assert run.wait(timeout=60) == 128 + signal.SIGTERM
