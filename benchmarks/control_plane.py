@@ -31,31 +31,36 @@ import psutil
 from benchmarks.common import ServedApp, heldout_prompts
 from benchmarks.metrics import save_json
 
-DATA_PATH = ("ray::ServeReplica:", "haproxy")  # process names and titles a request passes through
+DATA_PATH = ("ray::ServeReplica:", "haproxy")  # the labels (below) of the processes a request passes through
 
 
 def split_processes(root: int) -> tuple[list[psutil.Process], list[psutil.Process]]:
-    """(control plane, data path) among the server process `root` and its descendants: the data path is every
-    Serve replica and HAProxy, the control plane everything else. ValueError where the tree has no replica, GCS or
-    raylet (not a running `cosine serve`)."""
+    """(control plane, data path) among the server process `root` and its descendants as they are now: the data
+    path is every Serve replica and HAProxy, the control plane everything else. ValueError where the tree has no
+    replica, GCS or raylet (not a running `cosine serve`)."""
     top = psutil.Process(root)
-    control, data = [], []
+    control, data, names = [], [], set()
     for p in [top] + top.children(recursive=True):
-        try:
-            title = " ".join(p.cmdline()) or p.name()
-        except psutil.NoSuchProcess:
+        name = label(p)
+        if name is None:  # ended meanwhile (HAProxy is replaced at each reload, idle workers come and go)
             continue
-        (data if title.startswith(DATA_PATH) or p.name() == "haproxy" else control).append(p)
-    names = " ".join(p.name() for p in control)
-    if not data or "gcs_server" not in names or "raylet" not in names:
+        if name.startswith(DATA_PATH):
+            data.append(p)
+        else:
+            control.append(p)
+            names.add(name)
+    if not data or not {"gcs_server", "raylet"} <= names:
         raise ValueError(f"process {root} is not a running `cosine serve` (no replica, GCS or raylet below it)")
     return control, data
 
 
-def label(p: psutil.Process) -> str:
+def label(p: psutil.Process) -> str | None:
     """A process as the JSON names it, without this machine's paths: its title (Ray's workers and dashboard modules
-    set one), else its program's and script's file names (`python dashboard.py`, `gcs_server`)."""
-    args = p.cmdline() or [p.name()]
+    set one), else its program's and script's file names (`python dashboard.py`, `gcs_server`); None once ended."""
+    try:
+        args = p.cmdline() or [p.name()]
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
     if args[0].startswith(("ray::", "ray-dashboard-")):
         return args[0].split(" (")[0].strip()
     words = [Path(args[0]).name]
@@ -166,7 +171,7 @@ def run(config: str, concurrencies: list[int], temperatures: list[float], top_p:
         served = ServedApp(_in_verifier(config, Path(work)), port, port + 1, haproxy=True)
         try:
             control, data = split_processes(served.proc.pid)
-            log(f"data path: {sorted({p.name() for p in data})}; pausing {len(control)} control-plane processes")
+            log(f"data path: {sorted(filter(None, map(label, data)))}; pausing {len(control)} control-plane processes")
             cells = []
             for t in temperatures:
                 sampling = {"temperature": t, "top_p": top_p if t > 0 else 1.0}
@@ -176,7 +181,7 @@ def run(config: str, concurrencies: list[int], temperatures: list[float], top_p:
                     cells.append({"concurrency": c, **sampling} | cell)
                     log(f"  running {statistics.median(cell['running']):.1f} tok/s, paused "
                         f"{statistics.median(cell['paused']):.1f}: {cell['paired_median']:.3f}x")
-            names = sorted(label(p) for p in control if p.is_running())
+            names = sorted(filter(None, map(label, control)))
         finally:
             served.stop()
     return {"config": {"base": config, "layout": "cosine serve --haproxy, ingress.in_verifier", "rounds": rounds,
