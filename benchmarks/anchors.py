@@ -58,8 +58,8 @@ from pathlib import Path
 from model_family import DOMAINS
 from benchmarks.anchor_notes import (by_drafter, drafters_line, guard_line, paired_line, participation_line,
                                      rounds_line, summed)
-from benchmarks.common import (ServedApp, VllmServe, cell, heldout_prompts, machine_load, paired, refuse_if_busy,
-                               tps_cell)
+from benchmarks.common import (ServedApp, VllmServe, cell, config_copy, heldout_prompts, machine_load, paired,
+                               refuse_if_busy, tps_cell)
 from benchmarks.metrics import save_json
 from benchmarks.repeated import COPY_BAR, repeated_prompts, workload_stats
 from benchmarks.turns import Turns
@@ -258,16 +258,13 @@ def _check_distributions(rows: list[dict], runs: dict, prompts: list[list[int]],
 def _with_k(config: str, k: int, work: Path, in_verifier: bool = False) -> str:
     """`config` with its first application's `speculation.k` set to `k`, and `ingress.in_verifier` where asked (a
     copy in `work`, named after it)."""
-    import yaml
+    def edit(args: dict) -> None:
+        args.setdefault("speculation", {})["k"] = k
+        if in_verifier:
+            args.setdefault("ingress", {})["in_verifier"] = True
 
-    cfg = yaml.safe_load(Path(config).read_text())
-    args = cfg["applications"][0]["args"]
-    args.setdefault("speculation", {})["k"] = k
-    if in_verifier:
-        args.setdefault("ingress", {})["in_verifier"] = True
-    path = work / f"served-{Path(config).stem}-k{k}{'-in-verifier' if in_verifier else ''}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
+    return config_copy(config, work / f"served-{Path(config).stem}-k{k}{'-in-verifier' if in_verifier else ''}.yaml",
+                       edit)
 
 
 def _oracle_block(prompts, concurrencies, repeats, new_tokens, max_batch, k: int, logs: Path, log,

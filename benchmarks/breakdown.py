@@ -30,7 +30,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import VllmServe, cell, stream_completions
+from benchmarks.common import VllmServe, cell, config_copy, stream_completions
 from benchmarks.turns import Turns
 from benchmarks.worker_handle import Worker
 from benchmarks.workers import step_intervals
@@ -129,13 +129,8 @@ def run(config: str = "examples/bench.yaml", batches=(1, 8), prompt_lens=(64, 20
 
 
 def _served_config(config: str, max_batch: int, max_len: int, logs: Path) -> str:
-    import yaml
-
-    doc = yaml.safe_load(Path(config).read_text())
-    doc["applications"][0]["args"]["verifier"].update(max_batch=max_batch, max_len=max_len, kv_cache_gib=1)
-    out = logs / "served.yaml"
-    out.write_text(yaml.safe_dump(doc))
-    return str(out)
+    return config_copy(config, logs / "served.yaml",
+                       lambda args: args["verifier"].update(max_batch=max_batch, max_len=max_len, kv_cache_gib=1))
 
 
 def rows(per_repeat: dict[tuple[str, int, int], list[float]],

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import pairwise
@@ -210,6 +210,16 @@ def wait_until_serving(url: str, proc: subprocess.Popen, what: str, timeout_s: f
             pass
         time.sleep(3)
     raise RuntimeError(f"{what} did not come up in {timeout_s:.0f} s")
+
+
+def config_copy(config: str, path: Path, edit: Callable[[dict], None]) -> str:
+    """A copy of the Serve config `config` at `path`, its first application's args changed in place by `edit`."""
+    import yaml
+
+    cfg = yaml.safe_load(Path(config).read_text())
+    edit(cfg["applications"][0].setdefault("args", {}))
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
 
 
 class ServedApp:

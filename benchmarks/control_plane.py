@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks.common import ServedApp, heldout_prompts
+from benchmarks.common import ServedApp, config_copy, heldout_prompts
 from benchmarks.metrics import save_json
 
 DATA_PATH = ("ray::ServeReplica:", "haproxy")  # the labels (below) of the processes a request passes through
@@ -149,16 +149,6 @@ def measure(url: str, model: str, prompts: list[list[int]], concurrency: int, sa
                   "paired_ratios": pairs, "paired_median": statistics.median(pairs)}
 
 
-def _in_verifier(config: str, work: Path) -> str:
-    import yaml
-
-    cfg = yaml.safe_load(Path(config).read_text())
-    cfg["applications"][0]["args"].setdefault("ingress", {})["in_verifier"] = True
-    path = work / f"control-plane-{Path(config).stem}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
-
-
 def run(config: str, concurrencies: list[int], temperatures: list[float], top_p: float, rounds: int,
         window_s: float, port: int, log=print) -> dict:
     from transformers import AutoTokenizer
@@ -168,7 +158,9 @@ def run(config: str, concurrencies: list[int], temperatures: list[float], top_p:
     prompts = [p for _, p in heldout_prompts(AutoTokenizer.from_pretrained(model_path("tokenizer")), 4, 64)]
     with tempfile.TemporaryDirectory(prefix="cosine-control-plane-") as work:
         log(f"serving {config} (--haproxy, ingress.in_verifier) ...")
-        served = ServedApp(_in_verifier(config, Path(work)), port, port + 1, haproxy=True)
+        served_config = config_copy(config, Path(work) / f"control-plane-{Path(config).stem}.yaml",
+                                    lambda args: args.setdefault("ingress", {}).update(in_verifier=True))
+        served = ServedApp(served_config, port, port + 1, haproxy=True)
         try:
             control, data = split_processes(served.proc.pid)
             log(f"data path: {sorted(filter(None, map(label, data)))}; pausing {len(control)} control-plane processes")
