@@ -218,8 +218,8 @@ class SpeculationSpec(Strict):
         "the drafters of one shape (same config apart from the weights, the fast runner) advance together, one "
         "batched forward per depth for all of them and their requests (engines/drafter_pool.py), on a GPU one CUDA "
         "graph replay per depth; off: each drafter steps on its own; auto: on where the drafters run on a GPU, off "
-        "on a CPU, where the pooled step measured 0.88-0.89x the separate steps' tokens/s at batch 1 and 8 on 2 "
-        "cores (bench_results/drafter-pool.json)")
+        "on a CPU, where the pooled step measured 1.03x and 0.98x the separate steps' tokens/s at batch 1 and 8 on 2 "
+        "cores: no gain (bench_results/drafter-pool.json)")
     colocated_overlap: Literal["auto", "on", "off"] = Field(
         "auto", description="drafters in the verifier's process (`cosine generate`, benchmarks; assembly/loop.py): "
         "on: drafting overlaps verification, the loop verifying one half of the batch while the other half drafts "
