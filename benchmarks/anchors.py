@@ -15,7 +15,8 @@ each concurrency (a closed loop: that many requests in flight), greedy or sample
 - ours: the vLLM verifier with the in-process drafting tier (`VerifyLoop`, the full CoSine configuration of
   examples/bench.yaml), and the same configuration served through Ray Serve (`cosine serve`, HTTP, every request
   streamed as vLLM's serving benchmark and most clients do), beside `vllm serve` (vLLM's own OpenAI server,
-  target-only, what a user would run instead) streamed by the same client; both of ours again with
+  target-only and with its `draft_model` speculation on the generic drafter, what a user would run instead)
+  streamed by the same client; both of ours again with
   the model-free drafters in the roster (examples/bench-model-free.yaml: n-gram and suffix drafters beside the
   models). In process every request is sent as one tenant (the suffix drafters' tree of earlier outputs in play);
   served, the configuration has no API key, so requests have no tenant and the suffix drafter matches each
@@ -50,6 +51,7 @@ synchronises the device around the call.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import tempfile
@@ -59,7 +61,7 @@ from model_family import DOMAINS
 from benchmarks.anchor_notes import (by_drafter, drafters_line, guard_line, paired_line, participation_line,
                                      rounds_line, summed)
 from benchmarks.common import (ServedApp, VllmServe, cell, config_copy, heldout_prompts, machine_load, paired,
-                               refuse_if_busy, tps_cell)
+                               refuse_if_busy, rotated, tps_cell)
 from benchmarks.metrics import save_json
 from benchmarks.repeated import COPY_BAR, repeated_prompts, workload_stats
 from benchmarks.turns import Turns
@@ -81,14 +83,15 @@ SERVED_IV = "ours: vLLM verifier + drafting tier, served, the OpenAI server in t
 SERVED_HAP = ("ours: vLLM verifier + drafting tier, served through HAProxy, the OpenAI server in the verifier's "
               "replica (HTTP)")
 VLLM_SERVE = "vllm serve: vLLM target-only, served (its OpenAI server, HTTP)"
+VLLM_SERVE_DRAFT = "vllm serve: vLLM draft_model, generic drafter, served (its OpenAI server, HTTP)"
 WORKLOADS = {"heldout": "held-out prompts to continue", "repeated": "repeated context (benchmarks/repeated.py)"}
 
 
 # `--systems`: the short names of the rows to run (vLLM target-only, the baseline, always runs)
 SHORT = {"draft-generic": "vLLM draft_model, generic drafter", "draft-domain": ORACLE, "ngram": "vLLM ngram",
          "suffix": SUFFIX, "hf": HF, "ours": OURS, "served": SERVED, "ours-model-free": OURS_MF,
-         "served-model-free": SERVED_MF, "vllm-serve": VLLM_SERVE, "served-in-verifier": SERVED_IV,
-         "served-haproxy": SERVED_HAP}
+         "served-model-free": SERVED_MF, "vllm-serve": VLLM_SERVE, "vllm-serve-draft": VLLM_SERVE_DRAFT,
+         "served-in-verifier": SERVED_IV, "served-haproxy": SERVED_HAP}
 OPT_IN = {SERVED_IV, SERVED_HAP}  # rows that run only where `--systems` names them (layouts compared, not anchors)
 
 
@@ -103,6 +106,7 @@ def _systems(served: bool, config: str, model_free_config: str) -> dict[str, dic
            OURS_MF: {"kind": "ours", "config": model_free_config}}
     if served:
         out[VLLM_SERVE] = {"kind": "vllm-serve"}
+        out[VLLM_SERVE_DRAFT] = {"kind": "vllm-serve", "draft": "generic"}
         out[SERVED] = {"kind": "served", "config": config}
         out[SERVED_MF] = {"kind": "served", "config": model_free_config}
         out[SERVED_IV] = {"kind": "served", "config": config, "in_verifier": True}
@@ -159,7 +163,7 @@ def run(config: str = "examples/bench.yaml", per_domain: int = 2, new_tokens: in
             log(f"[warm-up {i + 1}/{len(interleaved)}] concurrency {c}: {name}")
             measure(name, c, prompts[::per_domain][:max(2, c)], 16, 0)
         for rep in range(repeats):
-            for i, (name, c) in enumerate(_rotated(interleaved, rep)):
+            for i, (name, c) in enumerate(rotated(interleaved, rep)):
                 log(f"[{rep + 1}/{repeats}] [{i + 1}/{len(interleaved)}] concurrency {c}: {name}")
                 res = measure(name, c, prompts, new_tokens, rep + 1)
                 res["tokens"] = sum(len(o) for o in res["outputs"])
@@ -199,23 +203,12 @@ def _start(systems: dict[str, dict], runners: dict, port: int, max_batch: int, k
                                       haproxy=spec.get("haproxy", False))
             port += 2  # served graphs (with and without the model-free drafters, ...) run side by side
         elif spec["kind"] == "vllm-serve":
-            runners[name] = VllmServe(port, max_batch, 512, logs / "vllm-serve.log")  # 512: as the workers'
+            # max_len 512 as the workers'; with a draft, vLLM's own speculation at the same k
+            runners[name] = VllmServe(port, max_batch, 512, logs / f"vllm-serve-{i}.log", spec.get("draft"), k)
             port += 1
         else:
             runners[name] = Worker(dict(spec, max_batch=max_batch, k=k, fix_sampling=not sampling.greedy),
                                    logs / f"{i}.log")
-
-
-def _rotated(interleaved: list[tuple[str, int]], rep: int) -> list[tuple[str, int]]:
-    """Repeat `rep`'s order: each concurrency's systems in turn, as in `interleaved`, each concurrency's list
-    rotated by `rep`, so that no system always runs first (after the other concurrency's runs) or right after the
-    same neighbour."""
-    out = []
-    for c in dict.fromkeys(c for _, c in interleaved):
-        group = [x for x in interleaved if x[1] == c]
-        shift = rep % len(group)
-        out += group[shift:] + group[:shift]
-    return out
 
 
 def _chosen(systems: dict[str, dict], only: tuple[str, ...] | None, log) -> tuple[dict, dict[str, str]]:
@@ -382,10 +375,10 @@ def _goals(rows: list[dict], concurrencies) -> dict:
         if tps(s, hi) is not None:
             out[f"{s} / vLLM target-only, concurrency {hi}"] = round(tps(s, hi) / tps(TARGET_ONLY, hi), 3)
     # served against served: what a user would run instead, through the same client
-    for s in (SERVED, SERVED_MF, SERVED_IV, SERVED_HAP):
-        for c in concurrencies:
-            if tps(s, c) is not None and tps(VLLM_SERVE, c):
-                out[f"{s} / {VLLM_SERVE}, concurrency {c}"] = round(tps(s, c) / tps(VLLM_SERVE, c), 3)
+    for s, base, c in itertools.product((SERVED, SERVED_MF, SERVED_IV, SERVED_HAP), (VLLM_SERVE, VLLM_SERVE_DRAFT),
+                                        concurrencies):
+        if tps(s, c) is not None and tps(base, c):
+            out[f"{s} / {base}, concurrency {c}"] = round(tps(s, c) / tps(base, c), 3)
     return out
 
 

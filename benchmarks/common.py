@@ -276,20 +276,25 @@ def served_speculation(before: dict, after: dict) -> dict:
 class VllmServe:
     """`vllm serve` on the bench target, on a loopback port: vLLM's OpenAI server as its users run it (its API server
     and engine core in processes of their own), with our engine's arguments (fp32, eager on this CPU, the same
-    batch, length and KV cache), and the closed-loop HTTP client `ServedApp` has."""
+    batch, length and KV cache), and the closed-loop HTTP client `ServedApp` has. `draft`: its own speculation,
+    `draft_model` with that shipped drafter and `k` tokens a step (a run's drafts and accepted tokens read from its
+    Prometheus counters around the run)."""
 
-    def __init__(self, port: int, max_batch: int, max_len: int, log_path: Path):
+    def __init__(self, port: int, max_batch: int, max_len: int, log_path: Path, draft: str | None = None, k: int = 0):
         from model_family.paths import model_path
 
         self.url = f"http://127.0.0.1:{port}"
+        self.draft = draft
         self.tmp = tempfile.mkdtemp(prefix="cosine-vllm-serve-")  # vLLM leaves its rendezvous file (vllm_dist_*) there
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TMPDIR=self.tmp)
+        spec = ["--speculative-config", json.dumps({"method": "draft_model", "num_speculative_tokens": k,
+                                                    "model": str(model_path(f"drafter-{draft}"))})] if draft else []
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                           str(model_path("bench-target")), "--host", "127.0.0.1", "--port", str(port),
                                           "--dtype", "float32", "--max-model-len", str(max_len), "--max-num-seqs",
-                                          str(max_batch), "--enforce-eager", "--served-model-name", "bench-target"],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+                                          str(max_batch), "--enforce-eager", "--served-model-name", "bench-target",
+                                          *spec], stdout=log, stderr=subprocess.STDOUT, env=env)
         self.model = "bench-target"
         try:
             wait_until_serving(self.url, self.proc, f"vllm serve (its log: {log_path})")
@@ -298,12 +303,43 @@ class VllmServe:
             raise
 
     def run(self, prompts, concurrency, max_tokens, domains, sampling: dict | None = None) -> dict:
-        """`stream_completions` of `prompts` against vLLM's server (`domains`: unused)."""
-        return stream_completions(self.url, self.model, prompts, concurrency, max_tokens, sampling)
+        """`stream_completions` of `prompts` against vLLM's server (`domains`: unused), with its speculation's
+        drafts, draft tokens and accepted tokens over the run."""
+        before = self.spec_counts() if self.draft else {}
+        out = stream_completions(self.url, self.model, prompts, concurrency, max_tokens, sampling)
+        if self.draft:
+            after = self.spec_counts()
+            out |= {key: int(after[key] - before[key]) for key in after}
+        return out
+
+    def spec_counts(self) -> dict[str, float]:
+        """vLLM's speculation counters since start: {"drafts", "draft_tokens", "accepted"}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted"}
+        out = dict.fromkeys(names.values(), 0.0)
+        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=30).text):
+            for sample in family.samples:
+                if sample.name.removesuffix("_total") in names and sample.name.endswith("_total"):
+                    out[names[sample.name.removesuffix("_total")]] += sample.value
+        return out
 
     def stop(self) -> None:
         self.proc.terminate()
         reap(self.proc, 60, self.tmp)
+
+
+def rotated(interleaved: list[tuple[str, int]], rep: int) -> list[tuple[str, int]]:
+    """Repeat `rep`'s order: each concurrency's systems in turn, as in `interleaved`, each concurrency's list
+    rotated by `rep`, so that no system always runs first (after the other concurrency's runs) or right after the
+    same neighbour."""
+    out = []
+    for c in dict.fromkeys(c for _, c in interleaved):
+        group = [x for x in interleaved if x[1] == c]
+        shift = rep % len(group)
+        out += group[shift:] + group[:shift]
+    return out
 
 
 def stream_completions(url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int,

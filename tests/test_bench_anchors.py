@@ -16,6 +16,7 @@ from benchmarks.worker_handle import Worker
 from benchmarks.workers import BENCH_TENANT, forget_outputs, suffix_unavailable
 from config import AppConfig, DrafterSpec
 from speculation.messages import DrafterCall
+from tests.conftest import free_port
 
 BENCH = Path(__file__).resolve().parent.parent / "examples" / "bench.yaml"
 MODEL_FREE = BENCH.with_name("bench-model-free.yaml")
@@ -56,6 +57,12 @@ def test_goals_compare_with_the_fastest_built_in_method():
     assert goals[f"{anchors.SERVED} / {anchors.VLLM_SERVE}, concurrency 8"] == 1.1
     assert goals[f"{anchors.OURS_MF} / best built-in vLLM method, concurrency 1"] == 1.1
     assert not any(k.startswith(anchors.OURS + " /") and "vllm serve" in k for k in goals)
+    # vllm serve with its own speculation: a served anchor the served rows are read against, not a built-in method
+    rows += [row(anchors.VLLM_SERVE_DRAFT, 1, 25), row(anchors.VLLM_SERVE_DRAFT, 8, 200)]
+    goals = anchors._goals(rows, (1, 8))
+    assert goals[f"{anchors.SERVED} / {anchors.VLLM_SERVE_DRAFT}, concurrency 1"] == round(27 / 25, 3)
+    assert goals[f"{anchors.SERVED} / {anchors.VLLM_SERVE_DRAFT}, concurrency 8"] == round(132 / 200, 3)
+    assert goals[f"{anchors.OURS_MF} / best built-in vLLM method, concurrency 1"] == 1.1
 
 
 def test_repeats_rotate_the_order_and_ratios_pair_each_repeat():
@@ -63,7 +70,7 @@ def test_repeats_rotate_the_order_and_ratios_pair_each_repeat():
     machine that slows between repeats (as target-only's 30 -> 20 below) does not move it."""
     plan = [(anchors.TARGET_ONLY, 1), (anchors.OURS, 1), (anchors.SERVED, 1), (anchors.TARGET_ONLY, 8),
             (anchors.OURS, 8)]
-    orders = [anchors._rotated(plan, rep) for rep in range(3)]
+    orders = [common.rotated(plan, rep) for rep in range(3)]
     assert all(sorted(o) == sorted(plan) for o in orders)
     assert all([c for _, c in o] == [1, 1, 1, 8, 8] for o in orders)  # a concurrency's runs stay together
     assert {o[0][0] for o in orders} == {anchors.TARGET_ONLY, anchors.OURS, anchors.SERVED}
@@ -195,7 +202,8 @@ def test_forgetting_outputs_empties_the_suffix_drafters_tenant_trees_between_rep
 def test_drafting_cost_columns_on_a_tiny_run_and_a_worker_forgets_what_it_drafts_from(tmp_path, tokenizer, heldout):
     """The real workers (vLLM draft_model with the generic drafter and the sampling fix; ours in process, the pooled
     drafters of examples/bench-model-free.yaml: bench.yaml's and the model-free ones) on two short prompts: each row's
-    drafting cost present and positive, in the table too, and the two greedy outputs equal. Then ours on two
+    drafting cost present and positive, in the table too, and the greedy outputs equal, `vllm serve` with its own
+    draft_model speculation's too. Then ours on two
     repeated-context prompts: its model-free drafters remember a run's outputs and forget them when told, and the
     output stays the target's greedy output (one worker for both: each costs the suite half a minute to start)."""
     from model_family.bench_target import ensure_bench_target
@@ -218,9 +226,23 @@ def test_drafting_cost_columns_on_a_tiny_run_and_a_worker_forgets_what_it_drafts
                 repeats = _forgetting_runs(worker, tokenizer)
         finally:
             worker.stop()
+    # `vllm serve` with its own draft_model speculation (the served anchor): streamed, its drafts read from its
+    # Prometheus counters around the run
+    served = common.VllmServe(free_port(), 2, 512, tmp_path / "vllm-serve.log", "generic", 3)
+    temps.append(Path(served.tmp))
+    try:
+        served.run(prompts[:1], 1, 4, None)  # warm-up
+        spec_run = served.run(prompts, 2, 16, None)
+    finally:
+        served.stop()
     assert not any(t.exists() for t in temps)  # a worker's temp files (vLLM's rendezvous file) go with it
     reference = runs[anchors.OURS_MF]["outputs"]
     assert runs["vLLM draft_model, generic drafter"]["outputs"] == reference
+    assert spec_run["outputs"] == reference
+    assert spec_run["drafts"] > 0 and 0 <= spec_run["accepted"] <= spec_run["draft_tokens"] <= 3 * spec_run["drafts"]
+    spec_run["tokens"] = sum(len(o) for o in spec_run["outputs"])
+    spec_row = anchors._row(anchors.VLLM_SERVE_DRAFT, 2, [spec_run], reference, tokenizer)
+    assert spec_row["mean_accepted_length"] == round(1 + spec_run["accepted"] / spec_run["drafts"], 3)
     rows = []
     for name, res in runs.items():
         res["tokens"] = sum(len(o) for o in res["outputs"])

@@ -118,11 +118,11 @@ def _anchors(bsub) -> None:
     an.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     an.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP.format("system"))
     an.add_argument("--no-served", action="store_true", help="skip the served rows (ours through Ray Serve, vllm "
-                    "serve)")
+                    "serve target-only and with its draft_model speculation)")
     an.add_argument("--k", type=int, default=4, help="draft tokens per step for every method (ours: the maximum)")
     an.add_argument("--systems", nargs="+", choices=["draft-generic", "draft-domain", "ngram", "suffix", "hf", "ours",
                                                      "served", "ours-model-free", "served-model-free", "vllm-serve",
-                                                     "served-in-verifier", "served-haproxy"],
+                                                     "vllm-serve-draft", "served-in-verifier", "served-haproxy"],
                     help="run only these beside vLLM target-only (default: every system but served-in-verifier, "
                          "ours served with ingress.in_verifier, and served-haproxy, the same through `cosine serve "
                          "--haproxy`; suffix needs `make vllm-suffix`)")
