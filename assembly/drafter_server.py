@@ -20,7 +20,7 @@ from engines.ngram_drafter import NgramDrafterEngine
 from engines.runner import LlamaRunner
 from engines.suffix_drafter import SuffixDrafterEngine
 from model_family.sources import resolve_model
-from speculation.goodput import LinearLatency
+from speculation.latency import LinearLatency
 from speculation.messages import DrafterCall, DrafterReply, Proposal
 from speculation.profiling import fit_draft_latency, fit_step_latency
 

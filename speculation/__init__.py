@@ -18,8 +18,8 @@ Drafting (speculation/strategies/: one module per strategy behind `strategies.ba
 Control (behind `controller.DraftLengthController`):
 - `goodput.GoodputController`: per-step draft lengths and participation from the goodput model (SmartSpec);
   `hill_climb.HillClimbController`: one draft length hill-climbed on measured goodput (Minions);
-  `planner.make_controller` builds the one the configuration names; `profiling`: the goodput model's step models
-  fitted offline.
+  `planner.make_controller` builds the one the configuration names; `latency`: the goodput model's fitted step
+  and round models; `profiling`: those step models fitted offline.
 - `retirement`: retiring the domain drafters while rounds draft on the generalist; `signals`: what the
   deployments tell the drafter autoscaler.
 """

@@ -8,6 +8,8 @@ model, SmartSpec) and `hill_climb.HillClimbController` (one length hill-climbed 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from speculation.messages import Participation
 
@@ -19,15 +21,20 @@ class DraftLengthController(ABC):
 
     @abstractmethod
     def choose(self, rids: list[str], k_caps: dict[str, int] | None = None, overlap_s: float = 0.0,
-               ahead: bool = False, unscored: frozenset[str] = frozenset()) -> dict[str, int]:
+               ahead: bool = False, unscored: Mapping[str, int] = MappingProxyType({})) -> dict[str, int]:
         """Each request's draft length, within its cap; `overlap_s` of verification runs beside the drafting.
         `ahead`: the round is drafted ahead, one token deeper than the length chosen (the planner adds it).
-        `unscored`: requests that drafted on the generalist only, whose first routed round scores their prompt."""
+        `unscored`: requests that drafted on the generalist only, whose first routed round scores their prompt,
+        with the tokens of context that scoring reads."""
 
     def observe_round(self, requests: int, depth: int, participations: set[Participation | None],
                       seconds: float) -> None:
         """A drafting round of `requests` drafting up to `depth` took `seconds`; `participations`: how it drafted
         (None among them: a request's prompt was scored, so the round says nothing of a participation's cost)."""
+
+    def observe_scoring(self, participation: Participation, requests: int, depth: int, scored_tokens: int,
+                        seconds: float) -> None:
+        """A round of `participation` that also scored `scored_tokens` tokens of new prompts took `seconds`."""
 
     @abstractmethod
     def observe_verify(self, tokens: int, seconds: float, wall_s: float) -> None:

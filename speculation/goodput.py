@@ -34,89 +34,13 @@ bench rounds`, measured with and without the backoff side by side)."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
-
-import numpy as np
+from types import MappingProxyType
 
 from speculation.controller import DraftLengthController
+from speculation.latency import LinearLatency, RoundLatency, expected_row, expected_tokens
 from speculation.messages import Participation
-
-
-@dataclass
-class LinearLatency:
-    """t(n) = a + b * n, fitted by least squares on a sliding window of observations (seconds)."""
-
-    a: float = 0.0
-    b: float = 0.0
-    samples: deque = field(default_factory=lambda: deque(maxlen=256))
-    seen: int = 0  # observations so far: every fourth refits (counting the window's length would refit every one
-    # once the window is full; the loop observes a verify step and a drafting round each round)
-
-    def observe(self, n: float, seconds: float) -> None:
-        self.samples.append((float(n), float(seconds)))
-        self.seen += 1
-        if self.seen % 4 == 0:
-            self.refit()
-
-    def refit(self) -> None:
-        x, y = (np.array(col) for col in zip(*self.samples))
-        if np.ptp(x) == 0:
-            self.a, self.b = float(np.median(y)), max(self.b, 0.0)
-            return
-        dx = x - x.mean()
-        b = float(dx @ y) / float(dx @ dx)  # least squares, in closed form
-        self.a, self.b = max(float(y.mean()) - b * float(x.mean()), 0.0), max(b, 0.0)
-
-    def __call__(self, n: float) -> float:
-        return self.a + self.b * n
-
-
-@dataclass
-class RoundLatency:
-    """A drafting round's time, t = a + depth * (b + c * requests), fitted by non-negative least squares on a
-    sliding window (seconds). A model in the depth alone priced a round for one request like the batch's rounds it
-    was fitted on: the last request of a batch, drafting alone, was held at k = 0."""
-
-    a: float = 0.0
-    b: float = 0.0
-    c: float = 0.0
-    samples: deque = field(default_factory=lambda: deque(maxlen=256))
-    seen: int = 0  # observations so far: every fourth refits (as LinearLatency)
-
-    def observe(self, depth: int, requests: int, seconds: float) -> None:
-        self.samples.append((float(depth), float(requests), float(seconds)))
-        self.seen += 1
-        if self.seen % 4 == 0:
-            self.refit()
-
-    def refit(self) -> None:
-        d, r, y = (np.array(col) for col in zip(*self.samples))
-        x = np.stack([np.ones_like(d), d, d * r], axis=1)
-        keep = [0, 1, 2]
-        while keep:  # a coefficient fitted below zero leaves the model, the others are refitted
-            coef = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
-            if (coef >= 0).all():
-                break
-            keep.pop(int(np.argmin(coef)))
-        full = dict(zip(keep, coef)) if keep else {}
-        self.a, self.b, self.c = (float(full.get(i, 0.0)) for i in range(3))
-
-    def __call__(self, depth: int, requests: int) -> float:
-        return self.a + depth * (self.b + self.c * requests)
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    a = min(max(acceptance, 0.0), 0.999)
-    return (1 - a ** (k + 1)) / (1 - a)
-
-
-@lru_cache(maxsize=4096)
-def _expected_row(acceptance: float, k_max: int) -> tuple[float, ...]:
-    """`expected_tokens` at k = 0..k_max (a request's estimate is the same over a plan's participations, and stays
-    so over rounds where it drafted nothing)."""
-    return tuple(expected_tokens(acceptance, k) for k in range(k_max + 1))
 
 
 @dataclass
@@ -157,6 +81,9 @@ class GoodputController(DraftLengthController):
     held_participation: Participation | None = None  # the participation chosen for its goodput last (not a probe)
     # per participation: the last plan, and what it was planned from (`_plan_inputs`)
     last_plans: dict[Participation | None, tuple] = field(default_factory=dict, repr=False)
+    # seconds per context token a routed round spends scoring new prompts with every drafter, beyond its
+    # participation's round model (None: not measured yet)
+    scoring_s_per_token: float | None = None
 
     def observe_acceptance(self, rid: str, drafted: int, accepted: int,
                            participation: Participation | None = None) -> None:
@@ -197,8 +124,29 @@ class GoodputController(DraftLengthController):
         elif len(participations) == 1 and None not in participations:
             self.draft_model(next(iter(participations))).observe(depth, requests, seconds)
 
+    def observe_scoring(self, participation: Participation, requests: int, depth: int, scored_tokens: int,
+                        seconds: float) -> None:
+        """What scoring new prompts added to a routed round: its time beyond the participation's round model, per
+        context token scored (weight `ema` on the newest). Once the model is fitted, the time a routed plan's
+        round would spend scoring is priced into the plan (`choose`), as the loop waits for it: on a CPU it is a
+        forward per drafter and prompt, and it kept routed rounds in play at concurrency 8 where the generalist
+        alone drafted faster."""
+        model = self.priced(participation)
+        if participation.generalist or scored_tokens <= 0 or depth <= 0 or not (model.a or model.b or model.c):
+            return
+        rate = max(seconds - model(depth, requests), 0.0) / scored_tokens
+        old = self.scoring_s_per_token
+        self.scoring_s_per_token = rate if old is None else (1 - self.ema) * old + self.ema * rate
+
+    def _scoring_s(self, participation: Participation | None, unscored: Mapping[str, int], rids) -> float:
+        """The time a round of `participation` would spend scoring the prompts of `rids` not scored yet."""
+        if participation is None or participation.generalist or not self.scoring_s_per_token:
+            return 0.0
+        return self.scoring_s_per_token * sum(unscored.get(r, 0) for r in rids)
+
     def state(self) -> dict:
         return {"verify_fit_ms": [1000 * self.verify.a, 1000 * self.verify.b],
+                "scoring_ms_per_token": None if self.scoring_s_per_token is None else 1000 * self.scoring_s_per_token,
                 "draft_round_fit_ms": {str(p): [1000 * m.a, 1000 * m.b, 1000 * m.c]
                                        for p, m in self.participation_draft.items()},
                 "pool_acceptance": self.pool_acceptance,
@@ -268,15 +216,17 @@ class GoodputController(DraftLengthController):
 
     def choose(self, rids: list[str], k_caps: dict[str, int] | None = None,
                groups: dict[str, object] | None = None, overlap_s: float = 0.0, ahead: bool = False,
-               unscored: frozenset[str] = frozenset()) -> dict[str, int]:
+               unscored: Mapping[str, int] = MappingProxyType({})) -> dict[str, int]:
         """Greedy allocation: repeatedly set the one draft length (to any longer value) that raises goodput
         most, while any does. Jumps, not unit steps, because a drafter's fixed per-step cost can make k = 1
         worse than k = 0 while k = 4 is better. `groups` names each request's drafter model(s). Given `participations`,
         the allocation is made for every participation and the best plan is kept; the participation is left in
-        `self.participation`. `unscored`: requests whose first routed round would score their prompt."""
+        `self.participation`. `unscored`: requests whose first routed round would score their prompt, with the
+        context tokens it reads (the time to score them priced into routed plans, `observe_scoring`)."""
         # one request drafts with one drafter either way: the generalist would share nothing, only draft worse
         participations = [m for m in self.participations if len(rids) > 1 or not m.generalist]
-        plans = {p: self._allocate(rids, k_caps, groups, p, overlap_s, ahead) for p in participations or [None]}
+        plans = {p: self._allocate(rids, k_caps, groups, p, overlap_s, ahead, self._scoring_s(p, unscored, rids))
+                 for p in participations or [None]}
         best = max(plans, key=lambda m: plans[m][1])  # ties: the first listed
         # participations that measure alike (a routed round whose drafters are parked routes to the generalist) must not
         # alternate: the autoscaler reads the participations chosen
@@ -302,7 +252,7 @@ class GoodputController(DraftLengthController):
             # a routed probe beside the generalist waits (its wait grown as after any probe) for a round without
             # prompts to score: it would score them with every drafter (0.4-0.6 s a round at concurrency 8 on the
             # 2-core CPU, every request of the batch waiting: ours' p99 inter-token latency there) and price nothing
-            if best.generalist and not participation.generalist and unscored.intersection(rids):
+            if best.generalist and not participation.generalist and any(r in unscored for r in rids):
                 participation = best
         self.probing = participation != best
         self.participation = participation
@@ -334,19 +284,20 @@ class GoodputController(DraftLengthController):
         return min(max(a + here - there, 0.0), 0.999)
 
     def _allocate(self, rids, k_caps, groups, participation: Participation | None = None,
-                  overlap: float = 0.0, ahead: bool = False) -> tuple[dict[str, int], float]:
+                  overlap: float = 0.0, ahead: bool = False, scoring: float = 0.0) -> tuple[dict[str, int], float]:
         """The plan for `participation`: the last one where what it is planned from is unchanged (a copy: `choose`
-        adds its probes to it), the greedy search's otherwise."""
+        adds its probes to it), the greedy search's otherwise. `scoring`: seconds its round would spend scoring
+        prompts."""
         caps = {r: min(self.k_max, (k_caps or {}).get(r, self.k_max)) for r in rids}
         if not rids:
             return {}, 0.0
         acc = {r: self._acceptance_at(r, participation) for r in rids}
         group_list = [(groups or {}).get(r, 0) for r in rids]
-        inputs = self._plan_inputs(rids, caps, acc, group_list, participation, overlap, ahead)
+        inputs = self._plan_inputs(rids, caps, acc, group_list, participation, overlap, ahead) + (scoring,)
         last = self.last_plans.get(participation)
         if last is None or last[0] != inputs:
             last = self.last_plans[participation] = (inputs, self._search(rids, caps, acc, group_list, participation,
-                                                                     overlap, ahead))
+                                                                     overlap, ahead, scoring))
         ks, g = last[1]
         return dict(ks), g
 
@@ -363,9 +314,9 @@ class GoodputController(DraftLengthController):
                 drafting, overlap, ahead)
 
     def _search(self, rids, caps, acc, group_list, participation: Participation | None, overlap: float,
-                ahead: bool) -> tuple[dict[str, int], float]:
+                ahead: bool, scoring: float = 0.0) -> tuple[dict[str, int], float]:
         if participation is not None:
-            return self._allocate_fast(rids, caps, acc, participation, overlap, ahead)
+            return self._allocate_fast(rids, caps, acc, participation, overlap, ahead, scoring)
         ks = {r: 0 for r in rids}
 
         def goodput(kv: dict[str, int]) -> float:
@@ -396,19 +347,19 @@ class GoodputController(DraftLengthController):
             ks, best = cand
 
     def _allocate_fast(self, rids, caps: dict[str, int], acc: dict[str, float], participation: Participation,
-                       overlap: float, ahead: bool) -> tuple[dict[str, int], float]:
+                       overlap: float, ahead: bool, scoring: float = 0.0) -> tuple[dict[str, int], float]:
         """`_allocate`'s greedy search, the same moves in the same order, for a participation's round model: there a
         plan's goodput depends on the draft lengths only through their sum, maximum, count above zero and the sum of
         expected tokens, so each move is priced from running totals instead of a pass over the plan (the search
         priced ~360 plans per round at batch 8, 6-8 ms of the loop's thread per round on this CPU)."""
         n, model, verify = participation.drafters_per_request, self.priced(participation), self.verify
-        expected = {r: _expected_row(acc[r], caps[r]) for r in rids}
+        expected = {r: expected_row(acc[r], caps[r]) for r in rids}
         requests = len(rids)
 
         def rate(tokens: float, total_k: int, depth: int, drafting: int) -> float:
             t = verify(requests + n * total_k)
             if depth:
-                t += max(0.0, model(depth + ahead, drafting) - overlap)
+                t += max(0.0, model(depth + ahead, drafting) + scoring - overlap)
             return tokens / max(t, 1e-9)
 
         ks = {r: 0 for r in rids}

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from speculation.controller import DraftLengthController
 from speculation.messages import Participation
@@ -44,7 +46,7 @@ class HillClimbController(DraftLengthController):
         self.step_tokens = self.step_requests = 0
 
     def choose(self, rids: list[str], k_caps: dict[str, int] | None = None, overlap_s: float = 0.0,
-               ahead: bool = False, unscored: frozenset[str] = frozenset()) -> dict[str, int]:
+               ahead: bool = False, unscored: Mapping[str, int] = MappingProxyType({})) -> dict[str, int]:
         """The current k for every request, within its cap (`overlap_s`, `ahead`, `unscored` are for the goodput
         model: unused)."""
         return {r: min(self.k, (k_caps or {}).get(r, self.k_max)) for r in rids}

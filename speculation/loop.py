@@ -244,7 +244,7 @@ class VerifyLoop:
         self.stats.device_round(max((d.depth for d in drafts.values()), default=0), WORK.since(work))
         if self.trace:
             self.trace.draft(len(batch), max(d.k for d in batch), scored, seconds)
-        self.planner.observe_round(batch, participations, seconds, got.faulted)
+        self.planner.observe_round(batch, participations, seconds, got.faulted, scored)
         return drafts
 
     def _draft_ahead(self, drafts: dict[str, Draft]) -> tuple[dict[str, list[int]], asyncio.Task] | None:

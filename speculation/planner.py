@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from config import AppConfig, SpeculationSpec
 from speculation.controller import DraftLengthController
@@ -36,7 +36,7 @@ class DraftPlanner:
         self.chosen: list[int] = []  # the last round's
 
     def plan(self, contexts: dict[str, list[int]], overrides: dict[str, SpeculationOverrides],
-             overlap_s: float = 0.0, ahead: bool = False, unscored: frozenset[str] = frozenset()) -> list[DraftRequest]:
+             overlap_s: float = 0.0, ahead: bool = False, unscored: Collection[str] = frozenset()) -> list[DraftRequest]:
         """This round's draft requests: per-request depth from the controller (within each request's own
         bounds; `overlap_s` of verification runs beside this drafting), Gamma_max over the batch, and how each
         request drafts (participation). `ahead`: the contexts end with drafts being verified (DraftRequest.ahead).
@@ -49,7 +49,9 @@ class DraftPlanner:
             return []
         caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
                 for r, o in overrides.items()}
-        ks = self.controller.choose(rids, caps, overlap_s=overlap_s, ahead=ahead, unscored=unscored) \
+        # a routed round would score these requests' contexts with every drafter
+        pending = {r: len(contexts[r]) for r in unscored if r in contexts}
+        ks = self.controller.choose(rids, caps, overlap_s=overlap_s, ahead=ahead, unscored=pending) \
             if self.controller else caps
         self.chosen = [ks[r] for r in rids if caps[r] > 0]  # the requests that may speculate
         self.recent_k.extend(self.chosen)
@@ -100,14 +102,19 @@ class DraftPlanner:
         return Participation(n, lockstep and _routed(spec.mode))
 
     def observe_round(self, batch: list[DraftRequest], participations: set[Participation | None],
-                      seconds: float, faulted: bool = False) -> None:
+                      seconds: float, faulted: bool = False, scored_tokens: int = 0) -> None:
         """Price a drafting round: per lockstep depth by the number of requests drafting, or, choosing the
         participation, per participation in the round's depth and requests (only a round of one participation
         without prompt scoring, marked None in `participations`, says what it costs; a round a drafting tier did not
         price, on a tier the plans do not draft on, says nothing, nor does a round `faulted` by a drafter's failed
-        or late call: `DraftRound.faulted`)."""
+        or late call: `DraftRound.faulted`). A round of one participation that also scored `scored_tokens` tokens
+        of new prompts says what scoring adds to it."""
         if self.controller is not None and not faulted and all(d.priced for d in batch):
             self.controller.observe_round(len(batch), max(d.k for d in batch), participations, seconds)
+            drafted = {d.participation for d in batch}
+            if scored_tokens and len(drafted) == 1:
+                self.controller.observe_scoring(drafted.pop(), len(batch), max(d.k for d in batch), scored_tokens,
+                                                seconds)
 
     def observe_step(self, tokens: int, seconds: float, wall_s: float) -> None:
         """A verify step of `tokens` took `seconds`; `wall_s` since the previous step ended (drafting included)."""

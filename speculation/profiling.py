@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from engines.runner import step_seconds
-from speculation.goodput import LinearLatency
+from speculation.latency import LinearLatency
 
 
 def fit_verify_latency(model, batch: int, context: int = 128, news=(1, 3, 5, 9)) -> LinearLatency:

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from config import AppConfig
-from speculation.goodput import RoundLatency, GoodputController, expected_tokens
+from speculation.goodput import GoodputController
+from speculation.latency import RoundLatency, expected_tokens
 from speculation.messages import DraftRequest, DraftRound
 
 COLOCATED, REMOTE = "colocated", "deployments"

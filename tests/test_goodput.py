@@ -1,6 +1,7 @@
 import pytest
 
-from speculation.goodput import LinearLatency, GoodputController, expected_tokens
+from speculation.goodput import GoodputController
+from speculation.latency import LinearLatency, expected_tokens
 from speculation.messages import Participation
 
 ONE, FUSED = Participation(1), Participation(2, lockstep=True)
@@ -171,6 +172,34 @@ def test_a_batch_spread_over_routed_drafters_consolidates_on_the_generalist_and_
         assert c.participation == ONE
 
 
+def test_scoring_new_prompts_is_priced_into_routed_plans_as_measured():
+    """A routed round that scores new prompts (a forward per drafter and prompt) takes longer than its participation's
+    round model; the excess per context token scored, measured, is priced into routed plans for the requests still
+    unscored: a batch whose routed drafters would win on acceptance drafts with the generalist while its prompts
+    would cost more to score than routing gains, and routes once they are scored (or cost nothing to score)."""
+    shared = Participation(1, generalist=True)
+    c = _participation_ctrl(0.030, 0.001, {ONE: 3, shared: 2}, participations=(ONE, shared))
+    rids = [str(i) for i in range(8)]
+    new = dict.fromkeys(rids, 64)  # eight 64-token prompts no drafter has scored
+    c.choose(rids, unscored=new)
+    assert c.participation == ONE  # nothing measured of scoring yet: routing's acceptance wins
+    model = c.priced(ONE)
+    for _ in range(3):  # routed rounds of 8 requests, 4 deep, that scored 512 tokens: 40 ms beyond the model
+        c.observe_scoring(ONE, 8, 4, 512, model(4, 8) + 0.040)
+    assert c.scoring_s_per_token == pytest.approx(0.040 / 512)
+    assert c.state()["scoring_ms_per_token"] == pytest.approx(40 / 512)
+    c.choose(rids, unscored=new)
+    assert c.participation == shared
+    c.choose(rids, unscored={})  # scored: no such cost
+    assert c.participation == ONE
+    c.observe_scoring(shared, 8, 4, 512, 1.0)  # the generalist scores nothing: its rounds say nothing of it
+    assert c.scoring_s_per_token == pytest.approx(0.040 / 512)
+    for _ in range(20):  # scoring measured at nothing beyond the model (a pooled prefill, say): routed again
+        c.observe_scoring(ONE, 8, 4, 512, model(4, 8))
+    c.choose(rids, unscored=new)
+    assert c.participation == ONE
+
+
 def test_an_unmeasured_participation_is_priced_by_a_measured_one_scaled_by_its_drafters():
     """Before its own rounds are fitted, a participation is priced by the fitted one's model, scaled by drafters
     per request: an empty model priced two-drafter rounds at nothing, and they won the plan of a batch whose
@@ -278,7 +307,7 @@ def test_drafting_hidden_behind_the_other_halfs_verification_costs_nothing():
 def test_a_request_drafting_alone_is_priced_as_one_not_as_the_batch():
     """Rounds measured at a batch of 6 (12 ms per depth there, 2 ms of it per request): the last request of the
     batch, drafting alone, costs a sixth of that per depth and drafts; a model in depth alone held it at k = 0."""
-    from speculation.goodput import RoundLatency
+    from speculation.latency import RoundLatency
 
     m = RoundLatency()
     for depth in (1, 2, 3, 4) * 3:
@@ -296,7 +325,7 @@ def test_a_request_drafting_alone_is_priced_as_one_not_as_the_batch():
 
 
 def test_round_latency_keeps_its_coefficients_non_negative():
-    from speculation.goodput import RoundLatency
+    from speculation.latency import RoundLatency
 
     m = RoundLatency()
     for depth, n, s in [(1, 1, 0.010), (2, 1, 0.011), (3, 1, 0.012), (4, 1, 0.013), (1, 8, 0.009), (4, 8, 0.012)]:
@@ -376,14 +405,14 @@ def test_a_plan_is_reused_while_its_inputs_are_unchanged_and_made_again_when_one
         m.a, m.b, m.c = 0.001, 0.002, 0.0005
     searched = []
     search = c._search
-    c._search = lambda rids, caps, acc, groups, p, overlap, ahead: searched.append(p) or search(
-        rids, caps, acc, groups, p, overlap, ahead)
+    c._search = lambda rids, caps, acc, groups, p, overlap, ahead, scoring: searched.append(p) or search(
+        rids, caps, acc, groups, p, overlap, ahead, scoring)
     rids, caps = ["a", "b"], {"a": 8, "b": 8}
 
     def plans(**kw):
         searched.clear()
         return {p: c._allocate(kw.get("rids", rids), kw.get("caps", caps), None, p, kw.get("overlap", 0.0),
-                               kw.get("ahead", False)) for p in (ONE, FUSED)}
+                               kw.get("ahead", False), kw.get("scoring", 0.0)) for p in (ONE, FUSED)}
 
     first = plans()
     assert sorted(map(str, searched)) == sorted(map(str, (ONE, FUSED)))
@@ -399,7 +428,7 @@ def test_a_plan_is_reused_while_its_inputs_are_unchanged_and_made_again_when_one
         plans()
         assert not searched
     for kw in ({"caps": {"a": 8, "b": 4}}, {"rids": ["b", "a"]}, {"rids": ["a"]}, {"overlap": 0.004},
-               {"ahead": True}):
+               {"ahead": True}, {"scoring": 0.003}):
         plans(**kw)
         assert sorted(map(str, searched)) == sorted(map(str, (ONE, FUSED))), kw
         assert plans(**kw) and not searched, kw

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from config import AppConfig
-from speculation.goodput import expected_tokens
+from speculation.latency import expected_tokens
 from speculation.hill_climb import HillClimbController
 from speculation.messages import SpeculationOverrides
 from speculation.planner import DraftPlanner

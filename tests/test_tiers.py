@@ -12,7 +12,7 @@ import yaml
 
 from config import AppConfig
 from model_family.paths import REPO_ROOT
-from speculation.goodput import LinearLatency
+from speculation.latency import LinearLatency
 from speculation.tiers import (
     COLOCATED,
     REMOTE,
