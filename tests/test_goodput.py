@@ -194,6 +194,12 @@ def test_scoring_new_prompts_is_priced_into_routed_plans_as_measured():
     assert c.participation == ONE
     c.observe_scoring(shared, 8, 4, 512, 1.0)  # the generalist scores nothing: its rounds say nothing of it
     assert c.scoring_s_per_token == pytest.approx(0.040 / 512)
+    # a lone request is scored whatever it drafts with: its plans are not charged for it
+    lone = GoodputController(k_max=4, drafters_per_request=2, participations=(ONE, FUSED, shared))
+    lone.verify.a, lone.verify.b, lone.scoring_s_per_token = 0.030, 0.001, 1.0
+    for m in (ONE, FUSED):
+        lone.draft_model(m).a, lone.draft_model(m).b = 0.005, 0.001
+    assert lone.choose(["alone"], unscored={"alone": 64}) == lone.choose(["alone"]) and lone.participation == ONE
     for _ in range(20):  # scoring measured at nothing beyond the model (a pooled prefill, say): routed again
         c.observe_scoring(ONE, 8, 4, 512, model(4, 8))
     c.choose(rids, unscored=new)

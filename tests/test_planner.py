@@ -1,5 +1,7 @@
 """Draft planning without Ray or models: each request's bounds, Gamma_max, participation."""
 
+import pytest
+
 from config import AppConfig
 from speculation.messages import DraftRequest, Participation, SpeculationOverrides
 from speculation.planner import DraftPlanner
@@ -223,3 +225,29 @@ def test_a_round_that_waited_for_a_failed_drafter_prices_nothing():
     assert plans_after_a_stall(faulted=False) == []  # priced: every request held at k = 0
     ks = plans_after_a_stall(faulted=True)
     assert len(ks) == 2 and min(ks) > 0
+
+
+def test_a_routed_round_that_scored_prompts_prices_scoring_for_the_next_unscored_ones():
+    """The planner hands a round's scored context tokens to the controller with the round's one participation
+    (`DraftPlanner.observe_round`); the plans after it price scoring the contexts of the requests still unscored,
+    so a batch of new prompts drafts on the generalist while the scored batch stays routed."""
+    cfg = _cfg(adaptive=True)
+    cfg.drafters[2].generalist = True
+    cfg.routing.drafters_per_request = 1
+    planner = DraftPlanner(cfg)
+    c, shared, one = planner.controller, Participation(1, generalist=True), Participation(1)
+    c.participation_probe = c.participation_probe_max = 1000
+    c.verify.a, c.verify.b = 0.030, 0.001
+    for p, accepted in ((one, 3), (shared, 2)):  # routed drafts are accepted more, for the same round time
+        for depth in (2, 4, 6, 8):
+            c.observe_round(4, depth, {p}, 0.002 * depth)
+        for _ in range(20):
+            c.observe_acceptance(f"pool-{p}", drafted=4, accepted=accepted, participation=p)
+    contexts = {r: list(range(100)) for r in ("a", "b", "c", "d")}
+    overrides = {r: SpeculationOverrides() for r in contexts}
+    assert {d.participation for d in planner.plan(contexts, overrides, unscored=set(contexts))} == {one}
+    batch = [DraftRequest(r, contexts[r], k=4, budget=4, participation=one) for r in contexts]
+    planner.observe_round(batch, {None}, 0.008 + 0.5, scored_tokens=400)  # scoring added 0.5 s to 8 ms
+    assert c.scoring_s_per_token == pytest.approx(0.5 / 400)
+    assert {d.participation for d in planner.plan(contexts, overrides, unscored=set(contexts))} == {shared}
+    assert {d.participation for d in planner.plan(contexts, overrides)} == {one}
