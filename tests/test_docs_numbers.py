@@ -111,7 +111,7 @@ PRINTED = [("docs/benchmarks.md", "anchors-k4-t07-1201e.json", "benchmarks.ancho
            ("docs/benchmarks.md", "anchors-k4-t07-haproxy-1202.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-1201e.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-1201e.json", "benchmarks.anchors:format_table"),
-           ("docs/benchmarks.md", "anchors-k8-1202.json", "benchmarks.anchors:format_table"),
+           ("docs/benchmarks.md", "anchors-k8-scoring-1202b.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k8-served-1202.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks-history.md", "anchors-k4-t07-1201d.json", "benchmarks.anchors:format_table"),
            ("docs/benchmarks.md", "anchors-k4-in-verifier-1201.json", "benchmarks.anchors:format_table"),
