@@ -68,8 +68,8 @@ def test_a_requests_first_routed_round_after_generalist_rounds_is_priced_as_its_
         return {r: 2 for r in rids}
 
     loop.controller.choose, observe = choose, loop.planner.observe_round
-    loop.planner.observe_round = lambda batch, parts, s, faulted: (priced.append(set(parts)),
-                                                                   observe(batch, parts, s, faulted))
+    loop.planner.observe_round = lambda batch, parts, s, faulted, scored: (priced.append(set(parts)),
+                                                                           observe(batch, parts, s, faulted, scored))
     asyncio.run(generate_all(loop, prompts[:3], [SamplingParams(max_tokens=16, ignore_eos=True)] * 3))
     loop.trace.close()
     scored = [d["scored"] > 0 for d in Trace.load(path).drafts]
