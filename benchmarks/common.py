@@ -320,9 +320,8 @@ class VllmServe:
                  "vllm:spec_decode_num_accepted_tokens": "accepted"}
         out = dict.fromkeys(names.values(), 0.0)
         for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=30).text):
-            for sample in family.samples:
-                if sample.name.removesuffix("_total") in names and sample.name.endswith("_total"):
-                    out[names[sample.name.removesuffix("_total")]] += sample.value
+            if family.name in names:  # a counter's family is named without `_total`, its samples with it
+                out[names[family.name]] += sum(s.value for s in family.samples if s.name.endswith("_total"))
         return out
 
     def stop(self) -> None:

@@ -140,12 +140,6 @@ class GoodputController(DraftLengthController):
         old = self.scoring_s_per_token
         self.scoring_s_per_token = rate if old is None else (1 - self.ema) * old + self.ema * rate
 
-    def _scoring_s(self, participation: Participation | None, unscored: Mapping[str, int], rids) -> float:
-        """The time a round of `participation` would spend scoring the prompts of `rids` not scored yet."""
-        if participation is None or participation.generalist or not self.scoring_s_per_token:
-            return 0.0
-        return self.scoring_s_per_token * sum(unscored.get(r, 0) for r in rids)
-
     def state(self) -> dict:
         return {"verify_fit_ms": [1000 * self.verify.a, 1000 * self.verify.b],
                 "scoring_ms_per_token": None if self.scoring_s_per_token is None else 1000 * self.scoring_s_per_token,
@@ -227,10 +221,12 @@ class GoodputController(DraftLengthController):
         context tokens it reads (the time to score them priced into routed plans, `observe_scoring`)."""
         # one request drafts with one drafter either way: the generalist would share nothing, only draft worse
         participations = [m for m in self.participations if len(rids) > 1 or not m.generalist]
-        # scoring is priced where a plan can avoid it: beside the generalist (a lone request is scored either way)
-        avoidable = any(m.generalist for m in participations)
+        # what a routed round would spend scoring the prompts not scored yet, priced where a plan can avoid it:
+        # beside the generalist (a lone request is scored either way)
+        scoring = (self.scoring_s_per_token or 0.0) * sum(unscored.get(r, 0) for r in rids) \
+            if any(m.generalist for m in participations) else 0.0
         plans = {p: self._allocate(rids, k_caps, groups, p, overlap_s, ahead,
-                                   self._scoring_s(p, unscored, rids) if avoidable else 0.0)
+                                   0.0 if p is None or p.generalist else scoring)
                  for p in participations or [None]}
         best = max(plans, key=lambda m: plans[m][1])  # ties: the first listed
         # participations that measure alike (a routed round whose drafters are parked routes to the generalist) must not

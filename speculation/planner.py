@@ -50,8 +50,8 @@ class DraftPlanner:
         caps = {r: 0 if not o.enabled else min(spec.k, spec.k if o.max_draft_tokens is None else o.max_draft_tokens)
                 for r, o in overrides.items()}
         # a routed round would score these requests' contexts with every drafter
-        pending = {r: len(contexts[r]) for r in unscored if r in contexts}
-        ks = self.controller.choose(rids, caps, overlap_s=overlap_s, ahead=ahead, unscored=pending) \
+        ks = self.controller.choose(rids, caps, overlap_s=overlap_s, ahead=ahead,
+                                    unscored={r: len(contexts[r]) for r in unscored if r in contexts}) \
             if self.controller else caps
         self.chosen = [ks[r] for r in rids if caps[r] > 0]  # the requests that may speculate
         self.recent_k.extend(self.chosen)
@@ -110,11 +110,10 @@ class DraftPlanner:
         or late call: `DraftRound.faulted`). A round of one participation that also scored `scored_tokens` tokens
         of new prompts says what scoring adds to it."""
         if self.controller is not None and not faulted and all(d.priced for d in batch):
-            self.controller.observe_round(len(batch), max(d.k for d in batch), participations, seconds)
-            drafted = {d.participation for d in batch}
+            depth, drafted = max(d.k for d in batch), {d.participation for d in batch}
+            self.controller.observe_round(len(batch), depth, participations, seconds)
             if scored_tokens and len(drafted) == 1:
-                self.controller.observe_scoring(drafted.pop(), len(batch), max(d.k for d in batch), scored_tokens,
-                                                seconds)
+                self.controller.observe_scoring(drafted.pop(), len(batch), depth, scored_tokens, seconds)
 
     def observe_step(self, tokens: int, seconds: float, wall_s: float) -> None:
         """A verify step of `tokens` took `seconds`; `wall_s` since the previous step ended (drafting included)."""
